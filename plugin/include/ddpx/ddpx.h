@@ -1,0 +1,4 @@
+#pragma once
+// Umbrella header: everything a C++ trainer needs from ddpx.
+#include <ddpx/comm.h>
+#include <ddpx/ops.h>

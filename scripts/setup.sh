@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One-time (idempotent) set-up: system packages, the pinned PyTorch venv
+# outside the checkout, then configure + build. A second run only rebuilds
+# what changed, so it finishes in seconds.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$here"
+source scripts/versions.sh
+
+# --- system packages (Debian) ------------------------------------------------
+apt_pkgs=(openmpi-bin libopenmpi-dev ninja-build cmake g++ libgtest-dev
+          libcli11-dev nlohmann-json3-dev iproute2 procps)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[setup] installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# --- Python venv with the pinned CUDA-enabled torch wheel ---------------------
+stamp="$DDPX_VENV/.ddpx-complete"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$DDPX_TORCH_VERSION $DDPX_PY_PACKAGES" ]; then
+  echo "[setup] creating $DDPX_VENV (torch $DDPX_TORCH_VERSION)"
+  mkdir -p "$(dirname "$DDPX_VENV")"
+  "$DDPX_PYTHON" -m venv "$DDPX_VENV"
+  "$DDPX_VENV/bin/python" -m pip install -q --upgrade pip
+  # shellcheck disable=SC2086
+  "$DDPX_VENV/bin/python" -m pip install -q "torch==$DDPX_TORCH_VERSION" $DDPX_PY_PACKAGES
+  echo "$DDPX_TORCH_VERSION $DDPX_PY_PACKAGES" >"$stamp"
+fi
+
+# --- configure + build --------------------------------------------------------
+torch_prefix=$("$DDPX_VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+if [ ! -f "$DDPX_BUILD_DIR/build.ninja" ]; then
+  cmake -S . -B "$DDPX_BUILD_DIR" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$torch_prefix" \
+    -DPython3_EXECUTABLE="$DDPX_VENV/bin/python" \
+    -DCMAKE_INSTALL_PREFIX="$here/$DDPX_BUILD_DIR/install" \
+    ${DDPX_CMAKE_ARGS:-}
+fi
+cmake --build "$DDPX_BUILD_DIR" -j "${DDPX_JOBS:-$(nproc)}"
+cmake --install "$DDPX_BUILD_DIR" >/dev/null
+echo "[setup] done: source scripts/env.sh to use the build"
