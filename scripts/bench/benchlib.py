@@ -1,0 +1,88 @@
+"""Shared pieces of the Python benchmarks in scripts/bench/.
+
+Every benchmark times ours and the peer in the same process, prints one table
+with a `ratio` column (ours / peer time; < 1 means ours is faster), ends with a
+line `geomean ratio: X`, and writes bench_results/<name>.json (git-ignored).
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parser(description):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="a smaller suite that ends within a minute")
+    p.add_argument("--repeat", type=int, default=None, help="timed repetitions per case")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for both sides")
+    return p
+
+
+def load_plugin():
+    lib = os.environ.get("DDPX_LIB", str(ROOT / "build" / "libddpx.so"))
+    torch.ops.load_library(lib)
+    return lib
+
+
+def time_fn(fn, repeat, warmup=2):
+    """Median wall time of fn() in seconds over `repeat` runs after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def interleaved(fn_ours, fn_peer, repeat, warmup=2):
+    """Median times of two functions, alternated so drift hits both alike."""
+    for _ in range(warmup):
+        fn_ours()
+        fn_peer()
+    ours, peer = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn_ours()
+        t1 = time.perf_counter()
+        fn_peer()
+        t2 = time.perf_counter()
+        ours.append(t1 - t0)
+        peer.append(t2 - t1)
+    return statistics.median(ours), statistics.median(peer)
+
+
+def geomean(values):
+    values = [v for v in values if v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def report(name, columns, rows, ratio_key="ratio", extra=None):
+    """Print rows (dicts) as a table and the geomean of `ratio_key`; save JSON."""
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+    g = geomean([r[ratio_key] for r in rows if r.get(ratio_key) is not None])
+    out = ROOT / "bench_results"
+    out.mkdir(exist_ok=True)
+    with open(out / f"{name}.json", "w") as f:
+        json.dump({"name": name, "rows": rows, "geomean_ratio": g, **(extra or {})}, f, indent=1)
+    print(f"geomean ratio: {g:.3f}")
+    return g
+
+
+def _fmt(v):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
