@@ -1,0 +1,292 @@
+// ddpx_mpi: construction, posting, and the reduction-family collectives.
+// Gather-family collectives are in mpi_backend_gather.cpp, point-to-point in
+// mpi_backend_p2p.cpp.
+#include "plugin/comm/mpi_backend.h"
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/core/StreamGuard.h>
+
+#include <map>
+#include <mutex>
+
+#include "plugin/comm/mpi_env.h"
+#include "plugin/comm/mpi_types.h"
+#include "plugin/comm/mpi_util.h"
+
+namespace ddpx::comm::detail {
+namespace {
+
+int comm_rank(MPI_Comm comm) {
+  int r = 0;
+  DDPX_MPI_CHECK(MPI_Comm_rank(comm, &r));
+  return r;
+}
+
+int comm_size(MPI_Comm comm) {
+  int s = 0;
+  DDPX_MPI_CHECK(MPI_Comm_size(comm, &s));
+  return s;
+}
+
+int64_t dtype_id(const at::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); }
+
+// "ddpx_mpi:ALLREDUCE" and so on: the range name torch.profiler shows. The
+// RecordFunction keeps the pointer, so the strings live in a node-stable map.
+const char* profiling_title(c10d::OpType type) {
+  static std::mutex mu;
+  static std::map<c10d::OpType, std::string> titles;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = titles.find(type);
+  if (it == titles.end()) {
+    it = titles.emplace(type, "ddpx_mpi:" + c10d::opTypeToString(type)).first;
+  }
+  return it->second.c_str();
+}
+
+}  // namespace
+
+c10::intrusive_ptr<MpiBackend> MpiBackend::create(const std::vector<int>& world_ranks,
+                                                  std::chrono::milliseconds timeout) {
+  MpiEnv& env = MpiEnv::get();
+  for (int r : world_ranks) check_rank(r, env.world_size(), "global_ranks_in_group entry");
+  auto worker = worker_for_new_backend();
+  MPI_Comm comm = MPI_COMM_NULL;
+  worker->run_sync([&] {
+    if (world_ranks.empty() || static_cast<int>(world_ranks.size()) == env.world_size()) {
+      DDPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
+    } else {
+      // Collective over the members only: torch creates a backend on members.
+      MPI_Group world_group = MPI_GROUP_NULL;
+      MPI_Group group = MPI_GROUP_NULL;
+      DDPX_MPI_CHECK(MPI_Comm_group(MPI_COMM_WORLD, &world_group));
+      DDPX_MPI_CHECK(MPI_Group_incl(world_group, static_cast<int>(world_ranks.size()),
+                                    world_ranks.data(), &group));
+      DDPX_MPI_CHECK(MPI_Comm_create_group(MPI_COMM_WORLD, group, /*tag=*/0, &comm));
+      MPI_Group_free(&group);
+      MPI_Group_free(&world_group);
+      TORCH_CHECK(comm != MPI_COMM_NULL, "ddpx_mpi: rank ", env.world_rank(),
+                  " is not a member of the requested group");
+    }
+    DDPX_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+  });
+  return c10::make_intrusive<MpiBackend>(comm, std::move(worker), timeout);
+}
+
+MpiBackend::MpiBackend(MPI_Comm comm, std::shared_ptr<MpiWorker> worker,
+                       std::chrono::milliseconds timeout)
+    : c10d::Backend(comm_rank(comm), comm_size(comm)),
+      comm_(comm),
+      worker_(std::move(worker)),
+      timeout_(timeout) {
+  void* ub = nullptr;
+  int flag = 0;
+  if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag) == MPI_SUCCESS && flag) {
+    tag_ub_ = *static_cast<int*>(ub);
+  }
+}
+
+MpiBackend::~MpiBackend() { shutdown(); }
+
+void MpiBackend::shutdown() {
+  if (comm_ == MPI_COMM_NULL) return;
+  MPI_Comm comm = comm_;
+  comm_ = MPI_COMM_NULL;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized || MpiEnv::get().broken()) return;  // a stuck peer: leave the comm alone
+  try {
+    worker_->run_sync([comm]() mutable { MPI_Comm_free(&comm); });
+  } catch (const std::exception&) {
+    // The worker is already stopped (process exit): MPI_Finalize frees it.
+  }
+}
+
+void MpiBackend::abort() {
+  MpiEnv::get().mark_broken("abort() was called on a ddpx_mpi backend");
+  MPI_Abort(comm_ == MPI_COMM_NULL ? MPI_COMM_WORLD : comm_, 1);
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> MpiBackend::getBackendOptions() {
+  return c10::make_intrusive<Options>("ddpx_mpi", timeout_);
+}
+
+std::string MpiBackend::what(c10d::OpType type, uint64_t seq) const {
+  return c10d::opTypeToString(type) + " #" + std::to_string(seq) + " (rank " +
+         std::to_string(rank_) + " of " + std::to_string(size_) + ")";
+}
+
+c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
+                                             const std::vector<at::Tensor>& outputs,
+                                             const std::vector<at::Tensor>& inputs,
+                                             std::function<void(MpiWorker::Progress&)> task) {
+  TORCH_CHECK(comm_ != MPI_COMM_NULL, "ddpx_mpi: the backend was shut down");
+  TORCH_CHECK(!MpiEnv::get().broken(),
+              "ddpx_mpi: an earlier call timed out or failed; the MPI job cannot continue");
+  const uint64_t seq = seq_++;
+  auto work = c10::make_intrusive<MpiWork>(
+      rank_, type, what(type, seq), outputs, timeout_, profiling_title(type),
+      std::optional<std::vector<at::Tensor>>(inputs));
+  // Device tensors are staged on the worker under the caller's current stream
+  // so the copies are ordered after whatever produced the data.
+  std::optional<c10::Stream> stream;
+  const at::Tensor* first = !inputs.empty() ? &inputs[0] : (!outputs.empty() ? &outputs[0] : nullptr);
+  if (first && first->defined() && !first->is_cpu()) {
+    c10::impl::VirtualGuardImpl impl(first->device().type());
+    stream = impl.getStream(first->device());
+  }
+  worker_->enqueue(work, [stream, task = std::move(task)](MpiWorker::Progress& p) {
+    c10::OptionalStreamGuard guard(stream);
+    task(p);
+  });
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceOptions& opts) {
+  check_single(tensors, "tensors");
+  const at::Tensor t = tensors[0];
+  const int count = to_count(t.numel(), "tensors[0]");
+  MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensors[0]");
+  MPI_Op op = mpi_op(opts.reduceOp, t.scalar_type());
+  const bool avg = is_avg(opts.reduceOp);
+  const int64_t op_id = static_cast<int64_t>(opts.reduceOp.op_);
+  return post(c10d::OpType::ALLREDUCE, tensors, tensors, [=, this](MpiWorker::Progress&) {
+    HostView h(t, /*copy_in=*/true);
+    check_agreement(comm_, {1, dtype_id(t), count, op_id}, "allreduce", describe(t));
+    if (count == 0) return;
+    DDPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, h.ptr(), count, dt, op, comm_));
+    if (avg) h.host().div_(size_);
+    h.write_back();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  TORCH_CHECK(!tensors.empty(), "ddpx_mpi: allreduce_coalesced needs at least one tensor");
+  int64_t total = 0;
+  for (const auto& t : tensors) {
+    check_same_dtype_numel(t, t, "tensors[i]");
+    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type() &&
+                    t.device() == tensors[0].device(),
+                "ddpx_mpi: allreduce_coalesced needs tensors of one dtype and device, got ",
+                t.scalar_type(), " on ", t.device(), " and ", tensors[0].scalar_type(), " on ",
+                tensors[0].device());
+    total += t.numel();
+  }
+  const int count = to_count(total, "the coalesced tensors");
+  MPI_Datatype dt = mpi_datatype(tensors[0].scalar_type(), "tensors");
+  MPI_Op op = mpi_op(opts.reduceOp, tensors[0].scalar_type());
+  const bool avg = is_avg(opts.reduceOp);
+  const int64_t op_id = static_cast<int64_t>(opts.reduceOp.op_);
+  const int64_t n_tensors = static_cast<int64_t>(tensors.size());
+  const int64_t dtype = dtype_id(tensors[0]);
+  return post(c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors,
+              [=, this](MpiWorker::Progress&) {
+                std::vector<at::Tensor> flat_parts;
+                flat_parts.reserve(tensors.size());
+                for (const auto& t : tensors) flat_parts.push_back(t.reshape(-1).cpu());
+                at::Tensor flat = at::cat(flat_parts);
+                check_agreement(comm_, {2, dtype, count, op_id, n_tensors},
+                                "allreduce_coalesced", std::to_string(count) + " elements");
+                if (count == 0) return;
+                DDPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr(), count, dt, op, comm_));
+                if (avg) flat.div_(size_);
+                int64_t offset = 0;
+                for (const auto& t : tensors) {
+                  t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+                  offset += t.numel();
+                }
+              });
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                     const c10d::BroadcastOptions& opts) {
+  check_single(tensors, "tensors");
+  check_rank(opts.rootRank, size_, "rootRank");
+  const at::Tensor t = tensors[0];
+  const int count = to_count(t.numel(), "tensors[0]");
+  MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensors[0]");
+  const int root = static_cast<int>(opts.rootRank);
+  return post(c10d::OpType::BROADCAST, tensors, tensors, [=, this](MpiWorker::Progress&) {
+    const bool is_root = rank_ == root;
+    HostView h(t, /*copy_in=*/is_root);
+    check_agreement(comm_, {3, dtype_id(t), count, root}, "broadcast", describe(t));
+    if (count == 0) return;
+    DDPX_MPI_CHECK(MPI_Bcast(h.ptr(), count, dt, root, comm_));
+    if (!is_root) h.write_back();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                  const c10d::ReduceOptions& opts) {
+  check_single(tensors, "tensors");
+  check_rank(opts.rootRank, size_, "rootRank");
+  const at::Tensor t = tensors[0];
+  const int count = to_count(t.numel(), "tensors[0]");
+  MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensors[0]");
+  MPI_Op op = mpi_op(opts.reduceOp, t.scalar_type());
+  const bool avg = is_avg(opts.reduceOp);
+  const int root = static_cast<int>(opts.rootRank);
+  const int64_t op_id = static_cast<int64_t>(opts.reduceOp.op_);
+  return post(c10d::OpType::REDUCE, tensors, tensors, [=, this](MpiWorker::Progress&) {
+    const bool is_root = rank_ == root;
+    HostView h(t, /*copy_in=*/true);
+    check_agreement(comm_, {4, dtype_id(t), count, op_id, root}, "reduce", describe(t));
+    if (count == 0) return;
+    DDPX_MPI_CHECK(MPI_Reduce(is_root ? MPI_IN_PLACE : h.ptr(), is_root ? h.ptr() : nullptr,
+                              count, dt, op, root, comm_));
+    if (is_root) {
+      if (avg) h.host().div_(size_);
+      h.write_back();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  check_dense(output, "output");
+  check_dense(input, "input");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type(), "ddpx_mpi: input has dtype ",
+              input.scalar_type(), " but output has ", output.scalar_type());
+  TORCH_CHECK(input.numel() == output.numel() * size_, "ddpx_mpi: input must have group size (",
+              size_, ") x output elements = ", output.numel() * size_, ", got ", input.numel());
+  const int count = to_count(output.numel(), "output");
+  to_count(input.numel(), "input");
+  MPI_Datatype dt = mpi_datatype(output.scalar_type(), "output");
+  MPI_Op op = mpi_op(opts.reduceOp, output.scalar_type());
+  const bool avg = is_avg(opts.reduceOp);
+  const int64_t op_id = static_cast<int64_t>(opts.reduceOp.op_);
+  at::Tensor out = output;
+  at::Tensor in = input;
+  return post(c10d::OpType::_REDUCE_SCATTER_BASE, {out}, {in}, [=, this](MpiWorker::Progress&) {
+    HostView hin(in, /*copy_in=*/true);
+    HostView hout(out, /*copy_in=*/false);
+    check_agreement(comm_, {5, dtype_id(out), count, op_id}, "reduce_scatter", describe(out));
+    if (count == 0) return;
+    DDPX_MPI_CHECK(MPI_Reduce_scatter_block(hin.ptr(), hout.ptr(), count, dt, op, comm_));
+    if (avg) hout.host().div_(size_);
+    hout.write_back();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  check_single(outputs, "outputTensors");
+  TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
+              "ddpx_mpi: inputTensors must be one list of group size (", size_, ") tensors");
+  for (const auto& t : inputs[0]) check_same_dtype_numel(t, outputs[0], "inputTensors[0][i]");
+  // One flat input, then the _base path: the same wire traffic as MPI would do.
+  std::vector<at::Tensor> parts;
+  for (const auto& t : inputs[0]) parts.push_back(t.reshape(-1));
+  at::Tensor flat = at::cat(parts);
+  return _reduce_scatter_base(outputs[0], flat, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions&) {
+  return post(c10d::OpType::BARRIER, {}, {}, [this](MpiWorker::Progress&) {
+    DDPX_MPI_CHECK(MPI_Barrier(comm_));
+  });
+}
+
+}  // namespace ddpx::comm::detail

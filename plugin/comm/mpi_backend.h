@@ -1,0 +1,97 @@
+#pragma once
+// ddpx_mpi: a c10d::Backend over MPI for stock PyTorch wheels (which ship
+// without MPI). Named ddpx_mpi, never "mpi": torch special-cases that name.
+//
+// Each backend owns a duplicated communicator (a sub-group gets its own from
+// MPI_Comm_create_group) and posts every call to an MpiWorker (mpi_work.h);
+// the protocol is written down there. Before each collective the ranks agree
+// on sizes, dtypes, op and root (mpi_util.h), so a mismatch is an error on
+// every rank instead of memory corruption.
+//
+// Semantics follow ProcessGroupGloo: one tensor per call; AVG is SUM then a
+// division (floating types only); bool SUM/MAX is "any", PRODUCT/MIN "all".
+#include <mpi.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "plugin/comm/mpi_work.h"
+
+namespace ddpx::comm::detail {
+
+class MpiBackend final : public c10d::Backend {
+ public:
+  // Collective over `world_ranks` (MPI_COMM_WORLD ranks; empty = all ranks).
+  static c10::intrusive_ptr<MpiBackend> create(const std::vector<int>& world_ranks,
+                                               std::chrono::milliseconds timeout);
+
+  MpiBackend(MPI_Comm comm, std::shared_ptr<MpiWorker> worker, std::chrono::milliseconds timeout);
+  ~MpiBackend() override;
+
+  const std::string getBackendName() const override { return "ddpx_mpi"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void shutdown() override;
+  void abort() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+
+ private:
+  // Creates the Work and queues `task` on the worker, under the caller's
+  // current stream when `outputs` live on a device.
+  c10::intrusive_ptr<MpiWork> post(c10d::OpType type, const std::vector<at::Tensor>& outputs,
+                                   const std::vector<at::Tensor>& inputs,
+                                   std::function<void(MpiWorker::Progress&)> task);
+  std::string what(c10d::OpType type, uint64_t seq) const;
+  c10::intrusive_ptr<MpiWork> post_recv(std::vector<at::Tensor>& tensors, int src, int tag);
+  void check_tag(int tag) const;
+
+  MPI_Comm comm_;
+  std::shared_ptr<MpiWorker> worker_;
+  std::chrono::milliseconds timeout_;
+  std::atomic<uint64_t> seq_{0};
+  int tag_ub_ = 32767;
+};
+
+}  // namespace ddpx::comm::detail

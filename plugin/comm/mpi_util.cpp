@@ -1,0 +1,78 @@
+#include "plugin/comm/mpi_util.h"
+
+#include <c10/util/Exception.h>
+
+#include "plugin/comm/mpi_env.h"
+
+namespace ddpx::comm::detail {
+
+HostView::HostView(const at::Tensor& t, bool copy_in) : user_(t) {
+  if (t.is_cpu() && t.is_contiguous()) {
+    host_ = t;
+  } else {
+    host_ = at::empty(t.sizes(), t.options().device(at::kCPU));
+    if (copy_in) host_.copy_(t);
+  }
+}
+
+void HostView::write_back() const {
+  if (!host_.is_same(user_)) user_.copy_(host_);
+}
+
+void check_agreement(MPI_Comm comm, std::initializer_list<int64_t> fingerprint,
+                     const std::string& what, const std::string& local_desc) {
+  uint64_t h = 1469598103934665603ULL;  // FNV-1a over the 64-bit words
+  for (int64_t v : fingerprint) {
+    h ^= static_cast<uint64_t>(v);
+    h *= 1099511628211ULL;
+  }
+  const auto f = static_cast<int64_t>(h >> 1);  // non-negative, so -f cannot overflow
+  int64_t v[2] = {f, -f};
+  DDPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT64_T, MPI_MAX, comm));
+  if (v[0] != -v[1]) {
+    C10_THROW_ERROR(DistBackendError,
+                    "ddpx_mpi: ranks disagree on " + what +
+                        ": it was called with different tensor sizes, dtypes, reduce ops or "
+                        "roots on different ranks (this rank: " +
+                        local_desc + ")");
+  }
+}
+
+void check_dense(const at::Tensor& t, const char* arg) {
+  TORCH_CHECK(t.defined(), "ddpx_mpi: ", arg, " is an undefined tensor");
+  TORCH_CHECK(t.layout() == at::kStrided, "ddpx_mpi: ", arg,
+              " must be a dense (strided) tensor, got layout ", t.layout());
+}
+
+void check_single(const std::vector<at::Tensor>& tensors, const char* arg) {
+  TORCH_CHECK(tensors.size() == 1, "ddpx_mpi: ", arg,
+              " must hold exactly one tensor (one device per process), got ", tensors.size());
+  check_dense(tensors[0], arg);
+}
+
+void check_same_dtype_numel(const at::Tensor& t, const at::Tensor& ref, const char* arg) {
+  check_dense(t, arg);
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "ddpx_mpi: ", arg, " has dtype ",
+              t.scalar_type(), " but the input has ", ref.scalar_type());
+  TORCH_CHECK(t.numel() == ref.numel(), "ddpx_mpi: ", arg, " has ", t.numel(),
+              " elements but the input has ", ref.numel());
+  TORCH_CHECK(t.device().type() == ref.device().type(), "ddpx_mpi: ", arg, " is on ", t.device(),
+              " but the input is on ", ref.device());
+}
+
+void check_rank(int64_t rank, int size, const char* arg) {
+  TORCH_CHECK(rank >= 0 && rank < size, "ddpx_mpi: ", arg, " is ", rank,
+              ", out of range for a group of size ", size);
+}
+
+int to_count(int64_t numel, const char* arg) {
+  TORCH_CHECK(numel <= INT_MAX, "ddpx_mpi: ", arg, " has ", numel,
+              " elements; MPI counts are limited to ", INT_MAX, " per call");
+  return static_cast<int>(numel);
+}
+
+std::string describe(const at::Tensor& t) {
+  return std::to_string(t.numel()) + " x " + std::string(c10::toString(t.scalar_type()));
+}
+
+}  // namespace ddpx::comm::detail

@@ -1,0 +1,47 @@
+#pragma once
+// Small pieces shared by the ddpx_mpi collectives: staging tensors in host
+// memory, the cross-rank agreement check, and argument checks at the door.
+#include <ATen/ATen.h>
+#include <mpi.h>
+
+#include <climits>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+namespace ddpx::comm::detail {
+
+// A contiguous host buffer for MPI: the tensor itself when it already is a
+// contiguous CPU tensor, else a staged copy (device tensors travel through
+// host memory; Open MPI from Debian is not CUDA-aware). Runs on the worker,
+// under the caller's stream, so the copy is ordered after the producer.
+class HostView {
+ public:
+  HostView(const at::Tensor& t, bool copy_in);
+  void* ptr() const { return host_.data_ptr(); }
+  int count() const { return static_cast<int>(host_.numel()); }
+  const at::Tensor& host() const { return host_; }
+  void write_back() const;
+
+ private:
+  at::Tensor user_;
+  at::Tensor host_;
+};
+
+// Every rank must call a collective with matching sizes, dtypes, op and root.
+// MPI would read or write out of bounds otherwise, so one tiny allreduce of a
+// fingerprint (and its negation, with MAX) detects any disagreement first.
+void check_agreement(MPI_Comm comm, std::initializer_list<int64_t> fingerprint,
+                     const std::string& what, const std::string& local_desc);
+
+// Checks at the door (caller's thread); each names the argument.
+void check_dense(const at::Tensor& t, const char* arg);
+void check_single(const std::vector<at::Tensor>& tensors, const char* arg);
+void check_same_dtype_numel(const at::Tensor& t, const at::Tensor& ref, const char* arg);
+void check_rank(int64_t rank, int size, const char* arg);
+int to_count(int64_t numel, const char* arg);
+
+// "1024 x float" style description for messages.
+std::string describe(const at::Tensor& t);
+
+}  // namespace ddpx::comm::detail

@@ -1,0 +1,195 @@
+#include "plugin/comm/mpi_work.h"
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+
+#include "plugin/comm/mpi_env.h"
+
+namespace ddpx::comm::detail {
+
+MpiWork::MpiWork(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
+                 std::chrono::milliseconds timeout, const char* profiling_title,
+                 const std::optional<std::vector<at::Tensor>>& inputs)
+    : c10d::Work(rank, type, profiling_title, inputs),
+      what_(std::move(what)),
+      outputs_(std::move(outputs)),
+      timeout_(timeout),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
+
+int MpiWork::sourceRank() const {
+  const int r = source_rank_.load();
+  TORCH_CHECK(r >= 0, "ddpx_mpi: sourceRank() is only known for a completed recvAnysource");
+  return r;
+}
+
+void MpiWork::complete(std::exception_ptr error) {
+  // Future first: a waiter woken by finish() may read the future at once.
+  if (error) {
+    future_->setErrorIfNeeded(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  finish(error);
+}
+
+bool MpiWork::wait(std::chrono::milliseconds timeout) {
+  const auto limit = timeout == kNoTimeout ? timeout_ : timeout;
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!cv_.wait_for(lock, limit, [this] { return completed_; })) {
+    const std::string msg = "ddpx_mpi: rank " + std::to_string(rank_) + " timed out after " +
+                            std::to_string(limit.count()) + " ms waiting for " + what_ +
+                            ": a peer rank died, is stopped, or did not make the same call";
+    MpiEnv::get().mark_broken(msg);
+    C10_THROW_ERROR(DistBackendError, msg);
+  }
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+MpiWorker::MpiWorker(std::string name)
+    : name_(std::move(name)), exited_future_(exited_.get_future().share()) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+MpiWorker::~MpiWorker() {
+  if (stop(std::chrono::seconds(5))) return;
+  // Stuck inside MPI: the process will abort the job at exit; do not block
+  // the destructor (and the caller) forever.
+  thread_.detach();
+}
+
+bool MpiWorker::stop(std::chrono::milliseconds grace) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (!thread_.joinable()) return true;
+  if (exited_future_.wait_for(grace) != std::future_status::ready) return false;
+  thread_.join();
+  return !abandoned_;
+}
+
+void MpiWorker::enqueue(c10::intrusive_ptr<MpiWork> work, Task task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(!stopping_, "ddpx_mpi: the backend was shut down");
+    queue_.push_back({std::move(work), std::move(task)});
+  }
+  cv_.notify_one();
+}
+
+void MpiWorker::run_sync(const std::function<void()>& fn) {
+  std::promise<void> done;
+  auto fut = done.get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    TORCH_CHECK(!stopping_, "ddpx_mpi: the backend was shut down");
+    queue_.push_back({{}, [&](Progress&) {
+                        try {
+                          fn();
+                          done.set_value();
+                        } catch (...) {
+                          done.set_exception(std::current_exception());
+                        }
+                      }});
+  }
+  cv_.notify_one();
+  fut.get();
+}
+
+void MpiWorker::poll_pending() {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    std::exception_ptr error;
+    bool all_done = true;
+    try {
+      for (auto& item : it->items) {
+        if (item.request == MPI_REQUEST_NULL) continue;
+        int flag = 0;
+        MPI_Status status;
+        DDPX_MPI_CHECK(MPI_Test(&item.request, &flag, &status));
+        if (!flag) {
+          all_done = false;
+          continue;
+        }
+        item.request = MPI_REQUEST_NULL;
+        item.on_done(status);
+      }
+    } catch (...) {
+      error = std::current_exception();
+      all_done = true;
+    }
+    if (all_done) {
+      it->work->complete(error);
+      it = pending_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void MpiWorker::loop() {
+  for (;;) {
+    Entry entry;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (pending_.empty()) {
+        cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      } else {
+        // Requests in flight: poll them often, but sleep when nothing comes.
+        cv_.wait_for(lock, std::chrono::microseconds(50),
+                     [this] { return stopping_ || !queue_.empty(); });
+      }
+      if (stopping_ && queue_.empty() && pending_.empty()) break;
+      if (!queue_.empty()) {
+        entry = std::move(queue_.front());
+        queue_.pop_front();
+      }
+    }
+    if (entry.task) {
+      Progress progress;
+      progress.work = entry.work.get();
+      std::exception_ptr error;
+      try {
+        entry.task(progress);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      if (entry.work) {
+        if (error || progress.deferred.empty()) {
+          entry.work->complete(error);
+        } else {
+          pending_.push_back({entry.work, std::move(progress.deferred)});
+        }
+      }
+    }
+    if (!pending_.empty()) poll_pending();
+    if (stopping_ && !pending_.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (queue_.empty()) {
+        abandoned_ = true;  // requests that never matched: MPI cannot finalise
+        break;
+      }
+    }
+  }
+  exited_.set_value();
+}
+
+std::shared_ptr<MpiWorker> worker_for_new_backend() {
+  MpiEnv& env = MpiEnv::get();
+  auto make = [&env](const char* name) {
+    auto w = std::make_shared<MpiWorker>(name);
+    std::weak_ptr<MpiWorker> weak = w;
+    env.on_shutdown([weak] {
+      auto strong = weak.lock();
+      return !strong || strong->stop(std::chrono::seconds(5));
+    });
+    return w;
+  };
+  if (env.multiple()) return make("ddpx_mpi");
+  static std::shared_ptr<MpiWorker> shared = make("ddpx_mpi_shared");
+  return shared;
+}
+
+}  // namespace ddpx::comm::detail

@@ -1,0 +1,119 @@
+#pragma once
+// The Work handed back by every ddpx_mpi call, and the worker thread that
+// runs the MPI side of it.
+//
+// Protocol (one worker per backend when MPI offers MPI_THREAD_MULTIPLE, one
+// shared worker otherwise):
+//   1. The caller's thread validates arguments and enqueues a task; the call
+//      returns a Work at once.
+//   2. The worker runs tasks in FIFO order, so every rank issues collectives
+//      on a communicator in the order its caller made them. A collective runs
+//      to completion on the worker while the caller computes: that thread is
+//      the progress engine MPI does not have on its own.
+//   3. Point-to-point tasks only post MPI_Isend/MPI_Irecv and stay pending; the
+//      worker tests them between tasks, so a send never blocks the queue (and
+//      send-then-recv on both ranks cannot deadlock).
+//   4. Completion finishes the Work and its Future (value: the output tensors)
+//      or stores the exception. Work::wait(timeout) throws DistBackendError on
+//      expiry and marks MPI broken, so the process aborts the job at exit
+//      instead of hanging in MPI_Finalize.
+#include <mpi.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace ddpx::comm::detail {
+
+class MpiWork : public c10d::Work {
+ public:
+  MpiWork(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
+          std::chrono::milliseconds timeout, const char* profiling_title,
+          const std::optional<std::vector<at::Tensor>>& inputs);
+
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  int sourceRank() const override;
+  std::chrono::milliseconds getTimeout() const override { return timeout_; }
+
+  // Worker side.
+  void complete(std::exception_ptr error);
+  void set_source_rank(int rank) { source_rank_ = rank; }
+  const std::string& what() const { return what_; }
+
+ private:
+  std::string what_;
+  std::vector<at::Tensor> outputs_;
+  std::chrono::milliseconds timeout_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::atomic<int> source_rank_{-1};
+};
+
+class MpiWorker {
+ public:
+  // A task posts a request it wants tested later with Progress::defer.
+  struct Progress {
+    void defer(MPI_Request request, std::function<void(const MPI_Status&)> on_done) {
+      deferred.push_back({request, std::move(on_done)});
+    }
+    struct Item {
+      MPI_Request request;
+      std::function<void(const MPI_Status&)> on_done;
+    };
+    std::vector<Item> deferred;
+    MpiWork* work = nullptr;  // the Work this task completes (alive until then)
+  };
+  using Task = std::function<void(Progress&)>;
+
+  explicit MpiWorker(std::string name);
+  ~MpiWorker();
+  MpiWorker(const MpiWorker&) = delete;
+  MpiWorker& operator=(const MpiWorker&) = delete;
+
+  // Runs `task` after everything queued before it; finishes `work` when the
+  // task (and any request it deferred) is done.
+  void enqueue(c10::intrusive_ptr<MpiWork> work, Task task);
+  // Runs `fn` on the worker and waits for it (communicator set-up).
+  void run_sync(const std::function<void()>& fn);
+  // Stops after the running task; false if the thread did not stop in `grace`.
+  bool stop(std::chrono::milliseconds grace);
+
+ private:
+  struct Entry {
+    c10::intrusive_ptr<MpiWork> work;
+    Task task;
+  };
+  struct Pending {
+    c10::intrusive_ptr<MpiWork> work;
+    std::vector<Progress::Item> items;
+  };
+  void loop();
+  void poll_pending();
+
+  std::string name_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Entry> queue_;
+  std::vector<Pending> pending_;  // touched by the worker thread only
+  bool stopping_ = false;
+  bool abandoned_ = false;  // stopped with requests that never completed
+  std::promise<void> exited_;
+  std::shared_future<void> exited_future_;
+  std::thread thread_;
+};
+
+// The worker a new backend should use (its own, or the shared one when MPI
+// does not allow concurrent calls from several threads).
+std::shared_ptr<MpiWorker> worker_for_new_backend();
+
+}  // namespace ddpx::comm::detail

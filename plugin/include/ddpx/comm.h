@@ -1,0 +1,59 @@
+#pragma once
+// ddpx's communication layer: process groups for C++ trainers.
+//
+//   auto pg = ddpx::comm::init_from_env();         // mpirun -> ddpx_mpi,
+//                                                  // torchrun -> Gloo (+NCCL for CUDA)
+//   auto pg = ddpx::comm::make("gloo");            // explicit choice
+//   auto be = ddpx::comm::make_mpi_backend({0, 2}); // ddpx_mpi over world ranks 0 and 2
+//
+// Timeouts: every collective's Work::wait() throws c10::DistBackendError after
+// the group's timeout; the default is DDPX_TIMEOUT_S seconds when that is set,
+// else 30 minutes (torch's default).
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace ddpx::comm {
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
+
+std::chrono::milliseconds default_timeout();
+
+// How this process was launched.
+enum class Launcher { Mpi, Torchrun, None };
+Launcher detect_launcher();
+
+struct MakeOptions {
+  std::chrono::milliseconds timeout = default_timeout();
+  // Rendezvous for Gloo/NCCL. Unset: torchrun's MASTER_ADDR/MASTER_PORT, or,
+  // under mpirun, a TCPStore that rank 0 serves and announces over MPI.
+  c10::intrusive_ptr<c10d::Store> store;
+  int rank = -1;  // -1: from the launcher
+  int size = -1;
+  // A prefix that keeps several groups on one store apart.
+  std::string name = "default";
+};
+
+// A process group from the launcher's environment: ddpx_mpi under mpirun
+// (rank and size from MPI), Gloo for CPU plus NCCL for CUDA (when built and a
+// GPU is present) under torchrun, and a one-rank Gloo group otherwise.
+ProcessGroupPtr init_from_env(std::chrono::milliseconds timeout = default_timeout());
+
+// A process group with the named backend: "ddpx_mpi", "gloo" or "nccl", or a
+// per-device list "cpu:gloo,cuda:nccl". Collective: every rank must call it.
+ProcessGroupPtr make(const std::string& backend, const MakeOptions& opts = {});
+
+// The ddpx_mpi backend over `world_ranks` (MPI_COMM_WORLD ranks, empty = all).
+// Collective over the members.
+BackendPtr make_mpi_backend(const std::vector<int>& world_ranks = {},
+                            std::chrono::milliseconds timeout = default_timeout());
+
+// Names of the backends this build can make.
+std::vector<std::string> available_backends();
+
+}  // namespace ddpx::comm
