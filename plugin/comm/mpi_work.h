@@ -41,6 +41,13 @@ class MpiWork : public c10d::Work {
           const std::optional<std::vector<at::Tensor>>& inputs);
 
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  // Read from the Future, which completes first: whoever woke on it sees
+  // the Work completed too.
+  bool isCompleted() override { return future_->completed(); }
+  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
+  std::exception_ptr exception() const override {
+    return future_->completed() ? future_->exception_ptr() : nullptr;
+  }
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   int sourceRank() const override;

@@ -1,0 +1,22 @@
+#pragma once
+// Shared by the multi-rank GoogleTest suites: one world backend per process
+// and the rank-dependent values whose reductions are exact in every dtype.
+#include <ATen/ATen.h>
+#include <ddpx/comm.h>
+
+namespace ddpx::test {
+
+inline c10::intrusive_ptr<c10d::Backend>& world() {
+  static auto be = ddpx::comm::make_mpi_backend();
+  return be;
+}
+
+// Element i on rank r: 1 + (r + i) % 3 (bool: even or odd), so sums,
+// products and extrema of up to 3 ranks fit even int8 and fp16 exactly.
+inline at::Tensor rank_values(int rank, int64_t n, at::ScalarType dtype) {
+  auto idx = at::arange(n, at::kLong);
+  if (dtype == at::kBool) return ((idx + rank) % 2).eq(0);
+  return (1 + (idx + rank) % 3).to(dtype);
+}
+
+}  // namespace ddpx::test
