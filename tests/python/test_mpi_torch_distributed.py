@@ -1,0 +1,130 @@
+"""ddpx_mpi through torch.distributed with a stock wheel, as a user runs it:
+`mpirun -np N python -m pytest tests/python/test_mpi_torch_distributed.py`.
+The plugin is loaded by conftest.py (torch.ops.load_library)."""
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    assert "MASTER_ADDR" not in os.environ, "the point is that mpirun alone is enough"
+    dist.init_process_group(backend="ddpx_mpi")
+    yield
+    dist.destroy_process_group()
+
+
+def rank_size():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def test_backend_is_ddpx_mpi_and_rank_from_mpi():
+    r, n = rank_size()
+    assert dist.get_backend() == "ddpx_mpi"
+    assert r == int(os.environ["OMPI_COMM_WORLD_RANK"])
+    assert n == int(os.environ["OMPI_COMM_WORLD_SIZE"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int8, torch.uint8, torch.int32, torch.int64])
+@pytest.mark.parametrize("op", ["SUM", "MIN", "MAX", "PRODUCT"])
+def test_all_reduce(dtype, op):
+    r, n = rank_size()
+    vals = [1 + (torch.arange(13) + k) % 3 for k in range(n)]
+    t = vals[r].to(dtype, copy=True)  # the reference below must not alias it
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+    stack = torch.stack(vals).double()
+    want = {"SUM": stack.sum(0), "MIN": stack.min(0).values, "MAX": stack.max(0).values,
+            "PRODUCT": stack.prod(0)}[op]
+    assert torch.equal(t.double(), want)
+
+
+def test_all_reduce_avg_and_async():
+    r, n = rank_size()
+    t = torch.full((1000,), float(r))
+    work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
+    work.wait()
+    assert torch.allclose(t, torch.full((1000,), (n - 1) / 2))
+    fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+    assert torch.equal(fut.wait()[0], torch.full((4,), float(n)))
+
+
+def test_complex_sum_as_real_pairs():
+    r, n = rank_size()
+    t = torch.full((3,), complex(r, 1), dtype=torch.complex64)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((3,), complex(n * (n - 1) / 2, n), dtype=torch.complex64))
+
+
+def test_broadcast_all_gather_gather_scatter():
+    r, n = rank_size()
+    t = torch.arange(5.0) if r == n - 1 else torch.zeros(5)
+    dist.broadcast(t, src=n - 1)
+    assert torch.equal(t, torch.arange(5.0))
+    out = [torch.empty(3, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(out, torch.full((3,), r, dtype=torch.int64))
+    assert [o[0].item() for o in out] == list(range(n))
+    flat = torch.empty(3 * n)
+    dist.all_gather_into_tensor(flat, torch.full((3,), float(r)))
+    assert torch.equal(flat, torch.arange(n).float().repeat_interleave(3))
+    g = [torch.empty(2) for _ in range(n)] if r == 0 else None
+    dist.gather(torch.full((2,), float(r)), gather_list=g, dst=0)
+    if r == 0:
+        assert [x[0].item() for x in g] == list(range(n))
+    s = torch.empty(2)
+    dist.scatter(s, scatter_list=[torch.full((2,), 10.0 * i) for i in range(n)] if r == 0 else None,
+                 src=0)
+    assert torch.equal(s, torch.full((2,), 10.0 * r))
+
+
+def test_reduce_scatter_and_all_to_all():
+    r, n = rank_size()
+    out = torch.empty(4)
+    dist.reduce_scatter_tensor(out, torch.arange(4.0 * n))
+    assert torch.equal(out, n * torch.arange(4.0 * r, 4.0 * r + 4))
+    inp = torch.arange(n, dtype=torch.float32) + 100 * r
+    res = torch.empty(n)
+    dist.all_to_all_single(res, inp)
+    assert torch.equal(res, torch.arange(n).float() * 100 + r)
+
+
+def test_send_recv_and_object_collectives():
+    r, n = rank_size()
+    if r == 0:
+        for peer in range(1, n):
+            dist.send(torch.full((4,), float(peer)), dst=peer)
+    else:
+        t = torch.empty(4)
+        dist.recv(t, src=0)
+        assert torch.equal(t, torch.full((4,), float(r)))
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": r})
+    assert [o["rank"] for o in objs] == list(range(n))
+    dist.barrier()
+
+
+def test_new_group_subset():
+    r, n = rank_size()
+    ranks = list(range(0, n, 2))
+    g = dist.new_group(ranks=ranks, backend="ddpx_mpi")
+    if r in ranks:
+        t = torch.ones(3)
+        dist.all_reduce(t, group=g)
+        assert torch.equal(t, torch.full((3,), float(len(ranks))))
+    dist.barrier()
+
+
+def test_errors_are_clear():
+    r, n = rank_size()
+    with pytest.raises(RuntimeError, match="AVG needs a floating-point tensor"):
+        dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG)
+    with pytest.raises(RuntimeError, match="not supported"):
+        dist.all_reduce(torch.ones(2, dtype=torch.uint16))
+    with pytest.raises(RuntimeError, match="ranks disagree on allreduce"):
+        dist.all_reduce(torch.ones(3 + r))
+    t = torch.ones(2)
+    dist.all_reduce(t)  # still usable
+    assert torch.equal(t, torch.full((2,), float(n)))
