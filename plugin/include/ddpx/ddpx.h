@@ -1,4 +1,5 @@
 #pragma once
 // Umbrella header: everything a C++ trainer needs from ddpx.
 #include <ddpx/comm.h>
+#include <ddpx/grad_sync.h>
 #include <ddpx/ops.h>

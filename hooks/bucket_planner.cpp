@@ -1,0 +1,58 @@
+#include "hooks/bucket_planner.h"
+
+#include <algorithm>
+#include <map>
+
+namespace ddpx::hooks {
+
+std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
+                                     const std::vector<ParamInfo>& params,
+                                     int64_t first_cap_bytes, int64_t cap_bytes) {
+  std::vector<BucketPlan> out;
+  // One open bucket per (dtype, device); index into `out`.
+  std::map<std::pair<int, std::string>, size_t> open;
+  for (int p : order) {
+    const auto& info = params[p];
+    const auto key = std::make_pair(static_cast<int>(info.dtype), info.device.str());
+    const int64_t bytes = info.numel * static_cast<int64_t>(c10::elementSize(info.dtype));
+    auto it = open.find(key);
+    if (it != open.end()) {
+      auto& b = out[it->second];
+      const int64_t cap = it->second == 0 ? first_cap_bytes : cap_bytes;
+      const int64_t have = b.numel * static_cast<int64_t>(c10::elementSize(b.dtype));
+      if (have + bytes > cap) {
+        open.erase(it);
+        it = open.end();
+      }
+    }
+    if (it == open.end()) {
+      BucketPlan b;
+      b.dtype = info.dtype;
+      b.device = info.device;
+      out.push_back(b);
+      it = open.emplace(key, out.size() - 1).first;
+    }
+    auto& b = out[it->second];
+    b.params.push_back(p);
+    b.numel += info.numel;
+  }
+  return out;
+}
+
+double launch_delay(const std::vector<BucketPlan>& plan, const std::vector<int>& arrival,
+                    int num_params) {
+  if (plan.empty() || num_params == 0) return 0.0;
+  std::vector<int> pos(num_params, static_cast<int>(arrival.size()));
+  for (size_t k = 0; k < arrival.size(); ++k) pos[arrival[k]] = static_cast<int>(k);
+  double total = 0;
+  int launch = -1;
+  for (const auto& b : plan) {
+    int ready = -1;
+    for (int p : b.params) ready = std::max(ready, pos[p]);
+    launch = std::max(launch, ready);
+    total += launch - ready;
+  }
+  return total / plan.size() / std::max<size_t>(1, arrival.size());
+}
+
+}  // namespace ddpx::hooks

@@ -1,0 +1,43 @@
+#include "hooks/channel.h"
+
+namespace ddpx::hooks {
+
+Channel::Channel(comm::ProcessGroupPtr pg) : pg_(std::move(pg)) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+Channel::~Channel() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+std::future<void> Channel::submit(std::function<void(c10d::ProcessGroup&)> fn) {
+  std::packaged_task<void()> task([this, fn = std::move(fn)] { fn(*pg_); });
+  auto fut = task.get_future();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+  return fut;
+}
+
+void Channel::loop() {
+  for (;;) {
+    std::packaged_task<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();  // exceptions land in the task's future
+  }
+}
+
+}  // namespace ddpx::hooks

@@ -1,0 +1,62 @@
+#include "hooks/order_predictor.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <numeric>
+
+namespace ddpx::hooks {
+
+OrderPredictor::OrderPredictor(int n, double alpha)
+    : alpha_(alpha), position_ema_(n), used_ema_(n, 1.0) {
+  for (int i = 0; i < n; ++i) position_ema_[i] = n > 1 ? 1.0 - double(i) / (n - 1) : 0.0;
+}
+
+void OrderPredictor::observe(const std::vector<int>& arrival) {
+  const int n = static_cast<int>(position_ema_.size());
+  std::vector<double> pos(n, -1.0);
+  const int m = static_cast<int>(arrival.size());
+  for (int k = 0; k < m; ++k) {
+    TORCH_INTERNAL_ASSERT(arrival[k] >= 0 && arrival[k] < n);
+    pos[arrival[k]] = m > 1 ? double(k) / (m - 1) : 0.0;
+  }
+  // The first observation replaces the guess outright; later ones blend in.
+  const double a = steps_ == 0 ? 1.0 : alpha_;
+  for (int i = 0; i < n; ++i) {
+    const bool used = pos[i] >= 0;
+    used_ema_[i] = (1 - a) * used_ema_[i] + a * (used ? 1.0 : 0.0);
+    if (used) position_ema_[i] = (1 - a) * position_ema_[i] + a * pos[i];
+  }
+  ++steps_;
+}
+
+std::vector<int> OrderPredictor::predicted_order() const {
+  std::vector<int> order(position_ema_.size());
+  std::iota(order.begin(), order.end(), 0);
+  // Stable: ties keep reverse registration order's tie-break (index), so
+  // equal scores never reorder between calls.
+  std::stable_sort(order.begin(), order.end(), [this](int a, int b) {
+    const bool ua = predicted_unused(a), ub = predicted_unused(b);
+    if (ua != ub) return ub;  // used before unused
+    if (position_ema_[a] != position_ema_[b]) return position_ema_[a] < position_ema_[b];
+    return a > b;
+  });
+  return order;
+}
+
+std::vector<double> OrderPredictor::state() const {
+  std::vector<double> s = position_ema_;
+  s.insert(s.end(), used_ema_.begin(), used_ema_.end());
+  return s;
+}
+
+void OrderPredictor::load_state(const std::vector<double>& s, int steps) {
+  TORCH_CHECK(s.size() == 2 * position_ema_.size(), "order predictor state has ", s.size(),
+              " values, expected ", 2 * position_ema_.size());
+  const auto n = position_ema_.size();
+  std::copy(s.begin(), s.begin() + n, position_ema_.begin());
+  std::copy(s.begin() + n, s.end(), used_ema_.begin());
+  steps_ = steps;
+}
+
+}  // namespace ddpx::hooks

@@ -1,0 +1,126 @@
+#pragma once
+// GradSync: DDP-style gradient averaging for C++ trainers (LibTorch has no
+// DistributedDataParallel).
+//
+//   auto pg = ddpx::comm::init_from_env();
+//   ddpx::GradSync sync(model->named_parameters(), pg,
+//                       ddpx::GradSyncOptions().bucket_cap_mb(25).unused(ddpx::Unused::Predict));
+//   loss.backward();   // gradients are averaged across ranks when backward returns
+//
+// Protocol, one step (every rank runs the same steps in the same order):
+//  1. Construction: parameter count, shapes and dtypes are compared across
+//     ranks (an error names the first differing parameter and the ranks);
+//     rank 0's parameters and buffers are broadcast. Buckets are planned in
+//     reverse registration order (the usual backward order).
+//  2. Backward: a post-hook on each parameter's gradient accumulator copies
+//     the gradient into its bucket and marks it ready. A bucket launches its
+//     reduction (codec -> collective, on the bucket's channel thread) once it
+//     is complete and every bucket before it has launched, so the launch
+//     order is the plan's order on every rank.
+//  3. End of backward (autograd final callback): parameters that never
+//     produced a gradient are resolved: Unused::Off -> error naming them;
+//     otherwise they contribute zeros, the remaining buckets launch, and a
+//     used-bitmap MAX-reduction tells which are unused on every rank (their
+//     .grad is left untouched, as under DDP). All reductions are awaited and
+//     the averages written to .grad before backward returns.
+//  4. Between steps: the order predictor learns from this step's arrival
+//     order (and Predict mode learns which parameters go unused). When the
+//     predicted order would launch buckets materially later than a re-plan
+//     would, rank 0's proposal is broadcast and every rank adopts the same
+//     plan at the step boundary. Re-planning changes timing, never results.
+#include <ddpx/comm.h>
+#include <torch/ordered_dict.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch::jit {
+struct Module;
+}
+
+namespace ddpx {
+
+enum class Unused {
+  Off,      // every parameter must get a gradient every step (else: error naming it)
+  Predict,  // learn which go unused, plan them into late buckets; exact at the end
+  Exact,    // walk the graph from prepare_for_backward(outputs), like DDP
+};
+
+struct GradSyncOptions {
+#define DDPX_OPT(type, name, def)          \
+  GradSyncOptions& name(type v) {          \
+    name##_ = std::move(v);                \
+    return *this;                          \
+  }                                        \
+  type name##_ = def;
+  DDPX_OPT(double, bucket_cap_mb, 25.0)
+  DDPX_OPT(double, first_bucket_mb, 1.0)  // small first bucket: starts communicating early
+  DDPX_OPT(std::string, codec, "none")
+  DDPX_OPT(Unused, unused, Unused::Predict)
+  DDPX_OPT(bool, replan, true)            // learn the order and re-plan buckets
+  DDPX_OPT(bool, broadcast_on_init, true)
+#undef DDPX_OPT
+  // Extra process groups: buckets go round-robin over {pg, channels...}.
+  std::vector<comm::ProcessGroupPtr> channels;
+};
+
+// What one step cost; all times in microseconds from the start of backward.
+struct StepStats {
+  int64_t step = 0;
+  double backward_us = 0;      // first hook -> final callback entry
+  double exposed_comm_us = 0;  // final callback entry -> all reductions written back
+  double comm_us = 0;          // sum over buckets of launch -> complete
+  double hook_cpu_us = 0;      // time spent inside our hooks and final callback
+  int64_t hook_calls = 0;
+  int64_t bytes_reduced = 0;
+  int64_t replans = 0;         // total so far
+  int64_t unused_mispredictions = 0;
+  struct Bucket {
+    int index;
+    int channel;
+    double ready_us, launch_us, complete_us;
+    int64_t bytes;
+  };
+  std::vector<Bucket> buckets;
+};
+
+class GradSync {
+ public:
+  GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_parameters,
+           comm::ProcessGroupPtr pg, GradSyncOptions options = {},
+           const torch::OrderedDict<std::string, at::Tensor>& named_buffers =
+               torch::OrderedDict<std::string, at::Tensor>());
+  // Parameters and buffers of a scripted model.
+  GradSync(const torch::jit::Module& module, comm::ProcessGroupPtr pg,
+           GradSyncOptions options = {});
+  ~GradSync();
+  GradSync(const GradSync&) = delete;
+  GradSync& operator=(const GradSync&) = delete;
+
+  // Unused::Exact: call before backward with the forward's outputs.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  // While alive, backward accumulates locally; the next synced step reduces
+  // the accumulated gradients.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(GradSync& s);
+    ~NoSyncGuard();
+   private:
+    GradSync& s_;
+  };
+  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  const StepStats& last_step() const;
+  std::vector<std::vector<std::string>> bucket_plan() const;  // parameter names per bucket
+  int64_t replans() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ddpx

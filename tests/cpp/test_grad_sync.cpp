@@ -1,0 +1,341 @@
+// GradSync under mpirun (2 and 3 ranks). The reference for every model is
+// one process computing the gradient of the whole batch (all ranks' shards):
+// N ranks x batch B must give the gradients of 1 process x batch N*B.
+#include <ddpx/grad_sync.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+
+namespace {
+
+using ddpx::GradSync;
+using ddpx::GradSyncOptions;
+using ddpx::Unused;
+
+ddpx::comm::ProcessGroupPtr& world() {
+  static auto pg = ddpx::comm::init_from_env();
+  return pg;
+}
+
+constexpr int kB = 4;  // per-rank batch
+
+// Shard of rank r: rows [r*B, (r+1)*B) of a batch every rank can regenerate.
+at::Tensor global_batch(int64_t features, int64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn({world()->getSize() * kB, features}, gen, at::kDouble);
+}
+at::Tensor shard(const at::Tensor& g, int r) { return g.narrow(0, r * kB, kB); }
+
+// loss_of(model, x, rank) -> scalar loss for a shard. The reference averages
+// the per-shard losses (equal shard sizes: the mean over the whole batch).
+template <typename M>
+using LossFn = std::function<at::Tensor(M&, const at::Tensor&, int)>;
+
+template <typename M>
+void expect_matches_reference(std::function<M()> make, LossFn<M> loss_of, int64_t features,
+                              GradSyncOptions opts = {}, int steps = 3) {
+  auto& pg = world();
+  const int r = pg->getRank(), n = pg->getSize();
+  torch::manual_seed(1234);
+  M ref = make();
+  torch::manual_seed(1234 + 0);  // same init on every rank, GradSync broadcasts anyway
+  M model = make();
+  GradSync sync((*model).named_parameters(), pg, opts, (*model).named_buffers());
+  for (int step = 0; step < steps; ++step) {
+    auto g = global_batch(features, 100 + step);
+    (*ref).zero_grad();
+    at::Tensor total;
+    for (int k = 0; k < n; ++k) {
+      auto l = loss_of(ref, shard(g, k), k) / n;
+      total = total.defined() ? total + l : l;
+    }
+    total.backward();
+    (*model).zero_grad();
+    auto loss = loss_of(model, shard(g, r), r);
+    if (opts.unused_ == Unused::Exact) sync.prepare_for_backward({loss});
+    loss.backward();
+    auto rp = (*ref).named_parameters();
+    for (const auto& item : (*model).named_parameters()) {
+      const auto& want = rp[item.key()].grad();
+      const auto& got = item.value().grad();
+      ASSERT_EQ(want.defined(), got.defined()) << item.key() << " step " << step;
+      if (want.defined()) {
+        EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-8)) << item.key() << " step " << step;
+      }
+    }
+  }
+}
+
+struct MLPImpl : torch::nn::Module {
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+  MLPImpl() {
+    a = register_module("a", torch::nn::Linear(8, 16));
+    b = register_module("b", torch::nn::Linear(16, 16));
+    c = register_module("c", torch::nn::Linear(16, 3));
+    to(at::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) { return c(torch::tanh(b(torch::relu(a(x))))); }
+};
+TORCH_MODULE(MLP);
+
+TEST(GradSync, MLPMatchesOneProcess) {
+  expect_matches_reference<MLP>([] { return MLP(); },
+                                [](MLP& m, const at::Tensor& x, int) { return m(x).pow(2).mean(); },
+                                8);
+}
+
+TEST(GradSync, MLPWithTinyBucketsAndTwoChannels) {
+  GradSyncOptions o;
+  o.bucket_cap_mb(0.0005).first_bucket_mb(0.0002);
+  o.channels.push_back(ddpx::comm::make("ddpx_mpi"));
+  expect_matches_reference<MLP>([] { return MLP(); },
+                                [](MLP& m, const at::Tensor& x, int) { return m(x).pow(2).mean(); },
+                                8, o);
+}
+
+struct CNNImpl : torch::nn::Module {
+  torch::nn::Conv2d c1{nullptr}, c2{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::Linear fc{nullptr};
+  CNNImpl() {
+    c1 = register_module("c1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)));
+    bn = register_module("bn", torch::nn::BatchNorm2d(4));
+    c2 = register_module("c2", torch::nn::Conv2d(4, 4, 3));
+    fc = register_module("fc", torch::nn::Linear(4 * 2 * 2, 5));
+    to(at::kDouble);
+    eval();  // running statistics are buffers: broadcast, not reduced
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto y = torch::relu(bn(c1(x.view({-1, 1, 4, 4}))));
+    return fc(torch::relu(c2(y)).flatten(1));
+  }
+};
+TORCH_MODULE(CNN);
+
+TEST(GradSync, CNNMatchesOneProcess) {
+  expect_matches_reference<CNN>([] { return CNN(); },
+                                [](CNN& m, const at::Tensor& x, int) { return m(x).pow(2).mean(); },
+                                16);
+}
+
+// A head that is never used, and a branch taken by some ranks only.
+struct BranchyImpl : torch::nn::Module {
+  torch::nn::Linear trunk{nullptr}, left{nullptr}, right{nullptr}, never{nullptr};
+  BranchyImpl() {
+    trunk = register_module("trunk", torch::nn::Linear(6, 6));
+    left = register_module("left", torch::nn::Linear(6, 2));
+    right = register_module("right", torch::nn::Linear(6, 2));
+    never = register_module("never", torch::nn::Linear(6, 2));
+    to(at::kDouble);
+  }
+  // Rank-dependent data decides the branch: even ranks go left, odd right.
+  at::Tensor forward(const at::Tensor& x, int rank) {
+    auto h = torch::relu(trunk(x));
+    return (rank % 2 == 0 ? left(h) : right(h)).pow(2).mean();
+  }
+};
+TORCH_MODULE(Branchy);
+
+TEST(GradSync, UnusedAndRankDependentBranchesPredict) {
+  expect_matches_reference<Branchy>(
+      [] { return Branchy(); },
+      [](Branchy& m, const at::Tensor& x, int rank) { return m(x, rank); }, 6,
+      GradSyncOptions().unused(Unused::Predict), 4);
+}
+
+TEST(GradSync, UnusedAndRankDependentBranchesExact) {
+  expect_matches_reference<Branchy>(
+      [] { return Branchy(); },
+      [](Branchy& m, const at::Tensor& x, int rank) { return m(x, rank); }, 6,
+      GradSyncOptions().unused(Unused::Exact).bucket_cap_mb(0.0001).first_bucket_mb(0.0001), 3);
+}
+
+TEST(GradSync, UnusedOffNamesTheParameter) {
+  auto& pg = world();
+  if (pg->getSize() < 1) GTEST_SKIP();
+  torch::manual_seed(1);
+  Branchy m;
+  GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(Unused::Off));
+  // Every rank takes the left branch: "never" and "right" get no gradient on
+  // any rank, so every rank raises (nobody waits on a peer).
+  try {
+    m(at::randn({kB, 6}, at::kDouble), 0).backward();
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("never.weight"), std::string::npos) << e.what();
+  }
+}
+
+// Tied weights (one tensor registered twice) and a frozen layer.
+struct TiedImpl : torch::nn::Module {
+  torch::nn::Linear enc{nullptr}, frozen{nullptr};
+  at::Tensor shared;
+  TiedImpl() {
+    enc = register_module("enc", torch::nn::Linear(5, 5));
+    frozen = register_module("frozen", torch::nn::Linear(5, 5));
+    to(at::kDouble);
+    shared = register_parameter("shared", enc->weight, /*requires_grad=*/true);
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::tanh(enc(frozen(x)));
+    return torch::matmul(h, shared.t()).pow(2).mean();
+  }
+};
+TORCH_MODULE(Tied);
+
+TEST(GradSync, TiedAndFrozenParameters) {
+  expect_matches_reference<Tied>([] { return Tied(); },
+                                 [](Tied& m, const at::Tensor& x, int) { return m(x); }, 5);
+}
+
+TEST(GradSync, BuffersAndParametersBroadcastFromRankZero) {
+  auto& pg = world();
+  torch::manual_seed(77 + pg->getRank());  // different init on every rank
+  CNN m;
+  m->bn->running_mean.fill_(pg->getRank() + 1.0);
+  GradSync sync(m->named_parameters(), pg, {}, m->named_buffers());
+  EXPECT_TRUE(at::equal(m->bn->running_mean, at::full({4}, 1.0, at::kDouble)));
+  torch::manual_seed(77);
+  CNN rank0;
+  EXPECT_TRUE(at::equal(m->c1->weight, rank0->c1->weight));
+}
+
+// Gathers a flat copy of all parameters from every rank; all must be equal.
+void expect_bitwise_equal_across_ranks(torch::nn::Module& m) {
+  auto& pg = world();
+  std::vector<at::Tensor> flat_parts;
+  for (const auto& p : m.parameters()) flat_parts.push_back(p.detach().reshape(-1));
+  auto flat = at::cat(flat_parts);
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int i = 0; i < pg->getSize(); ++i) out[0].push_back(at::empty_like(flat));
+  std::vector<at::Tensor> in{flat};
+  pg->allgather(out, in)->wait();
+  for (int i = 1; i < pg->getSize(); ++i) EXPECT_TRUE(at::equal(out[0][0], out[0][i])) << i;
+}
+
+TEST(GradSync, HundredSgdStepsStayBitwiseEqual) {
+  auto& pg = world();
+  torch::manual_seed(5);
+  MLP m;
+  GradSync sync(m->named_parameters(), pg, GradSyncOptions().bucket_cap_mb(0.002));
+  torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  for (int step = 0; step < 100; ++step) {
+    auto x = at::randn({kB, 8}, at::kDouble) * (pg->getRank() + 1);  // differs per rank
+    opt.zero_grad();
+    m(x).pow(2).mean().backward();
+    opt.step();
+  }
+  expect_bitwise_equal_across_ranks(*m);
+}
+
+// Two towers whose execution order flips at step kFlip: backward order changes.
+struct FlipImpl : torch::nn::Module {
+  std::vector<torch::nn::Linear> tower;
+  int step = 0;
+  static constexpr int kFlip = 3;
+  FlipImpl() {
+    for (int i = 0; i < 6; ++i) {
+      tower.push_back(register_module("t" + std::to_string(i), torch::nn::Linear(16, 16)));
+    }
+    to(at::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = x;
+    for (int i = 0; i < 6; ++i) h = torch::tanh(tower[step < kFlip ? i : 5 - i](h));
+    return h.pow(2).mean();
+  }
+};
+TORCH_MODULE(Flip);
+
+TEST(GradSync, OrderChangeReplansOnceAndStaysExact) {
+  auto& pg = world();
+  const int n = pg->getSize();
+  torch::manual_seed(9);
+  Flip ref;
+  torch::manual_seed(9);  // the reference starts from the same weights
+  Flip m;
+  GradSync sync(m->named_parameters(), pg,
+                GradSyncOptions().bucket_cap_mb(0.002).first_bucket_mb(0.002));
+  std::vector<int64_t> replans;
+  for (int step = 0; step < 10; ++step) {
+    ref->step = m->step = step;
+    auto g = global_batch(16, 300 + step);
+    ref->zero_grad();
+    at::Tensor total;
+    for (int k = 0; k < n; ++k) {
+      auto l = ref(shard(g, k)) / n;
+      total = total.defined() ? total + l : l;
+    }
+    total.backward();
+    m->zero_grad();
+    m(shard(g, pg->getRank())).backward();
+    auto rp = ref->named_parameters();
+    for (const auto& item : m->named_parameters()) {
+      EXPECT_TRUE(at::allclose(item.value().grad(), rp[item.key()].grad(), 1e-5, 1e-8))
+          << item.key() << " step " << step;
+    }
+    replans.push_back(sync.replans());
+  }
+  // Registration order t0..t5 = forward order: backward runs t5..t0, the
+  // initial (reverse) plan fits; after the flip it does not: one re-plan.
+  EXPECT_EQ(replans[FlipImpl::kFlip - 1], 0);
+  EXPECT_EQ(replans.back(), 1) << "re-planned " << replans.back() << " times";
+}
+
+TEST(GradSync, NoSyncAccumulationEqualsOneLargeBatch) {
+  auto& pg = world();
+  const int n = pg->getSize();
+  torch::manual_seed(3);
+  MLP ref;
+  torch::manual_seed(3);
+  MLP m;
+  GradSync sync(m->named_parameters(), pg);
+  // Three micro-batches per rank: two under no_sync, the third synced.
+  std::vector<at::Tensor> gs;
+  for (int k = 0; k < 3; ++k) gs.push_back(global_batch(8, 500 + k));
+  at::Tensor total;
+  for (int k = 0; k < 3; ++k) {
+    for (int r = 0; r < n; ++r) {
+      auto l = ref(shard(gs[k], r)).pow(2).mean() / n;
+      total = total.defined() ? total + l : l;
+    }
+  }
+  total.backward();
+  {
+    auto guard = sync.no_sync();
+    m(shard(gs[0], pg->getRank())).pow(2).mean().backward();
+    m(shard(gs[1], pg->getRank())).pow(2).mean().backward();
+  }
+  m(shard(gs[2], pg->getRank())).pow(2).mean().backward();
+  auto rp = ref->named_parameters();
+  for (const auto& item : m->named_parameters()) {
+    EXPECT_TRUE(at::allclose(item.value().grad(), rp[item.key()].grad(), 1e-5, 1e-8)) << item.key();
+  }
+}
+
+TEST(GradSync, MismatchedModelsNameTheParameter) {
+  auto& pg = world();
+  if (pg->getSize() < 2) GTEST_SKIP() << "needs 2 ranks";
+  torch::nn::Sequential m(torch::nn::Linear(4, pg->getRank() == 1 ? 5 : 4), torch::nn::Linear(4, 4));
+  try {
+    GradSync sync(m->named_parameters(), pg);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'0.weight'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+  }
+  torch::nn::Sequential extra(torch::nn::Linear(4, 4));
+  if (pg->getRank() == 1) extra->push_back(torch::nn::Linear(4, 4));
+  try {
+    GradSync sync(extra->named_parameters(), pg);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parameters that require grad but rank 1 has 4"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
