@@ -159,6 +159,7 @@ struct GradSync::Impl {
     if (!opts.replan_) return false;
     hooks::OrderPredictor next = predictor;
     next.observe(arrival);
+    if (next.stable_steps() < 1) return false;  // this order must have repeated
     const int n = static_cast<int>(params.size());
     const auto candidate = hooks::plan_buckets(
         next.predicted_order(), info, static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),

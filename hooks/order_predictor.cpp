@@ -27,20 +27,28 @@ void OrderPredictor::observe(const std::vector<int>& arrival) {
     used_ema_[i] = (1 - a) * used_ema_[i] + a * (used ? 1.0 : 0.0);
     if (used) position_ema_[i] = (1 - a) * position_ema_[i] + a * pos[i];
   }
+  stable_steps_ = arrival == last_order_ ? stable_steps_ + 1 : 0;
+  last_order_ = arrival;
   ++steps_;
 }
 
 std::vector<int> OrderPredictor::predicted_order() const {
-  std::vector<int> order(position_ema_.size());
-  std::iota(order.begin(), order.end(), 0);
+  std::vector<int> order = last_order_;
+  std::vector<char> placed(position_ema_.size(), 0);
+  for (int p : order) placed[p] = 1;
+  std::vector<int> rest;
+  for (int i = 0; i < static_cast<int>(position_ema_.size()); ++i) {
+    if (!placed[i]) rest.push_back(i);
+  }
   // Stable: ties keep reverse registration order's tie-break (index), so
   // equal scores never reorder between calls.
-  std::stable_sort(order.begin(), order.end(), [this](int a, int b) {
+  std::stable_sort(rest.begin(), rest.end(), [this](int a, int b) {
     const bool ua = predicted_unused(a), ub = predicted_unused(b);
     if (ua != ub) return ub;  // used before unused
     if (position_ema_[a] != position_ema_[b]) return position_ema_[a] < position_ema_[b];
     return a > b;
   });
+  order.insert(order.end(), rest.begin(), rest.end());
   return order;
 }
 
@@ -57,6 +65,8 @@ void OrderPredictor::load_state(const std::vector<double>& s, int steps) {
   std::copy(s.begin(), s.begin() + n, position_ema_.begin());
   std::copy(s.begin() + n, s.end(), used_ema_.begin());
   steps_ = steps;
+  last_order_.clear();  // the next step's order is taken as it comes
+  stable_steps_ = 0;
 }
 
 }  // namespace ddpx::hooks

@@ -2,12 +2,13 @@
 // Predicts the order in which parameter gradients arrive in backward, and
 // which parameters go unused, from the steps seen so far.
 //
-// Each parameter keeps an exponential moving average of its normalised
-// arrival position (0 = first, 1 = last) and of how often it is used. The
-// predicted order sorts by expected position, with parameters that are
-// usually unused placed last (their buckets then launch at the end, which is
-// when an unused parameter is known). A stable order converges to fixed
-// scores, so it never churns the plan.
+// The prediction is the last observed order of the used parameters, then the
+// parameters that were not used, by their average position, those usually
+// unused last (their buckets launch at the end, which is when an unused
+// parameter is known). stable_steps() counts how many consecutive steps
+// repeated the same order: the planner re-plans only on an order seen twice
+// in a row, so a one-off permutation or a noisy order never churns the plan,
+// and a real change re-plans once.
 #include <vector>
 
 namespace ddpx::hooks {
@@ -25,6 +26,7 @@ class OrderPredictor {
   std::vector<int> predicted_order() const;
   bool predicted_unused(int param) const { return used_ema_[param] < 0.5; }
   int steps_observed() const { return steps_; }
+  int stable_steps() const { return stable_steps_; }
 
   // For checkpoints: [position_ema..., used_ema...] and back.
   std::vector<double> state() const;
@@ -33,6 +35,8 @@ class OrderPredictor {
  private:
   double alpha_;
   int steps_ = 0;
+  int stable_steps_ = 0;
+  std::vector<int> last_order_;
   std::vector<double> position_ema_;
   std::vector<double> used_ema_;
 };

@@ -27,17 +27,20 @@ TEST(OrderPredictor, LearnsANewOrderAndStaysStable) {
   EXPECT_EQ(p.predicted_order(), (std::vector<int>{0, 1, 2, 3}));
   for (int i = 0; i < 20; ++i) p.observe({0, 1, 2, 3});
   EXPECT_EQ(p.predicted_order(), (std::vector<int>{0, 1, 2, 3}));
-  p.observe({3, 2, 1, 0});  // one odd step moves the averages, not yet the order
+  EXPECT_EQ(p.stable_steps(), 20);
+  p.observe({3, 2, 1, 0});  // a new order: predicted, but not yet stable
+  EXPECT_EQ(p.stable_steps(), 0);
   p.observe({3, 2, 1, 0});
-  p.observe({3, 2, 1, 0});
+  EXPECT_EQ(p.stable_steps(), 1);
   EXPECT_EQ(p.predicted_order(), (std::vector<int>{3, 2, 1, 0}));
 }
 
 TEST(OrderPredictor, UsuallyUnusedParametersGoLast) {
   OrderPredictor p(3);
-  p.observe({1, 2});  // 0 unused
-  p.observe({1, 2});
+  p.observe({2, 1});  // 0 unused
+  p.observe({2, 1});
   EXPECT_TRUE(p.predicted_unused(0));
+  EXPECT_EQ(p.predicted_order(), (std::vector<int>{2, 1, 0}));
   EXPECT_EQ(p.predicted_order().back(), 0);
   p.observe({0, 1, 2});
   p.observe({0, 1, 2});
