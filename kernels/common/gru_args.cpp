@@ -80,6 +80,8 @@ GruSizes check_gru_args(const at::Tensor& input, const std::optional<at::Tensor>
     s.seq = input.sym_size(opt.batch_first ? 1 : 0);
     s.batch = input.sym_size(opt.batch_first ? 0 : 1);
   }
+  TORCH_CHECK(s.seq > 0, "input must have a sequence length > 0 (as nn.GRU), got input of shape ",
+              input.sym_sizes(), opt.batch_first && !s.unbatched ? " with batch_first" : "");
   const c10::SymInt gates3 = s.hidden * 3;
 
   TORCH_CHECK(params[0].defined() && params[0].dim() == 2 && params[0].sym_size(1) == s.input_size,

@@ -145,6 +145,9 @@ at::Tensor hidden_weight_grad(const at::Tensor& dh_proj, const at::Tensor& h0,
 GruForwardResult gru_sequence_forward(const at::Tensor& input, const std::optional<at::Tensor>& hx,
                                       at::TensorList params, const GruOptions& opt, bool save,
                                       const GruStepKernels& kernels) {
+  // Backend kernels: the ATen calls below are never recorded by autograd
+  // (the autograd kernel of fused_gru covers them), also when called directly.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   const GruSizes s = check_gru_args(input, hx, params, opt);
   const int64_t T = s.seq.expect_int(), B = s.batch.expect_int(), H = s.hidden.expect_int();
   const int64_t D = opt.directions(), L = opt.num_layers;
@@ -195,6 +198,9 @@ GruBackwardResult gru_sequence_backward(const at::Tensor& grad_output, const at:
                                         const at::Tensor& layer_outputs,
                                         const at::Tensor& dropout_masks, const GruOptions& opt,
                                         const GruStepKernels& kernels) {
+  // Backend kernels: the ATen calls below are never recorded by autograd
+  // (the autograd kernel of fused_gru covers them), also when called directly.
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   const GruSizes s = check_gru_args(input, hx, params, opt);
   const int64_t T = s.seq.expect_int(), B = s.batch.expect_int(), H = s.hidden.expect_int();
   const int64_t D = opt.directions(), L = opt.num_layers;
