@@ -102,6 +102,10 @@ struct GruBackwardStep {
   int64_t h_prev_stride = 0;
   T* dx_proj = nullptr;  // [batch, 3*hidden] contiguous
   T* dh_proj = nullptr;  // [batch, 3*hidden] contiguous
+  // [4*hidden] or nullptr. A kernel that sets GruStepKernels::sums_bias_grads
+  // writes this step's sums over the batch rows of dx_r, dx_z, dx_n, dh_n:
+  // the bias gradients without another pass over dx_proj and dh_proj.
+  T* bias_grad = nullptr;
 };
 
 // Casts the type-erased step to the storage type.
@@ -132,7 +136,8 @@ GruBackwardStep<T> typed(const GruBackwardStep<void>& p) {
           static_cast<const T*>(p.h_prev),
           p.h_prev_stride,
           static_cast<T*>(p.dx_proj),
-          static_cast<T*>(p.dh_proj)};
+          static_cast<T*>(p.dh_proj),
+          static_cast<T*>(p.bias_grad)};
 }
 
 // The CUDA grid: one thread per element of the [batch, hidden] step, in

@@ -93,11 +93,13 @@ void forward_direction(const at::Tensor& x_proj, const CellParams& w, const at::
 
 // BPTT through one direction of one layer. g_out [seq, batch, dirs*hidden] is
 // dL/d(layer output); g_hn [batch, hidden] is dL/dh_n of this cell. Fills
-// dx_proj and dh_proj [seq, batch, 3*hidden] and leaves dL/dh0 in dh.
+// dx_proj and dh_proj [seq, batch, 3*hidden], bias_grad [seq, 4*hidden] when
+// defined, and leaves dL/dh0 in dh.
 void backward_direction(const at::Tensor& g_out, const CellParams& w, const at::Tensor& h0,
                         const at::Tensor& layer_out, int64_t d, bool reverse,
                         const at::Tensor& gates, const at::Tensor& g_hn, at::Tensor& dx_proj,
-                        at::Tensor& dh_proj, at::Tensor& dh, const GruStepKernels& kernels) {
+                        at::Tensor& dh_proj, at::Tensor& dh, const at::Tensor& bias_grad,
+                        const GruStepKernels& kernels) {
   const int64_t T = layer_out.size(0), B = layer_out.size(1), DH = layer_out.size(2);
   const int64_t H = h0.size(1);
   dh.copy_(g_hn);
@@ -119,6 +121,7 @@ void backward_direction(const at::Tensor& g_out, const CellParams& w, const at::
     p.gates = elem_ptr(gates, t * B * 4 * H);
     p.dx_proj = elem_ptr(dx_proj, t * B * 3 * H);
     p.dh_proj = elem_ptr(dh_proj, t * B * 3 * H);
+    p.bias_grad = bias_grad.defined() ? elem_ptr(bias_grad, t * 4 * H) : nullptr;
     kernels.backward(g_out.scalar_type(), p);
     dh.addmm_(dh_proj[t], w.w_hh);  // += dh_proj[t] W_hh: [batch, 3*hidden] x [3*hidden, hidden]
   }
@@ -237,6 +240,9 @@ GruBackwardResult gru_sequence_backward(const at::Tensor& grad_output, const at:
   at::Tensor dx_proj = at::empty({T, B, 3 * H}, o);  // dL/d(W_ih x + b_ih), reused per cell
   at::Tensor dh_proj = at::empty({T, B, 3 * H}, o);  // dL/d(W_hh h + b_hh), reused per cell
   at::Tensor dh = at::empty({B, H}, o);              // dL/dh carried back through time
+  // Per-step bias gradient sums [T, 4*H] (r, z, n of x_proj, n of h_proj).
+  const at::Tensor bias_grad =
+      opt.has_biases && kernels.sums_bias_grads ? at::empty({T, 4 * H}, o) : at::Tensor();
   const at::Tensor dxp = dx_proj.view({T * B, 3 * H});
   const at::Tensor dhp = dh_proj.view({T * B, 3 * H});
   for (int64_t l = L - 1; l >= 0; --l) {
@@ -252,12 +258,16 @@ GruBackwardResult gru_sequence_backward(const at::Tensor& grad_output, const at:
       const bool reverse = d == 1;
       const CellParams w = cell_params(params, cell, opt);
       backward_direction(g_out, w, h0[cell], layer_out, d, reverse, gates_c[cell], g_hy[cell],
-                         dx_proj, dh_proj, dh, kernels);
+                         dx_proj, dh_proj, dh, bias_grad, kernels);
       r.grad_hx[cell].copy_(dh);
       const int64_t base = cell * opt.params_per_cell();
       r.grad_params[base] = dxp.t().mm(in2d);
       r.grad_params[base + 1] = hidden_weight_grad(dh_proj, h0[cell], layer_out, d, reverse);
-      if (opt.has_biases) {
+      if (bias_grad.defined()) {
+        const at::Tensor db = bias_grad.sum(0);  // [4*H]
+        r.grad_params[base + 2] = db.narrow(0, 0, 3 * H).clone();
+        r.grad_params[base + 3] = at::cat({db.narrow(0, 0, 2 * H), db.narrow(0, 3 * H, H)});
+      } else if (opt.has_biases) {
         r.grad_params[base + 2] = dxp.sum(0);
         r.grad_params[base + 3] = dhp.sum(0);
       }

@@ -52,6 +52,9 @@ GruSizes check_gru_args(const at::Tensor& input, const std::optional<at::Tensor>
 struct GruStepKernels {
   void (*forward)(c10::ScalarType dtype, const GruForwardStep<void>& step) = nullptr;
   void (*backward)(c10::ScalarType dtype, const GruBackwardStep<void>& step) = nullptr;
+  // backward fills GruBackwardStep::bias_grad (else the driver sums dx_proj
+  // and dh_proj over the sequence afterwards).
+  bool sums_bias_grads = false;
 };
 
 struct GruForwardResult {

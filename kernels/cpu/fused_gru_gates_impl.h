@@ -80,6 +80,7 @@ void backward_step(const GruBackwardStep<T>& p) {
     const T* h = p.h_prev + b * p.h_prev_stride;       // [hidden]
     T* dx = p.dx_proj + b * 3 * H;                     // [3*hidden]
     T* dhp = p.dh_proj + b * 3 * H;                    // [3*hidden]
+    T* bg = p.bias_grad;                               // [4*hidden], summed over rows
     for (int64_t j = 0; j < H; j += Vec::size()) {
       const int64_t n = std::min<int64_t>(Vec::size(), H - j);
       const GruGates<Vec> g{load(s + j, n), load(s + H + j, n), load(s + 2 * H + j, n),
@@ -93,8 +94,16 @@ void backward_step(const GruBackwardStep<T>& p) {
       store(d.dxz, dhp + H + j, n);
       store(d.dhn, dhp + 2 * H + j, n);
       store(d.dh_direct, dh + j, n);
+      if (bg != nullptr) {
+        const bool first = b == 0;
+        store(first ? d.dxr : load(bg + j, n) + d.dxr, bg + j, n);
+        store(first ? d.dxz : load(bg + H + j, n) + d.dxz, bg + H + j, n);
+        store(first ? d.dxn : load(bg + 2 * H + j, n) + d.dxn, bg + 2 * H + j, n);
+        store(first ? d.dhn : load(bg + 3 * H + j, n) + d.dhn, bg + 3 * H + j, n);
+      }
     }
   }
+  if (p.bias_grad != nullptr && p.batch == 0) std::fill(p.bias_grad, p.bias_grad + 4 * H, T(0));
 }
 
 }  // namespace

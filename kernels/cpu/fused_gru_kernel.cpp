@@ -44,7 +44,8 @@ void backward_step(c10::ScalarType dtype, const GruBackwardStep<void>& step) {
   }
 }
 
-constexpr detail::GruStepKernels kCpuSteps{&forward_step, &backward_step};
+constexpr detail::GruStepKernels kCpuSteps{&forward_step, &backward_step,
+                                           /*sums_bias_grads=*/true};
 
 void check_cpu_dtype(const at::Tensor& input) {
   TORCH_CHECK(input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble,

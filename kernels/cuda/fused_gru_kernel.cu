@@ -67,7 +67,9 @@ void backward_step(c10::ScalarType dtype, const GruBackwardStep<void>& step) {
   });
 }
 
-constexpr detail::GruStepKernels kCudaSteps{&forward_step, &backward_step};
+// Bias gradients: one at::sum over the sequence afterwards (cheap on a GPU).
+constexpr detail::GruStepKernels kCudaSteps{&forward_step, &backward_step,
+                                            /*sums_bias_grads=*/false};
 
 void check_cuda_dtype(const at::Tensor& input) {
   const auto t = input.scalar_type();

@@ -112,7 +112,7 @@ template <typename T>
 struct StepBuffers {
   StepShape s;
   std::vector<T> x_proj, h_proj, b_hh, h_prev, h_out, gates;  // forward
-  std::vector<T> grad_out, dh, dx_proj, dh_proj;              // backward
+  std::vector<T> grad_out, dh, dx_proj, dh_proj, bias_grad;   // backward
 
   explicit StepBuffers(StepShape shape) : s(shape) {
     const size_t B = s.batch, H = s.hidden, S = s.out_stride;
@@ -130,6 +130,7 @@ struct StepBuffers {
     gates.assign(B * 4 * H, T(0));
     dx_proj.assign(B * 3 * H, T(0));
     dh_proj.assign(B * 3 * H, T(0));
+    bias_grad.assign(4 * H, T(7));  // stale values: the kernel must overwrite them
   }
 
   GruForwardStep<T> forward() {
@@ -137,8 +138,9 @@ struct StepBuffers {
             b_hh.data(), h_prev.data(), s.out_stride,  h_out.data(), s.out_stride,  gates.data()};
   }
   GruBackwardStep<T> backward() {
-    return {s.batch,      s.hidden,      grad_out.data(), s.out_stride,   dh.data(),
-            gates.data(), h_prev.data(), s.out_stride,    dx_proj.data(), dh_proj.data()};
+    return {s.batch,        s.hidden,       grad_out.data(), s.out_stride,
+            dh.data(),      gates.data(),   h_prev.data(),   s.out_stride,
+            dx_proj.data(), dh_proj.data(), bias_grad.data()};
   }
 };
 
@@ -233,6 +235,16 @@ void check_cpu_gates(const StepShape& s, void (*fwd)(const GruForwardStep<T>&),
     EXPECT_NEAR(vec.dh_proj[i], ref.dh_proj[i], tol) << i;
   }
   for (size_t i = 0; i < vec.dh.size(); ++i) EXPECT_NEAR(vec.dh[i], ref.dh[i], tol) << i;
+
+  // The step's bias gradient sums: rows of dx_r, dx_z, dx_n and dh_n.
+  const int64_t H = s.hidden;
+  for (int64_t j = 0; j < 4 * H; ++j) {
+    double want = 0;
+    for (int64_t b = 0; b < s.batch; ++b) {
+      want += j < 3 * H ? ref.dx_proj[b * 3 * H + j] : ref.dh_proj[b * 3 * H + j - H];
+    }
+    EXPECT_NEAR(vec.bias_grad[j], want, tol * (1 + s.batch)) << "bias_grad " << j;
+  }
 }
 
 TEST_P(GruStep, CpuVectorizedMatchesElementMath) {
