@@ -78,11 +78,13 @@ DDPX_HD GruGateGrads<T> gru_cell_backward(T dh_new, const GruGates<T>& g, T h) {
 template <typename T>
 struct GruForwardStep {
   int64_t batch = 0, hidden = 0;
-  const T* x_proj = nullptr;  // [batch, 3*hidden] W_ih x_t + b_ih
+  const T* x_proj = nullptr;  // [batch, 3*hidden] W_ih x_t, without bias
   int64_t x_proj_stride = 0;
   const T* h_proj = nullptr;  // [batch, 3*hidden] W_hh h_{t-1}, without bias
   int64_t h_proj_stride = 0;
   const T* b_hh = nullptr;    // [3*hidden] or nullptr (has_biases=false)
+  const T* b_ih = nullptr;    // [3*hidden] or nullptr; added here, not by a GEMM
+                              // epilogue over [seq*batch, 3*hidden]
   const T* h_prev = nullptr;  // [batch, hidden]
   int64_t h_prev_stride = 0;
   T* h_out = nullptr;  // [batch, hidden]
@@ -118,6 +120,7 @@ GruForwardStep<T> typed(const GruForwardStep<void>& p) {
           static_cast<const T*>(p.h_proj),
           p.h_proj_stride,
           static_cast<const T*>(p.b_hh),
+          static_cast<const T*>(p.b_ih),
           static_cast<const T*>(p.h_prev),
           p.h_prev_stride,
           static_cast<T*>(p.h_out),
@@ -165,9 +168,14 @@ DDPX_HD void gru_step_forward_element(const GruForwardStep<T>& p, int64_t row, i
     hz += static_cast<Acc>(p.b_hh[H + col]);
     hn += static_cast<Acc>(p.b_hh[2 * H + col]);
   }
+  Acc xr = static_cast<Acc>(x[0]), xz = static_cast<Acc>(x[H]), xn = static_cast<Acc>(x[2 * H]);
+  if (p.b_ih != nullptr) {
+    xr += static_cast<Acc>(p.b_ih[col]);
+    xz += static_cast<Acc>(p.b_ih[H + col]);
+    xn += static_cast<Acc>(p.b_ih[2 * H + col]);
+  }
   GruGates<Acc> g;
-  const Acc h = gru_cell_forward<Acc>(static_cast<Acc>(x[0]), static_cast<Acc>(x[H]),
-                                      static_cast<Acc>(x[2 * H]), hr, hz, hn,
+  const Acc h = gru_cell_forward<Acc>(xr, xz, xn, hr, hz, hn,
                                       static_cast<Acc>(p.h_prev[row * p.h_prev_stride + col]), g);
   p.h_out[row * p.h_out_stride + col] = static_cast<T>(h);
   if (p.gates != nullptr) {

@@ -22,8 +22,8 @@ CellParams cell_params(at::TensorList params, int64_t cell, const GruOptions& op
   const int64_t base = cell * opt.params_per_cell();
   CellParams c{params[base], params[base + 1], {}, {}};
   if (opt.has_biases) {
-    // The gate kernel reads b_hh through a raw pointer.
-    c.b_ih = params[base + 2];
+    // The gate kernel reads both biases through raw pointers.
+    c.b_ih = params[base + 2].contiguous();
     c.b_hh = params[base + 3].contiguous();
   }
   return c;
@@ -61,7 +61,7 @@ void fill_dropout_mask(at::Tensor& mask, double p) {
 }
 
 // One direction of one layer, forward in time (or backward for reverse).
-// x_proj [seq*batch, 3*hidden] includes b_ih; out [seq, batch, dirs*hidden]
+// x_proj [seq*batch, 3*hidden] is W_ih x without b_ih; out [seq, batch, dirs*hidden]
 // gets columns d*hidden..; gates [seq, batch, 4*hidden] or undefined.
 void forward_direction(const at::Tensor& x_proj, const CellParams& w, const at::Tensor& h0,
                        const at::Tensor& out, int64_t d, bool reverse, const at::Tensor& gates,
@@ -76,6 +76,7 @@ void forward_direction(const at::Tensor& x_proj, const CellParams& w, const at::
   p.h_proj = h_proj.data_ptr();
   p.h_proj_stride = 3 * H;
   p.b_hh = w.b_hh.defined() ? w.b_hh.data_ptr() : nullptr;
+  p.b_ih = w.b_ih.defined() ? w.b_ih.data_ptr() : nullptr;
   p.h_out_stride = DH;
   for (int64_t step = 0; step < T; ++step) {
     const int64_t t = reverse ? T - 1 - step : step;
@@ -175,8 +176,7 @@ GruForwardResult gru_sequence_forward(const at::Tensor& input, const std::option
     for (int64_t d = 0; d < D; ++d) {
       const int64_t cell = l * D + d;
       const CellParams w = cell_params(params, cell, opt);
-      const at::Tensor x_proj = w.b_ih.defined() ? at::addmm(w.b_ih, in2d, w.w_ih.t())
-                                                 : at::mm(in2d, w.w_ih.t());  // [T*B, 3H]
+      const at::Tensor x_proj = at::mm(in2d, w.w_ih.t());  // [T*B, 3H], b_ih added per step
       forward_direction(x_proj, w, h0[cell], out, d, /*reverse=*/d == 1,
                         save ? r.gates[cell] : at::Tensor(), h_n[cell], h_proj, kernels);
     }

@@ -54,10 +54,15 @@ void forward_step(const GruForwardStep<T>& p) {
         hz = hz + load(p.b_hh + H + j, n);
         hn = hn + load(p.b_hh + 2 * H + j, n);
       }
+      Vec xr = load(x + j, n), xz = load(x + H + j, n), xn = load(x + 2 * H + j, n);
+      if (p.b_ih != nullptr) {
+        xr = xr + load(p.b_ih + j, n);
+        xz = xz + load(p.b_ih + H + j, n);
+        xn = xn + load(p.b_ih + 2 * H + j, n);
+      }
       GruGates<Vec> g;
       const Vec h_new =
-          gru_cell_forward<Vec, VecMath<T>>(load(x + j, n), load(x + H + j, n),
-                                            load(x + 2 * H + j, n), hr, hz, hn, load(h + j, n), g);
+          gru_cell_forward<Vec, VecMath<T>>(xr, xz, xn, hr, hz, hn, load(h + j, n), g);
       store(h_new, h_out + j, n);
       if (s != nullptr) {
         store(g.r, s + j, n);

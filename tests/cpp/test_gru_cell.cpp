@@ -111,8 +111,8 @@ std::string shape_name(const StepShape& s) {
 template <typename T>
 struct StepBuffers {
   StepShape s;
-  std::vector<T> x_proj, h_proj, b_hh, h_prev, h_out, gates;  // forward
-  std::vector<T> grad_out, dh, dx_proj, dh_proj, bias_grad;   // backward
+  std::vector<T> x_proj, h_proj, b_hh, b_ih, h_prev, h_out, gates;  // forward
+  std::vector<T> grad_out, dh, dx_proj, dh_proj, bias_grad;         // backward
 
   explicit StepBuffers(StepShape shape) : s(shape) {
     const size_t B = s.batch, H = s.hidden, S = s.out_stride;
@@ -123,6 +123,7 @@ struct StepBuffers {
     fill(x_proj, B * 3 * H, 10);
     fill(h_proj, B * 3 * H, 11);
     fill(b_hh, 3 * H, 12);
+    fill(b_ih, 3 * H, 16);
     fill(h_prev, B * S, 13);
     fill(grad_out, B * S, 14);
     fill(dh, B * H, 15);
@@ -134,8 +135,9 @@ struct StepBuffers {
   }
 
   GruForwardStep<T> forward() {
-    return {s.batch,     s.hidden,      x_proj.data(), 3 * s.hidden, h_proj.data(), 3 * s.hidden,
-            b_hh.data(), h_prev.data(), s.out_stride,  h_out.data(), s.out_stride,  gates.data()};
+    return {s.batch,      s.hidden,     x_proj.data(), 3 * s.hidden,  h_proj.data(),
+            3 * s.hidden, b_hh.data(),  b_ih.data(),   h_prev.data(), s.out_stride,
+            h_out.data(), s.out_stride, gates.data()};
   }
   GruBackwardStep<T> backward() {
     return {s.batch,        s.hidden,       grad_out.data(), s.out_stride,
@@ -180,8 +182,9 @@ TEST_P(GruStep, CudaGridMappingMatchesPlainFormula) {
       const double* x = &buf.x_proj[b * 3 * H + j];
       const double* hp = &buf.h_proj[b * 3 * H + j];
       const double want =
-          plain_gru(x[0], x[H], x[2 * H], hp[0] + buf.b_hh[j], hp[H] + buf.b_hh[H + j],
-                    hp[2 * H] + buf.b_hh[2 * H + j], buf.h_prev[b * s.out_stride + j]);
+          plain_gru(x[0] + buf.b_ih[j], x[H] + buf.b_ih[H + j], x[2 * H] + buf.b_ih[2 * H + j],
+                    hp[0] + buf.b_hh[j], hp[H] + buf.b_hh[H + j], hp[2 * H] + buf.b_hh[2 * H + j],
+                    buf.h_prev[b * s.out_stride + j]);
       EXPECT_NEAR(buf.h_out[b * s.out_stride + j], want, 1e-14);
     }
     // Columns past hidden belong to the other direction: untouched.

@@ -355,3 +355,8 @@ BAD = [
 def test_bad_input_names_the_argument(message, change):
     with pytest.raises(RuntimeError, match=message):
         _bad_call(change)()
+
+
+def test_opcheck_with_dropout_in_training():
+    torch.library.opcheck(torch.ops.ddpx.fused_gru.default,
+                          _opcheck_args(True, layers=3, dropout=0.4, train=True))
