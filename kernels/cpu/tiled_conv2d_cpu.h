@@ -1,0 +1,161 @@
+#pragma once
+// Pieces shared by the CPU forward (tiled_conv2d_kernel.cpp) and backward
+// (tiled_conv2d_backward_kernel.cpp) kernels of ddpx::tiled_conv2d.
+//
+// Two paths, chosen per problem by use_direct_path():
+//  * direct: few input channels per group (single channel, depthwise, LeNet's
+//    first layer). Each output plane is a sum of a few plane-by-filter
+//    correlations done by the vectorised loops of tiled_conv2d_vec.cpp; work is
+//    split into (plane, block of rows) tasks.
+//  * implicit GEMM: many channels. The output is cut into tiles of whole rows;
+//    for each (sample, group, tile) the input patch is gathered into a
+//    contiguous panel col [cig*kh*kw, tile pixels] sized to stay in L2, and one
+//    GEMM out_tile[cog, pixels] += W_g[cog, cig*kh*kw] @ col does the work.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/common/tiled_conv2d_args.h"
+#include "kernels/cpu/tiled_conv2d_vec.h"
+
+namespace ddpx::detail::cpu {
+
+// The geometry as plain integers, batched (an unbatched input is one sample).
+struct CpuConv {
+  int64_t n, c, h, w;
+  int64_t cout, kh, kw, oh, ow;
+  int64_t sh, sw, ph, pw, dh, dw;
+  int64_t groups, cig, cog;  // channels per group: input, output
+  int64_t kc;                // GEMM reduction length cig * kh * kw
+};
+
+inline CpuConv make_cpu_conv(const Conv2dShape& s) {
+  CpuConv p;
+  p.n = s.n.expect_int();
+  p.c = s.c_in.expect_int();
+  p.h = s.h.expect_int();
+  p.w = s.w.expect_int();
+  p.cout = s.c_out.expect_int();
+  p.kh = s.kh.expect_int();
+  p.kw = s.kw.expect_int();
+  p.oh = s.oh.expect_int();
+  p.ow = s.ow.expect_int();
+  p.sh = s.stride[0];
+  p.sw = s.stride[1];
+  p.ph = s.padding[0];
+  p.pw = s.padding[1];
+  p.dh = s.dilation[0];
+  p.dw = s.dilation[1];
+  p.groups = s.groups;
+  p.cig = p.c / p.groups;
+  p.cog = p.cout / p.groups;
+  p.kc = p.cig * p.kh * p.kw;
+  return p;
+}
+
+// Direct loops win while each output sums over few input channels: the GEMM
+// path's panel gather costs as much as the arithmetic there.
+inline bool use_direct_path(const CpuConv& p) { return p.cig <= 4; }
+
+inline PlaneGeom forward_plane(const CpuConv& p) {
+  return PlaneGeom{p.h, p.w, p.oh, p.ow, p.kh, p.kw, p.sh, p.sw, p.ph, p.pw, p.dh, p.dw};
+}
+
+// Output rows per GEMM tile: the panel [kc, rows*ow] should fit in ~256 KiB
+// (half of a typical L2) so the GEMM streams it from cache.
+inline int64_t gemm_tile_rows(const CpuConv& p, int64_t elem_size) {
+  const int64_t budget = 256 * 1024;
+  const int64_t per_row = std::max<int64_t>(1, p.kc * p.ow * elem_size);
+  return std::clamp<int64_t>(budget / per_row, 1, std::max<int64_t>(p.oh, 1));
+}
+
+// Rows of output per direct-path task: ~16K outputs, enough work to hide the
+// task overhead, small enough to balance two to a few dozen threads.
+inline int64_t direct_block_rows(const CpuConv& p) {
+  return std::clamp<int64_t>(16384 / std::max<int64_t>(p.ow, 1), 1, std::max<int64_t>(p.oh, 1));
+}
+
+// True when the GEMM can read the input directly as its panel: a 1x1 filter
+// with unit stride and no padding makes col == x_g.
+inline bool panel_is_input(const CpuConv& p) {
+  return p.kh == 1 && p.kw == 1 && p.sh == 1 && p.sw == 1 && p.ph == 0 && p.pw == 0;
+}
+
+// col[r, (y - y0) * ow + x] = x_g[c, y*sh - ph + i*dh, x*sw - pw + j*dw] (0 outside)
+// for panel rows r = (c*kh + i)*kw + j with c in [c0, c1).
+// x_g: [cig, h, w] (one sample, one group); col: [kc, (y1 - y0) * ow].
+template <typename T>
+void im2col_tile(const CpuConv& p, const T* x_g, int64_t y0, int64_t y1, T* col, int64_t c0,
+                 int64_t c1) {
+  const int64_t pix = (y1 - y0) * p.ow;
+  for (int64_t c = c0; c < c1; ++c) {
+    for (int64_t i = 0; i < p.kh; ++i) {
+      for (int64_t j = 0; j < p.kw; ++j) {
+        T* dst = col + ((c * p.kh + i) * p.kw + j) * pix;
+        const int64_t ox = j * p.dw - p.pw;
+        // Columns x with 0 <= x*sw + ox < w.
+        const int64_t xa = ox >= 0 ? 0 : std::min(p.ow, (-ox + p.sw - 1) / p.sw);
+        const int64_t xb =
+            p.w - 1 - ox < 0 ? xa : std::clamp<int64_t>((p.w - 1 - ox) / p.sw + 1, xa, p.ow);
+        for (int64_t y = y0; y < y1; ++y, dst += p.ow) {
+          const int64_t iy = y * p.sh - p.ph + i * p.dh;
+          if (iy < 0 || iy >= p.h) {
+            std::fill(dst, dst + p.ow, T(0));
+            continue;
+          }
+          const T* src = x_g + (c * p.h + iy) * p.w + ox;
+          std::fill(dst, dst + xa, T(0));
+          if (p.sw == 1) {
+            std::memcpy(dst + xa, src + xa, (xb - xa) * sizeof(T));
+          } else {
+            for (int64_t x = xa; x < xb; ++x) dst[x] = src[x * p.sw];
+          }
+          std::fill(dst + xb, dst + p.ow, T(0));
+        }
+      }
+    }
+  }
+}
+
+// The adjoint of im2col_tile: x_g[c, ...] += col[r, ...] for c in [c0, c1).
+// Tiles of one (sample, group) overlap in x_g (the halo), so callers run them
+// one after another; different channels c never collide.
+template <typename T>
+void col2im_tile_add(const CpuConv& p, const T* col, int64_t y0, int64_t y1, T* x_g, int64_t c0,
+                     int64_t c1) {
+  const int64_t pix = (y1 - y0) * p.ow;
+  for (int64_t c = c0; c < c1; ++c) {
+    for (int64_t i = 0; i < p.kh; ++i) {
+      for (int64_t j = 0; j < p.kw; ++j) {
+        const T* src = col + ((c * p.kh + i) * p.kw + j) * pix;
+        const int64_t ox = j * p.dw - p.pw;
+        const int64_t xa = ox >= 0 ? 0 : std::min(p.ow, (-ox + p.sw - 1) / p.sw);
+        const int64_t xb =
+            p.w - 1 - ox < 0 ? xa : std::clamp<int64_t>((p.w - 1 - ox) / p.sw + 1, xa, p.ow);
+        for (int64_t y = y0; y < y1; ++y, src += p.ow) {
+          const int64_t iy = y * p.sh - p.ph + i * p.dh;
+          if (iy < 0 || iy >= p.h) continue;
+          T* dst = x_g + (c * p.h + iy) * p.w + ox;
+          if (p.sw == 1) {
+            for (int64_t x = xa; x < xb; ++x) dst[x] += src[x];
+          } else {
+            for (int64_t x = xa; x < xb; ++x) dst[x * p.sw] += src[x];
+          }
+        }
+      }
+    }
+  }
+}
+
+// A 2-D [rows, cols] view with row stride ld over raw memory owned elsewhere.
+inline at::Tensor view2d(void* data, int64_t rows, int64_t cols, int64_t ld,
+                         const at::TensorOptions& opts) {
+  return at::from_blob(data, {rows, cols}, {ld, 1}, opts);
+}
+
+// Whether the batch alone keeps every thread busy; otherwise one task runs at
+// a time with the GEMM and the gathers parallel inside.
+bool batch_parallel(int64_t tasks);
+
+}  // namespace ddpx::detail::cpu

@@ -1,0 +1,143 @@
+// CPU forward kernel of ddpx::tiled_conv2d (see tiled_conv2d_cpu.h for the two
+// paths), the run-time choice of the vectorised loops, and the CPU
+// registration of both ops (the backward lives in
+// tiled_conv2d_backward_kernel.cpp).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "kernels/cpu/tiled_conv2d_cpu.h"
+
+namespace ddpx::detail::cpu {
+
+const VecKernels& vec_kernels() {
+  static const VecKernels* chosen = [] {
+    __builtin_cpu_init();
+    const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool has_avx512 =
+        has_avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    std::string want = "avx512";
+    if (const char* env = std::getenv("DDPX_CPU_CAPABILITY")) want = env;
+    for (auto& ch : want) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (want == "avx512" && has_avx512) return vec_kernels_AVX512();
+    if ((want == "avx512" || want == "avx2") && has_avx2) return vec_kernels_AVX2();
+    return vec_kernels_DEFAULT();
+  }();
+  return *chosen;
+}
+
+bool batch_parallel(int64_t tasks) {
+  return !at::in_parallel_region() && tasks >= at::get_num_threads();
+}
+
+namespace {
+
+// out: [n, cout, oh, ow] contiguous, already holding the bias (or zeros).
+template <typename T>
+void direct_forward(const CpuConv& p, const T* x, const T* wt, T* out) {
+  const auto corr = vec_kernels().corr_rows<T>();
+  const PlaneGeom g = forward_plane(p);
+  const int64_t rows = direct_block_rows(p);
+  const int64_t blocks = (p.oh + rows - 1) / rows;
+  const int64_t planes = p.n * p.cout;
+  at::parallel_for(0, planes * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t plane = t / blocks, blk = t % blocks;
+      const int64_t nn = plane / p.cout, oc = plane % p.cout, grp = oc / p.cog;
+      const int64_t y0 = blk * rows, y1 = std::min(p.oh, y0 + rows);
+      T* o = out + plane * p.oh * p.ow;
+      for (int64_t icg = 0; icg < p.cig; ++icg) {
+        const T* xin = x + (nn * p.c + grp * p.cig + icg) * p.h * p.w;
+        corr(g, xin, wt + (oc * p.cig + icg) * p.kh * p.kw, o, y0, y1);
+      }
+    }
+  });
+}
+
+// out: [n, cout, oh, ow] contiguous, already holding the bias (or zeros).
+template <typename T>
+void gemm_forward(const CpuConv& p, const at::Tensor& x, const at::Tensor& wt, at::Tensor& out) {
+  const auto opts = x.options();
+  const int64_t rows = gemm_tile_rows(p, sizeof(T));
+  const int64_t tiles = (p.oh + rows - 1) / rows;
+  const int64_t tasks = p.n * p.groups * tiles;
+  T* xp = x.data_ptr<T>();
+  T* wp = wt.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const bool outer = batch_parallel(tasks);
+  auto run = [&](int64_t t, T* col) {
+    const int64_t ng = t / tiles, tile = t % tiles;
+    const int64_t nn = ng / p.groups, grp = ng % p.groups;
+    const int64_t y0 = tile * rows, y1 = std::min(p.oh, y0 + rows);
+    const int64_t pix = (y1 - y0) * p.ow;
+    T* x_g = xp + (nn * p.c + grp * p.cig) * p.h * p.w;
+    at::Tensor panel;
+    if (panel_is_input(p)) {
+      panel = view2d(x_g + y0 * p.ow, p.kc, pix, p.h * p.w, opts);
+    } else {
+      if (outer) {
+        im2col_tile(p, x_g, y0, y1, col, 0, p.cig);
+      } else {
+        at::parallel_for(0, p.cig, 1,
+                         [&](int64_t c0, int64_t c1) { im2col_tile(p, x_g, y0, y1, col, c0, c1); });
+      }
+      panel = view2d(col, p.kc, pix, pix, opts);
+    }
+    auto w_g = view2d(wp + grp * p.cog * p.kc, p.cog, p.kc, p.kc, opts);
+    auto o = view2d(op + (nn * p.cout + grp * p.cog) * p.oh * p.ow + y0 * p.ow, p.cog, pix,
+                    p.oh * p.ow, opts);
+    o.addmm_(w_g, panel);
+  };
+  const int64_t col_elems = p.kc * rows * p.ow;
+  if (outer) {
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<T> col(panel_is_input(p) ? 0 : col_elems);
+      for (int64_t t = begin; t < end; ++t) run(t, col.data());
+    });
+  } else {
+    std::vector<T> col(panel_is_input(p) ? 0 : col_elems);
+    for (int64_t t = 0; t < tasks; ++t) run(t, col.data());
+  }
+}
+
+at::Tensor tiled_conv2d_cpu(const at::Tensor& input, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                            at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
+  const Conv2dShape s =
+      check_tiled_conv2d_args(input, weight, bias, stride, padding, dilation, groups);
+  const CpuConv p = make_cpu_conv(s);
+  const auto out_format = conv2d_output_memory_format(input, weight);
+
+  // The kernels work on NCHW-contiguous data; a channels-last or strided input
+  // is copied once (the cost is one pass over the input).
+  const at::Tensor x = (s.unbatched ? input.unsqueeze(0) : input).contiguous();
+  const at::Tensor wt = weight.contiguous();
+  at::Tensor out;
+  if (bias.has_value() && bias->defined()) {
+    out = bias->contiguous().view({1, p.cout, 1, 1}).expand({p.n, p.cout, p.oh, p.ow}).contiguous();
+  } else {
+    out = at::zeros({p.n, p.cout, p.oh, p.ow}, x.options());
+  }
+  if (out.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tiled_conv2d_cpu", [&] {
+      if (use_direct_path(p)) {
+        direct_forward<scalar_t>(p, x.data_ptr<scalar_t>(), wt.data_ptr<scalar_t>(),
+                                 out.data_ptr<scalar_t>());
+      } else {
+        gemm_forward<scalar_t>(p, x, wt, out);
+      }
+    });
+  }
+  if (s.unbatched) return out.squeeze(0);
+  return out_format == at::MemoryFormat::Contiguous ? out : out.contiguous(out_format);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ddpx, CPU, m) { m.impl("tiled_conv2d", TORCH_FN(tiled_conv2d_cpu)); }
+
+}  // namespace ddpx::detail::cpu
