@@ -180,6 +180,7 @@ void gemm_backward(const CpuConv& p, const at::Tensor& x, const at::Tensor& go,
     // One grad_weight accumulator per worker thread, summed at the end.
     std::vector<at::Tensor> partial(at::get_num_threads());
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      SequentialBlasGuard sequential;
       std::vector<T> col(direct_panel ? 0 : col_elems), colg(direct_panel ? 0 : col_elems);
       at::Tensor& acc = partial[at::get_thread_num()];
       if (need_gw && !acc.defined()) acc = at::zeros({p.cout, p.kc}, opts);

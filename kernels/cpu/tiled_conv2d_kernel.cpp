@@ -30,6 +30,20 @@ const VecKernels& vec_kernels() {
   return *chosen;
 }
 
+// libtorch_cpu exports MKL's per-thread control (the C entry that mkl_service.h
+// maps mkl_set_num_threads_local to) when torch uses MKL; weak, so
+// the plugin still loads against a torch built with another BLAS.
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+
+SequentialBlasGuard::SequentialBlasGuard() {
+  if (MKL_Set_Num_Threads_Local != nullptr) previous_ = MKL_Set_Num_Threads_Local(1);
+}
+
+SequentialBlasGuard::~SequentialBlasGuard() {
+  // 0 restores "use the global setting", which is also what a fresh thread has.
+  if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(previous_);
+}
+
 bool batch_parallel(int64_t tasks) {
   return !at::in_parallel_region() && tasks >= at::get_num_threads();
 }
@@ -95,6 +109,7 @@ void gemm_forward(const CpuConv& p, const at::Tensor& x, const at::Tensor& wt, a
   const int64_t col_elems = p.kc * rows * p.ow;
   if (outer) {
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      SequentialBlasGuard sequential;
       std::vector<T> col(panel_is_input(p) ? 0 : col_elems);
       for (int64_t t = begin; t < end; ++t) run(t, col.data());
     });
