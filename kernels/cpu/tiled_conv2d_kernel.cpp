@@ -131,11 +131,13 @@ at::Tensor tiled_conv2d_cpu(const at::Tensor& input, const at::Tensor& weight,
   // is copied once (the cost is one pass over the input).
   const at::Tensor x = (s.unbatched ? input.unsqueeze(0) : input).contiguous();
   const at::Tensor wt = weight.contiguous();
-  at::Tensor out;
+  // A fresh buffer in every case: expand(...).contiguous() would alias the
+  // bias itself when the output is [1, cout, 1, 1], and we accumulate into it.
+  at::Tensor out = at::empty({p.n, p.cout, p.oh, p.ow}, x.options());
   if (bias.has_value() && bias->defined()) {
-    out = bias->contiguous().view({1, p.cout, 1, 1}).expand({p.n, p.cout, p.oh, p.ow}).contiguous();
+    out.copy_(bias->view({1, p.cout, 1, 1}).expand_as(out));
   } else {
-    out = at::zeros({p.n, p.cout, p.oh, p.ow}, x.options());
+    out.zero_();
   }
   if (out.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tiled_conv2d_cpu", [&] {

@@ -67,15 +67,21 @@ class TiledConv2dFunction : public torch::autograd::Function<TiledConv2dFunction
 // fails with a clear message instead of silently returning nothing.
 class TiledConv2dBackwardFunction : public torch::autograd::Function<TiledConv2dBackwardFunction> {
  public:
+  // Returns only the gradients that output_mask asked for (autograd cannot
+  // wrap undefined outputs); the caller puts them back in their slots.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_output,
                                const at::Tensor& input, const at::Tensor& weight,
                                at::IntArrayRef stride, at::IntArrayRef padding,
                                at::IntArrayRef dilation, int64_t groups,
                                std::array<bool, 3> output_mask) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [gi, gw, gb] =
-        call_backward(grad_output, input, weight, stride, padding, dilation, groups, output_mask);
-    return {gi, gw, gb};
+    auto [gi, gw, gb] = call_backward(grad_output, input, weight, stride, padding, dilation,
+                                      groups, output_mask);
+    variable_list defined;
+    for (auto& t : {gi, gw, gb}) {
+      if (t.defined()) defined.push_back(t);
+    }
+    return defined;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -97,9 +103,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_autograd(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
     std::array<bool, 3> output_mask) {
-  auto r = TiledConv2dBackwardFunction::apply(grad_output, input, weight, stride, padding, dilation,
-                                              groups, output_mask);
-  return {r[0], r[1], r[2]};
+  auto r = TiledConv2dBackwardFunction::apply(grad_output, input, weight, stride, padding,
+                                              dilation, groups, output_mask);
+  std::array<at::Tensor, 3> out;
+  size_t next = 0;
+  for (size_t i = 0; i < 3; ++i) {
+    if (output_mask[i]) out[i] = r.at(next++);
+  }
+  return {out[0], out[1], out[2]};
 }
 
 }  // namespace
