@@ -75,8 +75,8 @@ class TiledConv2dBackwardFunction : public torch::autograd::Function<TiledConv2d
                                at::IntArrayRef dilation, int64_t groups,
                                std::array<bool, 3> output_mask) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [gi, gw, gb] = call_backward(grad_output, input, weight, stride, padding, dilation,
-                                      groups, output_mask);
+    auto [gi, gw, gb] =
+        call_backward(grad_output, input, weight, stride, padding, dilation, groups, output_mask);
     variable_list defined;
     for (auto& t : {gi, gw, gb}) {
       if (t.defined()) defined.push_back(t);
@@ -103,8 +103,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_autograd(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
     at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
     std::array<bool, 3> output_mask) {
-  auto r = TiledConv2dBackwardFunction::apply(grad_output, input, weight, stride, padding,
-                                              dilation, groups, output_mask);
+  auto r = TiledConv2dBackwardFunction::apply(grad_output, input, weight, stride, padding, dilation,
+                                              groups, output_mask);
   std::array<at::Tensor, 3> out;
   size_t next = 0;
   for (size_t i = 0; i < 3; ++i) {
