@@ -40,7 +40,9 @@ void direct_grad_input(const CpuConv& p, const T* go, const at::Tensor& wt, T* g
     q.ow = p.w;
     const int64_t rows = direct_block_rows(q);
     const int64_t blocks = (p.h + rows - 1) / rows;
+    const bool banded = use_padded_band(g);
     at::parallel_for(0, planes * blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<T> band;
       for (int64_t t = begin; t < end; ++t) {
         const int64_t plane = t / blocks, blk = t % blocks;
         const int64_t nn = plane / p.c, ic = plane % p.c;
@@ -48,8 +50,13 @@ void direct_grad_input(const CpuConv& p, const T* go, const at::Tensor& wt, T* g
         const int64_t y0 = blk * rows, y1 = std::min(p.h, y0 + rows);
         for (int64_t k = 0; k < p.cog; ++k) {
           const int64_t oc = grp * p.cog + k;
-          corr(g, go + (nn * p.cout + oc) * p.oh * p.ow, wf + (oc * p.cig + icg) * p.kh * p.kw,
-               gx + plane * p.h * p.w, y0, y1);
+          const T* src = go + (nn * p.cout + oc) * p.oh * p.ow;
+          const T* taps = wf + (oc * p.cig + icg) * p.kh * p.kw;
+          if (banded) {
+            corr_rows_banded(corr, g, src, taps, gx + plane * p.h * p.w, y0, y1, band);
+          } else {
+            corr(g, src, taps, gx + plane * p.h * p.w, y0, y1);
+          }
         }
       }
     });
@@ -97,14 +104,21 @@ void direct_grad_weight(const CpuConv& p, const T* x, const T* go, T* gw) {
   const int64_t per_filter = p.n * blocks;  // partial sums per (oc, icg)
   const int64_t filters = p.cout * p.cig;
   std::vector<double> partial(filters * per_filter * kk, 0.0);
+  const bool banded = use_padded_band(g);
   at::parallel_for(0, filters * per_filter, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> band;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t f = t / per_filter, r = t % per_filter;
       const int64_t oc = f / p.cig, icg = f % p.cig, grp = oc / p.cog;
       const int64_t nn = r / blocks, blk = r % blocks;
       const int64_t y0 = blk * rows, y1 = std::min(p.oh, y0 + rows);
-      wrows(g, x + (nn * p.c + grp * p.cig + icg) * p.h * p.w,
-            go + (nn * p.cout + oc) * p.oh * p.ow, partial.data() + t * kk, y0, y1);
+      const T* xin = x + (nn * p.c + grp * p.cig + icg) * p.h * p.w;
+      const T* gin = go + (nn * p.cout + oc) * p.oh * p.ow;
+      if (banded) {
+        weight_rows_banded(wrows, g, xin, gin, partial.data() + t * kk, y0, y1, band);
+      } else {
+        wrows(g, xin, gin, partial.data() + t * kk, y0, y1);
+      }
     }
   });
   for (int64_t f = 0; f < filters; ++f) {

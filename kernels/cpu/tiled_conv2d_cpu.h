@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "kernels/common/tiled_conv2d_args.h"
 #include "kernels/cpu/tiled_conv2d_vec.h"
@@ -60,6 +61,53 @@ inline bool use_direct_path(const CpuConv& p) { return p.cig <= 4; }
 
 inline PlaneGeom forward_plane(const CpuConv& p) {
   return PlaneGeom{p.h, p.w, p.oh, p.ow, p.kh, p.kw, p.sh, p.sw, p.ph, p.pw, p.dh, p.dw};
+}
+
+// Narrow planes with padding spend most of their time in the checked border
+// loops; for them the rows a task reads are first copied into a zero-padded
+// band, so that every tap is interior and vectorised.
+inline bool use_padded_band(const PlaneGeom& g) { return (g.ph != 0 || g.pw != 0) && g.ow <= 256; }
+
+// corr_rows over output rows [y0, y1), reading a padded copy of the input band
+// (`band` is the caller's scratch buffer, reused across calls).
+// The zero-padded copy of the input rows that output rows [y0, y1) read, and
+// the geometry that addresses it with no padding (output row y0 -> band row 0).
+template <typename T>
+PlaneGeom padded_band(const PlaneGeom& g, const T* in, int64_t y0, int64_t y1,
+                      std::vector<T>& band) {
+  const int64_t r0 = y0 * g.sh - g.ph, r1 = (y1 - 1) * g.sh - g.ph + (g.kh - 1) * g.dh + 1;
+  const int64_t c0 = -g.pw, c1 = (g.ow - 1) * g.sw - g.pw + (g.kw - 1) * g.dw + 1;
+  const int64_t bh = r1 - r0, bw = c1 - c0;
+  band.resize(bh * bw);
+  const int64_t xa = std::clamp<int64_t>(c0, 0, g.w), xb = std::clamp<int64_t>(c1, xa, g.w);
+  for (int64_t r = 0; r < bh; ++r) {
+    T* dst = band.data() + r * bw;
+    const int64_t iy = r0 + r;
+    if (iy < 0 || iy >= g.h || xa == xb) {
+      std::fill(dst, dst + bw, T(0));
+      continue;
+    }
+    std::fill(dst, dst + (xa - c0), T(0));
+    std::memcpy(dst + (xa - c0), in + iy * g.w + xa, (xb - xa) * sizeof(T));
+    std::fill(dst + (xb - c0), dst + bw, T(0));
+  }
+  return PlaneGeom{bh, bw, y1 - y0, g.ow, g.kh, g.kw, g.sh, g.sw, 0, 0, g.dh, g.dw};
+}
+
+// corr_rows over output rows [y0, y1) of `out`, reading a padded band copy.
+template <typename T>
+void corr_rows_banded(CorrRowsFn<T> corr, const PlaneGeom& g, const T* in, const T* taps, T* out,
+                      int64_t y0, int64_t y1, std::vector<T>& band) {
+  const PlaneGeom b = padded_band(g, in, y0, y1, band);
+  corr(b, band.data(), taps, out + y0 * g.ow, 0, y1 - y0);
+}
+
+// weight_rows over grad_output rows [y0, y1), reading a padded band copy.
+template <typename T>
+void weight_rows_banded(WeightRowsFn<T> wrows, const PlaneGeom& g, const T* in, const T* gout,
+                        double* acc, int64_t y0, int64_t y1, std::vector<T>& band) {
+  const PlaneGeom b = padded_band(g, in, y0, y1, band);
+  wrows(b, band.data(), gout + y0 * g.ow, acc, 0, y1 - y0);
 }
 
 // Output rows per GEMM tile: the panel [kc, rows*ow] should fit in ~256 KiB

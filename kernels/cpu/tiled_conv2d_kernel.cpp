@@ -58,7 +58,9 @@ void direct_forward(const CpuConv& p, const T* x, const T* wt, T* out) {
   const int64_t rows = direct_block_rows(p);
   const int64_t blocks = (p.oh + rows - 1) / rows;
   const int64_t planes = p.n * p.cout;
+  const bool banded = use_padded_band(g);
   at::parallel_for(0, planes * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> band;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t plane = t / blocks, blk = t % blocks;
       const int64_t nn = plane / p.cout, oc = plane % p.cout, grp = oc / p.cog;
@@ -66,7 +68,12 @@ void direct_forward(const CpuConv& p, const T* x, const T* wt, T* out) {
       T* o = out + plane * p.oh * p.ow;
       for (int64_t icg = 0; icg < p.cig; ++icg) {
         const T* xin = x + (nn * p.c + grp * p.cig + icg) * p.h * p.w;
-        corr(g, xin, wt + (oc * p.cig + icg) * p.kh * p.kw, o, y0, y1);
+        const T* taps = wt + (oc * p.cig + icg) * p.kh * p.kw;
+        if (banded) {
+          corr_rows_banded(corr, g, xin, taps, o, y0, y1, band);
+        } else {
+          corr(g, xin, taps, o, y0, y1);
+        }
       }
     }
   });

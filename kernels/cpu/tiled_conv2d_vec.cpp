@@ -106,6 +106,19 @@ void corr_rows(const PlaneGeom& g, const T* in, const T* taps, T* out, int64_t y
         }
         acc.store(orow + x);
       }
+      if (x < b) {  // the last partial vector of the interior (masked loads)
+        const int64_t cnt = b - x;
+        Vec acc = Vec::loadu(orow + x, cnt);
+        for (int64_t i = i0; i < i1; ++i) {
+          const T* src = in + (oy + i * g.dh) * g.w + x - g.pw;
+          const T* t = taps + i * g.kw;
+          for (int64_t j = 0; j < g.kw; ++j, src += g.dw) {
+            acc = at::vec::fmadd(Vec(t[j]), Vec::loadu(src, cnt), acc);
+          }
+        }
+        acc.store(orow + x, cnt);
+        x = b;
+      }
     }
     // Interior leftovers (and every interior column when strided): no bounds
     // checks needed, the compiler vectorises what it can.
@@ -139,6 +152,10 @@ double dot(const T* p, const T* q, int64_t n, int64_t stride) {
       a3 = at::vec::fmadd(Vec::loadu(p + x + 3 * V), Vec::loadu(q + x + 3 * V), a3);
     }
     for (; x + V <= n; x += V) a0 = at::vec::fmadd(Vec::loadu(p + x), Vec::loadu(q + x), a0);
+    if (x < n) {  // masked loads fill the missing lanes with zeros
+      a1 = at::vec::fmadd(Vec::loadu(p + x, n - x), Vec::loadu(q + x, n - x), a1);
+      x = n;
+    }
     const Vec sum = (a0 + a1) + (a2 + a3);
     s = at::vec::vec_reduce_all<T>([](Vec& u, Vec& v) { return u + v; }, sum);
   }
