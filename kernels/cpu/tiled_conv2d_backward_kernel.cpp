@@ -135,54 +135,75 @@ template <typename T>
 void gemm_backward(const CpuConv& p, const at::Tensor& x, const at::Tensor& go,
                    const at::Tensor& wt, at::Tensor& gx, at::Tensor& gw) {
   const auto opts = x.options();
-  const int64_t rows = gemm_tile_rows(p, sizeof(T));
-  const int64_t tasks = p.n * p.groups;
+  const GemmTiling tl = gemm_tiling(p, sizeof(T));
+  // A task owns whole images of one group: the col2im halos of its row tiles
+  // overlap, so they run in order inside the task.
+  const int64_t tasks = p.groups * tl.chunks;
+  const int64_t plane = p.oh * p.ow;
   const bool outer = batch_parallel(tasks);
   const bool need_gx = gx.defined(), need_gw = gw.defined();
-  const bool direct_panel = panel_is_input(p);
+  const bool direct_panel = panel_is_input(p) && tl.images == 1;
+  const int64_t cols_max = tl.images * tl.rows * p.ow;
   T* xp = x.data_ptr<T>();
   T* gop = go.data_ptr<T>();
   T* wp = wt.data_ptr<T>();
   T* gxp = need_gx ? gx.data_ptr<T>() : nullptr;
-  const int64_t col_elems = p.kc * rows * p.ow;
 
-  // Each (sample, group) runs its tiles in order: their col2im halos overlap.
-  auto run = [&](int64_t t, T* col, T* colg, at::Tensor& gw_acc) {
-    const int64_t nn = t / p.groups, grp = t % p.groups;
-    T* x_g = xp + (nn * p.c + grp * p.cig) * p.h * p.w;
-    T* gx_g = need_gx ? gxp + (nn * p.c + grp * p.cig) * p.h * p.w : nullptr;
+  auto run = [&](int64_t t, T* col, T* colg, T* gbuf, at::Tensor& gw_acc) {
+    const int64_t grp = t % p.groups, chunk = t / p.groups;
+    const int64_t n0 = chunk * tl.images, n1 = std::min(p.n, n0 + tl.images);
+    auto x_g = [&](int64_t nn) { return xp + (nn * p.c + grp * p.cig) * p.h * p.w; };
+    auto gx_g = [&](int64_t nn) { return gxp + (nn * p.c + grp * p.cig) * p.h * p.w; };
     auto w_g = view2d(wp + grp * p.cog * p.kc, p.cog, p.kc, p.kc, opts);
-    for (int64_t y0 = 0; y0 < p.oh; y0 += rows) {
-      const int64_t y1 = std::min(p.oh, y0 + rows), pix = (y1 - y0) * p.ow;
-      auto go_t = view2d(gop + (nn * p.cout + grp * p.cog) * p.oh * p.ow + y0 * p.ow, p.cog, pix,
-                         p.oh * p.ow, opts);
+    for (int64_t y0 = 0; y0 < p.oh; y0 += tl.rows) {
+      const int64_t y1 = std::min(p.oh, y0 + tl.rows);
+      const int64_t pix = (y1 - y0) * p.ow, cols = (n1 - n0) * pix;
+      at::Tensor go_t;  // [cog, cols]
+      if (n1 - n0 == 1) {
+        go_t = view2d(gop + (n0 * p.cout + grp * p.cog) * plane + y0 * p.ow, p.cog, pix, plane,
+                      opts);
+      } else {
+        for (int64_t nn = n0; nn < n1; ++nn) {
+          for (int64_t m = 0; m < p.cog; ++m) {
+            std::memcpy(gbuf + m * cols + (nn - n0) * pix,
+                        gop + (nn * p.cout + grp * p.cog + m) * plane, pix * sizeof(T));
+          }
+        }
+        go_t = view2d(gbuf, p.cog, cols, cols, opts);
+      }
       if (need_gw) {
         at::Tensor panel;
         if (direct_panel) {
-          panel = view2d(x_g + y0 * p.ow, p.kc, pix, p.h * p.w, opts);
+          panel = view2d(x_g(n0) + y0 * p.ow, p.kc, pix, p.h * p.w, opts);
         } else {
-          if (outer) {
-            im2col_tile(p, x_g, y0, y1, col, 0, p.cig);
-          } else {
-            at::parallel_for(0, p.cig, 1, [&](int64_t c0, int64_t c1) {
-              im2col_tile(p, x_g, y0, y1, col, c0, c1);
-            });
+          for (int64_t nn = n0; nn < n1; ++nn) {
+            T* dst = col + (nn - n0) * pix;
+            if (outer) {
+              im2col_tile(p, x_g(nn), y0, y1, dst, cols, 0, p.cig);
+            } else {
+              at::parallel_for(0, p.cig, 1, [&](int64_t c0, int64_t c1) {
+                im2col_tile(p, x_g(nn), y0, y1, dst, cols, c0, c1);
+              });
+            }
           }
-          panel = view2d(col, p.kc, pix, pix, opts);
+          panel = view2d(col, p.kc, cols, cols, opts);
         }
-        gw_acc.narrow(0, grp * p.cog, p.cog).view({p.cog, p.kc}).addmm_(go_t, panel.t());
+        gw_acc.narrow(0, grp * p.cog, p.cog).addmm_(go_t, panel.t());
       }
       if (need_gx) {
         if (direct_panel) {
-          view2d(gx_g + y0 * p.ow, p.kc, pix, p.h * p.w, opts).addmm_(w_g.t(), go_t);
-        } else {
-          auto cg = view2d(colg, p.kc, pix, pix, opts);
-          at::mm_out(cg, w_g.t(), go_t);
+          view2d(gx_g(n0) + y0 * p.ow, p.kc, pix, p.h * p.w, opts).addmm_(w_g.t(), go_t);
+          continue;
+        }
+        at::Tensor cg = view2d(colg, p.kc, cols, cols, opts);
+        at::mm_out(cg, w_g.t(), go_t);
+        for (int64_t nn = n0; nn < n1; ++nn) {
+          const T* src = colg + (nn - n0) * pix;
           if (outer) {
-            col2im_tile_add(p, colg, y0, y1, gx_g, 0, p.cig);
+            col2im_tile_add(p, src, cols, y0, y1, gx_g(nn), 0, p.cig);
           } else {
             at::parallel_for(0, p.cig, 1, [&](int64_t c0, int64_t c1) {
-              col2im_tile_add(p, colg, y0, y1, gx_g, c0, c1);
+              col2im_tile_add(p, src, cols, y0, y1, gx_g(nn), c0, c1);
             });
           }
         }
@@ -190,15 +211,17 @@ void gemm_backward(const CpuConv& p, const at::Tensor& x, const at::Tensor& go,
     }
   };
 
+  const int64_t col_elems = direct_panel ? 0 : p.kc * cols_max;
+  const int64_t gbuf_elems = tl.images > 1 ? p.cog * cols_max : 0;
   if (outer) {
     // One grad_weight accumulator per worker thread, summed at the end.
     std::vector<at::Tensor> partial(at::get_num_threads());
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
       SequentialBlasGuard sequential;
-      std::vector<T> col(direct_panel ? 0 : col_elems), colg(direct_panel ? 0 : col_elems);
+      std::vector<T> col(col_elems), colg(col_elems), gbuf(gbuf_elems);
       at::Tensor& acc = partial[at::get_thread_num()];
       if (need_gw && !acc.defined()) acc = at::zeros({p.cout, p.kc}, opts);
-      for (int64_t t = begin; t < end; ++t) run(t, col.data(), colg.data(), acc);
+      for (int64_t t = begin; t < end; ++t) run(t, col.data(), colg.data(), gbuf.data(), acc);
     });
     if (need_gw) {
       auto flat = gw.view({p.cout, p.kc});
@@ -207,9 +230,9 @@ void gemm_backward(const CpuConv& p, const at::Tensor& x, const at::Tensor& go,
       }
     }
   } else {
-    std::vector<T> col(direct_panel ? 0 : col_elems), colg(direct_panel ? 0 : col_elems);
+    std::vector<T> col(col_elems), colg(col_elems), gbuf(gbuf_elems);
     at::Tensor acc = need_gw ? gw.view({p.cout, p.kc}) : at::Tensor();
-    for (int64_t t = 0; t < tasks; ++t) run(t, col.data(), colg.data(), acc);
+    for (int64_t t = 0; t < tasks; ++t) run(t, col.data(), colg.data(), gbuf.data(), acc);
   }
 }
 

@@ -110,12 +110,30 @@ void weight_rows_banded(WeightRowsFn<T> wrows, const PlaneGeom& g, const T* in, 
   wrows(b, band.data(), gout + y0 * g.ow, acc, 0, y1 - y0);
 }
 
-// Output rows per GEMM tile: the panel [kc, rows*ow] should fit in ~256 KiB
-// (half of a typical L2) so the GEMM streams it from cache.
-inline int64_t gemm_tile_rows(const CpuConv& p, int64_t elem_size) {
-  const int64_t budget = 256 * 1024;
-  const int64_t per_row = std::max<int64_t>(1, p.kc * p.ow * elem_size);
-  return std::clamp<int64_t>(budget / per_row, 1, std::max<int64_t>(p.oh, 1));
+// How the GEMM path cuts the output: a tile is either several whole images
+// (small images: one GEMM per tile instead of per image) or a band of rows of
+// one image. Tiles aim at ~1 MiB panels (half of this class of L2) but never
+// fewer than 128 columns, below which the GEMM itself loses efficiency.
+struct GemmTiling {
+  int64_t images;  // images per tile (> 1 only when rows == oh)
+  int64_t rows;    // output rows per tile
+  int64_t chunks;  // tiles along the batch: ceil(n / images)
+};
+
+inline GemmTiling gemm_tiling(const CpuConv& p, int64_t elem_size) {
+  const int64_t budget = 1024 * 1024;
+  const int64_t pix = std::max<int64_t>(p.oh * p.ow, 1);
+  const int64_t cols = std::max<int64_t>(128, budget / std::max<int64_t>(1, p.kc * elem_size));
+  GemmTiling t;
+  if (pix <= cols / 2) {
+    t.images = std::clamp<int64_t>(cols / pix, 1, std::max<int64_t>(p.n, 1));
+    t.rows = p.oh;
+  } else {
+    t.images = 1;
+    t.rows = std::clamp<int64_t>(cols / std::max<int64_t>(p.ow, 1), 1, std::max<int64_t>(p.oh, 1));
+  }
+  t.chunks = (p.n + t.images - 1) / t.images;
+  return t;
 }
 
 // Rows of output per direct-path task: ~16K outputs, enough work to hide the
@@ -132,11 +150,11 @@ inline bool panel_is_input(const CpuConv& p) {
 
 // col[r, (y - y0) * ow + x] = x_g[c, y*sh - ph + i*dh, x*sw - pw + j*dw] (0 outside)
 // for panel rows r = (c*kh + i)*kw + j with c in [c0, c1).
-// x_g: [cig, h, w] (one sample, one group); col: [kc, (y1 - y0) * ow].
+// x_g: [cig, h, w] (one sample, one group); col: [kc, ld], ld >= (y1 - y0) * ow.
 template <typename T>
-void im2col_tile(const CpuConv& p, const T* x_g, int64_t y0, int64_t y1, T* col, int64_t c0,
-                 int64_t c1) {
-  const int64_t pix = (y1 - y0) * p.ow;
+void im2col_tile(const CpuConv& p, const T* x_g, int64_t y0, int64_t y1, T* col, int64_t ld,
+                 int64_t c0, int64_t c1) {
+  const int64_t pix = ld;
   for (int64_t c = c0; c < c1; ++c) {
     for (int64_t i = 0; i < p.kh; ++i) {
       for (int64_t j = 0; j < p.kw; ++j) {
@@ -170,9 +188,9 @@ void im2col_tile(const CpuConv& p, const T* x_g, int64_t y0, int64_t y1, T* col,
 // Tiles of one (sample, group) overlap in x_g (the halo), so callers run them
 // one after another; different channels c never collide.
 template <typename T>
-void col2im_tile_add(const CpuConv& p, const T* col, int64_t y0, int64_t y1, T* x_g, int64_t c0,
-                     int64_t c1) {
-  const int64_t pix = (y1 - y0) * p.ow;
+void col2im_tile_add(const CpuConv& p, const T* col, int64_t ld, int64_t y0, int64_t y1, T* x_g,
+                     int64_t c0, int64_t c1) {
+  const int64_t pix = ld;
   for (int64_t c = c0; c < c1; ++c) {
     for (int64_t i = 0; i < p.kh; ++i) {
       for (int64_t j = 0; j < p.kw; ++j) {

@@ -83,46 +83,68 @@ void direct_forward(const CpuConv& p, const T* x, const T* wt, T* out) {
 template <typename T>
 void gemm_forward(const CpuConv& p, const at::Tensor& x, const at::Tensor& wt, at::Tensor& out) {
   const auto opts = x.options();
-  const int64_t rows = gemm_tile_rows(p, sizeof(T));
-  const int64_t tiles = (p.oh + rows - 1) / rows;
-  const int64_t tasks = p.n * p.groups * tiles;
+  const GemmTiling tl = gemm_tiling(p, sizeof(T));
+  const int64_t row_tiles = (p.oh + tl.rows - 1) / tl.rows;
+  const int64_t tasks = p.groups * tl.chunks * row_tiles;
+  const int64_t plane = p.oh * p.ow;
+  const bool outer = batch_parallel(tasks);
+  const bool direct_panel = panel_is_input(p) && tl.images == 1;
+  const int64_t cols_max = tl.images * tl.rows * p.ow;
   T* xp = x.data_ptr<T>();
   T* wp = wt.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const bool outer = batch_parallel(tasks);
-  auto run = [&](int64_t t, T* col) {
-    const int64_t ng = t / tiles, tile = t % tiles;
-    const int64_t nn = ng / p.groups, grp = ng % p.groups;
-    const int64_t y0 = tile * rows, y1 = std::min(p.oh, y0 + rows);
-    const int64_t pix = (y1 - y0) * p.ow;
-    T* x_g = xp + (nn * p.c + grp * p.cig) * p.h * p.w;
+  auto run = [&](int64_t t, T* col, T* tmp) {
+    const int64_t grp = t % p.groups, rest = t / p.groups;
+    const int64_t chunk = rest / row_tiles, rt = rest % row_tiles;
+    const int64_t n0 = chunk * tl.images, n1 = std::min(p.n, n0 + tl.images);
+    const int64_t y0 = rt * tl.rows, y1 = std::min(p.oh, y0 + tl.rows);
+    const int64_t pix = (y1 - y0) * p.ow, cols = (n1 - n0) * pix;
+    auto x_g = [&](int64_t nn) { return xp + (nn * p.c + grp * p.cig) * p.h * p.w; };
     at::Tensor panel;
-    if (panel_is_input(p)) {
-      panel = view2d(x_g + y0 * p.ow, p.kc, pix, p.h * p.w, opts);
+    if (direct_panel) {
+      panel = view2d(x_g(n0) + y0 * p.ow, p.kc, pix, p.h * p.w, opts);
     } else {
-      if (outer) {
-        im2col_tile(p, x_g, y0, y1, col, 0, p.cig);
-      } else {
-        at::parallel_for(0, p.cig, 1,
-                         [&](int64_t c0, int64_t c1) { im2col_tile(p, x_g, y0, y1, col, c0, c1); });
+      for (int64_t nn = n0; nn < n1; ++nn) {
+        T* dst = col + (nn - n0) * pix;
+        if (outer) {
+          im2col_tile(p, x_g(nn), y0, y1, dst, cols, 0, p.cig);
+        } else {
+          at::parallel_for(0, p.cig, 1, [&](int64_t c0, int64_t c1) {
+            im2col_tile(p, x_g(nn), y0, y1, dst, cols, c0, c1);
+          });
+        }
       }
-      panel = view2d(col, p.kc, pix, pix, opts);
+      panel = view2d(col, p.kc, cols, cols, opts);
     }
     auto w_g = view2d(wp + grp * p.cog * p.kc, p.cog, p.kc, p.kc, opts);
-    auto o = view2d(op + (nn * p.cout + grp * p.cog) * p.oh * p.ow + y0 * p.ow, p.cog, pix,
-                    p.oh * p.ow, opts);
-    o.addmm_(w_g, panel);
+    T* o_g = op + grp * p.cog * plane + y0 * p.ow;  // add nn * cout * plane per image
+    if (n1 - n0 == 1) {
+      view2d(o_g + n0 * p.cout * plane, p.cog, pix, plane, opts).addmm_(w_g, panel);
+      return;
+    }
+    // Several images in one GEMM: their outputs are not one strided matrix,
+    // so the product lands in tmp [cog, cols] and is added image by image.
+    at::Tensor prod = view2d(tmp, p.cog, cols, cols, opts);
+    at::mm_out(prod, w_g, panel);
+    for (int64_t nn = n0; nn < n1; ++nn) {
+      for (int64_t m = 0; m < p.cog; ++m) {
+        T* dst = o_g + nn * p.cout * plane + m * plane;
+        const T* src = tmp + m * cols + (nn - n0) * pix;
+        for (int64_t q = 0; q < pix; ++q) dst[q] += src[q];
+      }
+    }
   };
-  const int64_t col_elems = p.kc * rows * p.ow;
+  const int64_t col_elems = direct_panel ? 0 : p.kc * cols_max;
+  const int64_t tmp_elems = tl.images > 1 ? p.cog * cols_max : 0;
   if (outer) {
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
       SequentialBlasGuard sequential;
-      std::vector<T> col(panel_is_input(p) ? 0 : col_elems);
-      for (int64_t t = begin; t < end; ++t) run(t, col.data());
+      std::vector<T> col(col_elems), tmp(tmp_elems);
+      for (int64_t t = begin; t < end; ++t) run(t, col.data(), tmp.data());
     });
   } else {
-    std::vector<T> col(panel_is_input(p) ? 0 : col_elems);
-    for (int64_t t = 0; t < tasks; ++t) run(t, col.data());
+    std::vector<T> col(col_elems), tmp(tmp_elems);
+    for (int64_t t = 0; t < tasks; ++t) run(t, col.data(), tmp.data());
   }
 }
 
