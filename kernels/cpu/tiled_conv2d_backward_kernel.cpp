@@ -135,7 +135,7 @@ template <typename T>
 void gemm_backward(const CpuConv& p, const at::Tensor& x, const at::Tensor& go,
                    const at::Tensor& wt, at::Tensor& gx, at::Tensor& gw) {
   const auto opts = x.options();
-  const GemmTiling tl = gemm_tiling(p, sizeof(T));
+  const GemmTiling tl = gemm_tiling(p, sizeof(T), /*backward=*/true);
   // A task owns whole images of one group: the col2im halos of its row tiles
   // overlap, so they run in order inside the task.
   const int64_t tasks = p.groups * tl.chunks;
@@ -160,8 +160,8 @@ void gemm_backward(const CpuConv& p, const at::Tensor& x, const at::Tensor& go,
       const int64_t pix = (y1 - y0) * p.ow, cols = (n1 - n0) * pix;
       at::Tensor go_t;  // [cog, cols]
       if (n1 - n0 == 1) {
-        go_t = view2d(gop + (n0 * p.cout + grp * p.cog) * plane + y0 * p.ow, p.cog, pix, plane,
-                      opts);
+        go_t =
+            view2d(gop + (n0 * p.cout + grp * p.cog) * plane + y0 * p.ow, p.cog, pix, plane, opts);
       } else {
         for (int64_t nn = n0; nn < n1; ++nn) {
           for (int64_t m = 0; m < p.cog; ++m) {

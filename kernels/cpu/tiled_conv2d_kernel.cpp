@@ -83,7 +83,7 @@ void direct_forward(const CpuConv& p, const T* x, const T* wt, T* out) {
 template <typename T>
 void gemm_forward(const CpuConv& p, const at::Tensor& x, const at::Tensor& wt, at::Tensor& out) {
   const auto opts = x.options();
-  const GemmTiling tl = gemm_tiling(p, sizeof(T));
+  const GemmTiling tl = gemm_tiling(p, sizeof(T), /*backward=*/false);
   const int64_t row_tiles = (p.oh + tl.rows - 1) / tl.rows;
   const int64_t tasks = p.groups * tl.chunks * row_tiles;
   const int64_t plane = p.oh * p.ow;
