@@ -1,0 +1,13 @@
+// The AVX512 build of the CPU gate step. kernels/CMakeLists.txt adds the -m
+// flags on x86-64; elsewhere this file hands back the scalar-lane build.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#define DDPX_GRU_GATES_FN gru_cpu_gates_avx512
+#include "kernels/cpu/fused_gru_gates_impl.h"
+#else
+#include "kernels/cpu/fused_gru_gates.h"
+namespace ddpx::detail {
+GruCpuGates gru_cpu_gates_avx512() { return gru_cpu_gates_default(); }
+}  // namespace ddpx::detail
+#endif

@@ -1,0 +1,121 @@
+"""ddpx::fused_gru's CUDA kernels (label gpu): against torch.nn.GRU on the same
+GPU (cuDNN) and against our own CPU kernel; float16/bfloat16 against float32.
+
+Tolerances: float64 rtol 1e-7 / atol 1e-8 (cuDNN and cuBLAS sum in other
+orders); float32 rtol 1e-3 / atol 1e-4 with TF32 off on both sides (cuDNN's
+fused GEMMs still sum differently); float16 / bfloat16 against our float32
+result at 2e-2 / 6e-2 absolute.
+"""
+import pytest
+import torch
+from torch.testing import assert_close
+
+from test_fused_gru import CONFIGS, _cfg_id, copy_params, make_gru, run_ours
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA GPU here: the fused_gru CUDA kernels are built "
+                                       "but cannot run")
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """cuDNN's GRU would use TF32 by default; ours (cuBLAS via ATen) follows
+    torch.backends.cuda.matmul.allow_tf32, off by default."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+TOL = {torch.float64: dict(rtol=1e-7, atol=1e-8), torch.float32: dict(rtol=1e-3, atol=1e-4)}
+CUDA_CONFIGS = CONFIGS[:24]
+
+
+def _inputs(cfg, device):
+    L, bi, bf, bias, T, B, I, H, with_hx, noncontig, unbatched, dtype = cfg
+    D = 2 if bi else 1
+    x_shape = (T, I) if unbatched else ((B, T, I) if bf else (T, B, I))
+    hx_shape = (L * D, H) if unbatched else (L * D, B, H)
+    x = torch.randn(x_shape, dtype=dtype, device=device)
+    if noncontig:
+        x = x.transpose(0, -1).contiguous().transpose(0, -1)
+    hx = torch.randn(hx_shape, dtype=dtype, device=device) if with_hx else None
+    return x.requires_grad_(), (hx.requires_grad_() if hx is not None else None)
+
+
+def _grads(y, h, wrt, gy, gh):
+    return torch.autograd.grad((y * gy).sum() + (h * gh).sum(), wrt)
+
+
+@pytest.mark.parametrize("cfg", CUDA_CONFIGS, ids=[_cfg_id(c) for c in CUDA_CONFIGS])
+def test_cuda_matches_cudnn_gru(cfg):
+    torch.manual_seed(0)
+    L, bi, bf, bias, T, B, I, H, *_ , dtype = cfg
+    gru = make_gru(I, H, L, bias, bi, bf, dtype).cuda()
+    x, hx = _inputs(cfg, "cuda")
+    params = copy_params(gru)
+    y_ref, h_ref = gru(x, hx)
+    y, h = run_ours(gru, x, hx, params)
+    assert_close(y, y_ref, **TOL[dtype])
+    assert_close(h, h_ref, **TOL[dtype])
+    gy, gh = torch.randn_like(y), torch.randn_like(h)
+    extra = [hx] if hx is not None else []
+    g = _grads(y, h, [x, *extra, *params], gy, gh)
+    g_ref = _grads(y_ref, h_ref, [x, *extra, *gru._flat_weights], gy, gh)
+    for a, b in zip(g, g_ref):
+        assert_close(a, b, **TOL[dtype])
+
+
+def test_cuda_matches_our_cpu_kernel_in_double():
+    torch.manual_seed(0)
+    gru = make_gru(5, 17, 3, bidirectional=True, batch_first=True)
+    x = torch.randn(4, 9, 5, dtype=torch.float64, requires_grad=True)
+    params = copy_params(gru)
+    y, h = run_ours(gru, x, None, params)
+    g = _grads(y, h, [x, *params], torch.ones_like(y), torch.ones_like(h))
+    xc = x.detach().cuda().requires_grad_()
+    pc = [p.detach().cuda().requires_grad_() for p in params]
+    yc, hc = run_ours(gru, xc, None, pc)
+    gc = _grads(yc, hc, [xc, *pc], torch.ones_like(yc), torch.ones_like(hc))
+    assert_close(yc.cpu(), y, rtol=1e-10, atol=1e-12)
+    assert_close(hc.cpu(), h, rtol=1e-10, atol=1e-12)
+    for a, b in zip(gc, g):
+        assert_close(a.cpu(), b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)])
+def test_cuda_half_precision_close_to_float32(dtype, atol):
+    torch.manual_seed(0)
+    gru = make_gru(8, 16, 2, bidirectional=True, dtype=torch.float32).cuda()
+    x = torch.randn(6, 4, 8, device="cuda", requires_grad=True)
+    params = copy_params(gru)
+    y32, h32 = run_ours(gru, x, None, params)
+    g32 = _grads(y32, h32, [x, *params], torch.ones_like(y32), torch.ones_like(h32))
+    xl = x.detach().to(dtype).requires_grad_()
+    low = [p.detach().to(dtype).requires_grad_() for p in params]
+    y, h = run_ours(gru, xl, None, low)
+    assert y.dtype == dtype and h.dtype == dtype
+    assert_close(y.float(), y32.detach(), rtol=0, atol=atol)
+    assert_close(h.float(), h32.detach(), rtol=0, atol=atol)
+    g = _grads(y, h, [xl, *low], torch.ones_like(y), torch.ones_like(h))
+    for a, b in zip(g, g32):
+        assert torch.isfinite(a).all()
+        assert_close(a.float(), b, rtol=5e-2, atol=10 * atol)
+
+
+def test_cuda_opcheck():
+    torch.manual_seed(0)
+    gru = make_gru(3, 4, 2, bidirectional=True).cuda()
+    x = torch.randn(5, 2, 3, dtype=torch.float64, device="cuda", requires_grad=True)
+    hx = torch.randn(4, 2, 4, dtype=torch.float64, device="cuda", requires_grad=True)
+    torch.library.opcheck(torch.ops.ddpx.fused_gru.default,
+                          (x, hx, copy_params(gru), True, 2, 0.0, False, True, False))
+
+
+def test_cuda_dropout_rate():
+    gru = make_gru(4, 16, 3, bidirectional=True, dtype=torch.float32).cuda()
+    x = torch.randn(20, 8, 4, device="cuda")
+    with torch.no_grad():
+        masks = torch.ops.ddpx._fused_gru_forward(x, None, copy_params(gru), True, 3, 0.3, True,
+                                                  True, False)[4]
+    assert abs((masks == 0).double().mean().item() - 0.3) < 0.03

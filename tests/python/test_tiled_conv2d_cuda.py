@@ -1,0 +1,108 @@
+"""ddpx::tiled_conv2d on CUDA against torch.nn.functional.conv2d (cuDNN, TF32 off).
+
+Skips (with a message) where no GPU exists; registered with label `gpu`.
+Tolerances, relative to max(1, max|ref|): float64 1e-9, float32 1e-4,
+float16 1e-2, bfloat16 5e-2 (both sides accumulate in float32 for the halves).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_tiled_conv2d import CONFIGS, _cfg_id, _make_input
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA GPU on this machine: CUDA tests skipped")
+op = torch.ops.ddpx.tiled_conv2d
+TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+@pytest.fixture(autouse=True)
+def _exact_reference():
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def _close(got, ref, dtype, what):
+    assert got.shape == ref.shape, what
+    if ref.numel():
+        tol = TOL[dtype]
+        scale = max(1.0, ref.abs().max().item())
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * scale,
+                                   msg=lambda m: f"{what}: {m}")
+
+
+SUBSET = CONFIGS[::3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16],
+                         ids=["f64", "f32", "f16", "bf16"])
+@pytest.mark.parametrize("c", SUBSET, ids=[_cfg_id(c) for c in SUBSET])
+def test_cuda_matches_cudnn(c, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = _make_input(c, torch.float64, gen).detach().to("cuda", dtype).requires_grad_()
+    w = torch.randn(c["cout"], c["cin"] // c["groups"], c["kh"], c["kw"], generator=gen,
+                    dtype=torch.float64).to("cuda", dtype).requires_grad_()
+    b = (torch.randn(c["cout"], generator=gen, dtype=torch.float64).to("cuda", dtype)
+         .requires_grad_() if c["bias"] else None)
+    args = (c["stride"], c["padding"], c["dilation"], c["groups"])
+    # The reference in float64 for the halves: cuDNN's half kernels round differently.
+    ref_dtype = torch.float64 if dtype in (torch.float16, torch.bfloat16) else dtype
+    xr = x.detach().to(ref_dtype).requires_grad_()
+    wr = w.detach().to(ref_dtype).requires_grad_()
+    br = b.detach().to(ref_dtype).requires_grad_() if b is not None else None
+    y = op(x, w, b, *args)
+    r = F.conv2d(xr, wr, br, *args)
+    _close(y, r, dtype, "output")
+    go = torch.randn(r.shape, generator=gen, dtype=torch.float64).to("cuda")
+    ins, rins = [x, w] + ([b] if b is not None else []), [xr, wr] + ([br] if br is not None else [])
+    got = torch.autograd.grad(y, ins, go.to(dtype))
+    ref = torch.autograd.grad(r, rins, go.to(ref_dtype))
+    for name, g, gr in zip(["grad_input", "grad_weight", "grad_bias"], got, ref):
+        _close(g, gr, dtype, name)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 512, 512, 1, 3), (1, 1, 300, 301, 1, 5),
+                                   (4, 64, 28, 28, 64, 3), (2, 32, 40, 40, 32, 3)])
+def test_cuda_paths(shape):
+    """Seed's case (constant-memory filter), many channels (GEMM path), depthwise."""
+    n, c, h, w_, oc, k = shape
+    groups = c if shape[1] == 32 else 1
+    x = torch.randn(n, c, h, w_, device="cuda", requires_grad=True)
+    w = torch.randn(oc, c // groups, k, k, device="cuda", requires_grad=True)
+    y = op(x, w, None, [1, 1], [k // 2, k // 2], [1, 1], groups)
+    r = F.conv2d(x, w, None, 1, k // 2, 1, groups)
+    _close(y, r, torch.float32, "output")
+    go = torch.randn_like(r)
+    for name, g, gr in zip(["grad_input", "grad_weight"], torch.autograd.grad(y, (x, w), go),
+                           torch.autograd.grad(r, (x, w), go)):
+        _close(g, gr, torch.float32, name)
+
+
+def test_constant_filter_across_streams():
+    """Launches with different filters on two streams must not see each other's."""
+    x = torch.randn(1, 1, 1024, 1024, device="cuda")
+    ws = [torch.randn(1, 1, 3, 3, device="cuda") for _ in range(8)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for i, w in enumerate(ws):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(op(x, w, None, [1, 1], [1, 1]))
+    torch.cuda.synchronize()
+    for w, y in zip(ws, outs):
+        _close(y, F.conv2d(x, w, None, 1, 1), torch.float32, "output")
+
+
+def test_cuda_channels_last_and_unbatched():
+    x = torch.randn(2, 8, 17, 17, device="cuda").contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, 8, 3, 3, device="cuda")
+    y, r = op(x, w, None, [1, 1], [1, 1]), F.conv2d(x, w, None, 1, 1)
+    _close(y, r, torch.float32, "output")
+    assert y.stride() == r.stride()
+    _close(op(x[0], w, None, [1, 1], [1, 1]), F.conv2d(x[0], w, None, 1, 1), torch.float32, "3-D")
+
+
+def test_cuda_device_mismatch_is_named():
+    with pytest.raises(RuntimeError, match="weight must be on the same device as input"):
+        op(torch.randn(1, 1, 5, 5, device="cuda"), torch.randn(1, 1, 3, 3))
