@@ -2,3 +2,4 @@
 // Umbrella header: everything a C++ trainer needs from ddpx.
 #include <ddpx/comm.h>
 #include <ddpx/ops.h>
+#include <ddpx/codec.h>

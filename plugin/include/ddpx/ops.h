@@ -10,4 +10,9 @@ namespace ddpx {
 // Version of the loaded plugin, "MAJOR.MINOR.PATCH".
 std::string version();
 
+// Mean of `input` over the ranks of `group` through `codec` (grammar and
+// protocol in ddpx/codec.h); `key` names the codec's persistent state.
+at::Tensor compressed_allreduce(const at::Tensor& input, const std::string& codec = "none",
+                                const std::string& key = "", const std::string& group = "");
+
 }  // namespace ddpx
