@@ -3,3 +3,4 @@
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
 #include <ddpx/ops.h>
+#include <ddpx/codec.h>

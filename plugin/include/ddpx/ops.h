@@ -28,4 +28,9 @@ at::Tensor tiled_conv2d(const at::Tensor& input, const at::Tensor& weight,
                         at::IntArrayRef stride = {1, 1}, at::IntArrayRef padding = {0, 0},
                         at::IntArrayRef dilation = {1, 1}, int64_t groups = 1);
 
+// Mean of `input` over the ranks of `group` through `codec` (grammar and
+// protocol in ddpx/codec.h); `key` names the codec's persistent state.
+at::Tensor compressed_allreduce(const at::Tensor& input, const std::string& codec = "none",
+                                const std::string& key = "", const std::string& group = "");
+
 }  // namespace ddpx

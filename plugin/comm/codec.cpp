@@ -1,0 +1,227 @@
+// The codec base: state and stats, the registry behind make_codec, and the
+// helpers of codec_util.h.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "plugin/comm/codec_util.h"
+
+namespace ddpx::comm {
+namespace detail {
+namespace {
+
+std::map<std::string, CodecEntry>& registry() {
+  static std::map<std::string, CodecEntry> r;
+  return r;
+}
+std::mutex& registry_mu() {
+  static std::mutex m;
+  return m;
+}
+
+// FNV-1a: a hash that is the same in every process (std::hash need not be).
+int64_t stable_hash(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h >> 2);  // 62 bits: the negation cannot overflow
+}
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.scalar_type() << t.sizes();
+  return os.str();
+}
+
+}  // namespace
+
+bool register_codec(CodecEntry entry) {
+  std::lock_guard<std::mutex> lock(registry_mu());
+  registry()[entry.name] = std::move(entry);
+  return true;
+}
+
+double parse_double(const std::string& arg, const std::string& what) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(arg, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK(used == arg.size() && !arg.empty() && std::isfinite(v), "ddpx codec: ", what,
+              " must be a number, got '", arg, "'\n", codec_grammar());
+  return v;
+}
+
+int64_t parse_int(const std::string& arg, const std::string& what) {
+  size_t used = 0;
+  long long v = 0;
+  try {
+    v = std::stoll(arg, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK(used == arg.size() && !arg.empty(), "ddpx codec: ", what,
+              " must be an integer, got '", arg, "'\n", codec_grammar());
+  return v;
+}
+
+void check_input(const at::Tensor& input, const std::string& spec) {
+  TORCH_CHECK(input.defined(), "ddpx codec '", spec, "': input is an undefined tensor");
+  TORCH_CHECK(input.layout() == at::kStrided, "ddpx codec '", spec,
+              "': input must be a dense (strided) tensor, got layout ", input.layout());
+  const auto st = input.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
+              "ddpx codec '", spec, "': input must be float32, float64, float16 or bfloat16, got ",
+              st);
+}
+
+int64_t check_agreement(c10d::ProcessGroup& pg, const at::Tensor& input, const std::string& spec,
+                        const std::string& key) {
+  std::ostringstream shape;
+  shape << input.sizes();
+  const int64_t fields[6] = {input.numel(),     static_cast<int64_t>(input.scalar_type()),
+                             input.dim(),       stable_hash(shape.str()),
+                             stable_hash(spec), stable_hash(key)};
+  // [fields, -fields] under MAX: every rank agrees iff max == -max(-x) = min.
+  auto fp = at::empty({12}, at::kLong);
+  auto* p = fp.data_ptr<int64_t>();
+  for (int i = 0; i < 6; ++i) {
+    p[i] = fields[i];
+    p[6 + i] = -fields[i];
+  }
+  at::Tensor dev = fp.to(input.device());
+  std::vector<at::Tensor> v{dev};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  pg.allreduce(v, o)->wait();
+  auto got = v[0].cpu();
+  const auto* g = got.data_ptr<int64_t>();
+  static const char* names[6] = {"numel", "dtype", "ndim", "shape", "codec", "key"};
+  std::string bad;
+  for (int i = 0; i < 6; ++i) {
+    if (g[i] != -g[6 + i]) bad += (bad.empty() ? "" : ", ") + std::string(names[i]);
+  }
+  TORCH_CHECK(bad.empty(), "ddpx codec '", spec, "': the ranks disagree on the ", bad,
+              " of this call (rank ", pg.getRank(), " has ", shape_str(input), ", key '", key,
+              "'); every rank must call it with the same shape, dtype, codec and key, in the "
+              "same order");
+  return fp.nbytes();
+}
+
+int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t) {
+  TORCH_INTERNAL_ASSERT(t.is_contiguous());
+  std::vector<at::Tensor> v{t};
+  pg.allreduce(v, c10d::AllreduceOptions{})->wait();
+  return t.nbytes();
+}
+
+at::Tensor allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes) {
+  TORCH_INTERNAL_ASSERT(flat.dim() == 1 && flat.is_contiguous());
+  const int64_t n = pg.getSize();
+  auto out = at::empty({n, flat.numel()}, flat.options());
+  // The list form: every backend has it (Gloo lacks _allgather_base). Rows of
+  // one buffer, so decoding reads a single [world, L] tensor.
+  std::vector<std::vector<at::Tensor>> outs(1);
+  for (int64_t r = 0; r < n; ++r) outs[0].push_back(out[r]);
+  std::vector<at::Tensor> ins{flat};
+  pg.allgather(outs, ins, c10d::AllgatherOptions{})->wait();
+  *bytes += flat.nbytes();
+  return out;
+}
+
+at::Tensor LossyCodec::compensated(const at::Tensor& input, const std::string& key) const {
+  at::Tensor m =
+      input.reshape(-1).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  if (key.empty()) return m;
+  at::Tensor e = state(key, "residual");
+  if (e.defined()) {
+    // Same history on every rank (agreement passed), so this fails everywhere.
+    TORCH_CHECK(e.numel() == m.numel() && e.device() == m.device(), "ddpx codec '", spec(),
+                "': key '", key, "' holds a residual of ", e.numel(), " elements on ", e.device(),
+                " but the input has ", m.numel(), " on ", m.device(),
+                "; use one key per tensor or reset_state(key)");
+    m.add_(e);
+  }
+  return m;
+}
+
+void LossyCodec::keep_residual(const std::string& key, const at::Tensor& m,
+                               const at::Tensor& contribution) {
+  if (key.empty()) return;
+  set_state(key, "residual", m - contribution.reshape(-1));
+}
+
+at::Tensor to_output(const at::Tensor& flat, const at::Tensor& input) {
+  return flat.to(input.scalar_type()).view(input.sizes());
+}
+
+}  // namespace detail
+
+CodecStats Codec::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void Codec::reset_state(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (key.empty()) {
+    state_.clear();
+  } else {
+    state_.erase(key);
+  }
+}
+
+at::Tensor Codec::state(const std::string& key, const std::string& slot) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = state_.find(key);
+  if (it == state_.end()) return {};
+  auto s = it->second.find(slot);
+  return s == it->second.end() ? at::Tensor() : s->second;
+}
+
+void Codec::set_state(const std::string& key, const std::string& slot, const at::Tensor& value) {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_[key][slot] = value;
+}
+
+void Codec::count_call(int64_t bytes_sent, int64_t numel) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.calls += 1;
+  stats_.bytes_sent += bytes_sent;
+  stats_.bytes_raw += 4 * numel;
+}
+
+void Codec::count_bytes(int64_t bytes_sent) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.bytes_sent += bytes_sent;
+}
+
+std::string codec_grammar() {
+  std::lock_guard<std::mutex> lock(detail::registry_mu());
+  std::string s = "valid codecs:";
+  for (const auto& [name, e] : detail::registry()) s += "\n  " + e.grammar;
+  return s;
+}
+
+std::unique_ptr<Codec> make_codec(const std::string& spec) {
+  const auto colon = spec.find(':');
+  const std::string name = spec.substr(0, colon);
+  std::optional<std::string> arg;
+  if (colon != std::string::npos) arg = spec.substr(colon + 1);
+  std::function<std::unique_ptr<Codec>(const std::optional<std::string>&)> make;
+  {
+    std::lock_guard<std::mutex> lock(detail::registry_mu());
+    auto it = detail::registry().find(name);
+    if (it != detail::registry().end()) make = it->second.make;
+  }
+  TORCH_CHECK(make, "ddpx: unknown codec '", spec, "'; ", codec_grammar());
+  return make(arg);
+}
+
+}  // namespace ddpx::comm

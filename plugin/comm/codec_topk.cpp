@@ -1,0 +1,73 @@
+// topk:<ratio>: each rank sends its k = ceil(ratio * numel) largest-magnitude
+// entries (of input + residual) as one int32 message [k indices | k float32
+// values]; every rank all-gathers the messages and scatter-adds them. Exact
+// on inputs with at most k nonzeros per rank; error feedback carries the
+// entries not sent into the next call.
+#include <ATen/ATen.h>
+
+#include <climits>
+#include <cmath>
+#include <sstream>
+
+#include "plugin/comm/codec_util.h"
+
+namespace ddpx::comm::detail {
+namespace {
+
+class TopKCodec final : public LossyCodec {
+ public:
+  TopKCodec(double ratio, std::string text) : ratio_(ratio), text_(std::move(text)) {}
+
+  std::string spec() const override { return "topk:" + text_; }
+
+  at::Tensor allreduce_mean(const at::Tensor& input, const std::string& key,
+                            c10d::ProcessGroup& pg) override {
+    check_input(input, spec());
+    TORCH_CHECK(input.numel() <= INT32_MAX, "ddpx codec '", spec(), "': input has ", input.numel(),
+                " elements; indices travel as int32 (at most ", INT32_MAX, ")");
+    int64_t bytes = check_agreement(pg, input, spec(), key);
+    const int64_t n = input.numel();
+    if (n == 0) {
+      count_call(bytes, 0);
+      return input.contiguous().clone();
+    }
+    // (1 - 1e-12): 0.01 * 1000 must give k = 10 whatever the binary rounding.
+    const int64_t k = std::min<int64_t>(
+        n, std::max<int64_t>(
+               1, static_cast<int64_t>(std::ceil(ratio_ * static_cast<double>(n) * (1 - 1e-12)))));
+    at::Tensor m = compensated(input, key);  // [n] float32
+    at::Tensor idx = std::get<1>(m.abs().topk(k, /*dim=*/0, /*largest=*/true, /*sorted=*/false));
+    at::Tensor vals = m.index_select(0, idx);
+    // [k int32 indices | k float32 values viewed as int32]: one collective.
+    at::Tensor msg = at::cat({idx.to(at::kInt), vals.view(at::kInt)});
+    at::Tensor all = allgather_rows(pg, msg, &bytes);  // [world, 2k] int32
+    at::Tensor all_idx = all.narrow(1, 0, k).reshape(-1).to(at::kLong);
+    at::Tensor all_vals = all.narrow(1, k, k).contiguous().view(at::kFloat).reshape(-1);
+    at::Tensor sum = at::zeros({n}, m.options()).index_add_(0, all_idx, all_vals);
+    if (!key.empty()) set_state(key, "residual", m.index_fill_(0, idx, 0.0));
+    count_call(bytes, n);
+    return to_output(sum.div_(pg.getSize()), input);
+  }
+
+ private:
+  double ratio_;
+  std::string text_;
+};
+
+const bool registered = register_codec(
+    {"topk",
+     "topk:<ratio>       the ceil(ratio * numel) largest |x| per rank, 0 < ratio <= 1, "
+     "all-gathered as (int32 index, float32 value)",
+     [](const std::optional<std::string>& arg) -> std::unique_ptr<Codec> {
+       TORCH_CHECK(arg.has_value(), "ddpx codec 'topk' needs a ratio, e.g. topk:0.01\n",
+                   codec_grammar());
+       const double r = parse_double(*arg, "topk's <ratio>");
+       TORCH_CHECK(r > 0 && r <= 1, "ddpx codec: topk's <ratio> must be in (0, 1], got ", *arg,
+                   "\n", codec_grammar());
+       std::ostringstream os;
+       os << r;  // canonical text: "topk:0.010" and "topk:0.01" share a cache entry
+       return std::make_unique<TopKCodec>(r, os.str());
+     }});
+
+}  // namespace
+}  // namespace ddpx::comm::detail

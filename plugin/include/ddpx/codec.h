@@ -1,0 +1,95 @@
+#pragma once
+// Compression codecs: the on-wire protocol of a compressed mean-allreduce,
+// shared by ddpx::compressed_allreduce and GradSync.
+//
+// Codec grammar (make_codec):
+//   none               float allreduce in the input's own dtype (exact reference)
+//   fp16 | bf16        x/world cast to half / bfloat16, allreduce SUM, cast back
+//   int8[:<chunk>]     per-chunk absmax int8 codes + float32 scales (chunk
+//                      elements per scale, default 256), all-gathered; every
+//                      rank decodes and sums the world's contributions locally
+//   topk:<ratio>       the k = ceil(ratio * numel) largest |x| (0 < ratio <= 1),
+//                      indices and values all-gathered, summed
+//   powersgd:<rank>    rank-r P/Q power iteration (Vogels et al. 2019): P = M Q,
+//                      allreduce P, orthogonalise, Q = M^T P, allreduce Q; Q is
+//                      the warm start of the next call; tensors that would not
+//                      shrink (1-D, or (rows + cols) * r >= rows * cols) are
+//                      sent uncompressed
+// Every lossy codec keeps an error-feedback residual per key: the part of
+// (input + residual) that this rank's contribution did not carry is added to
+// the next call's input, so over many calls the sum of the results tracks the
+// sum of the true means. key "" is stateless (no residual, cold PowerSGD start).
+//
+// Protocol of allreduce_mean (every rank, same order):
+//   1. agreement: a 12-int64 MAX-allreduce of (numel, dtype, shape, codec,
+//      key) and its negation; any difference is an error on every rank
+//      instead of a hang or a wrong sum;
+//   2. the codec's collectives (each Work is waited on), then decoding.
+// Floating inputs only (float32/64, float16, bfloat16); lossy codecs compute
+// in float32. The call is synchronous and thread-safe; calls that share a
+// process group must be issued in the same order on every rank.
+//
+// Bytes counted (stats): bytes_sent is this rank's input payload summed over
+// the collectives it calls (agreement included), independent of the backend's
+// algorithm; bytes_raw is 4 * numel (float32-equivalent). Their ratio is the
+// measured compression ratio.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+namespace ddpx::comm {
+
+struct CodecStats {
+  int64_t calls = 0;
+  int64_t bytes_sent = 0;
+  int64_t bytes_raw = 0;  // float32-equivalent bytes of the inputs
+};
+
+class Codec {
+ public:
+  virtual ~Codec() = default;
+  // Canonical spec, e.g. "topk:0.01"; make_codec(spec()) makes an equal codec.
+  virtual std::string spec() const = 0;
+  // Mean of `input` over the ranks of `pg`; a new tensor of input's shape,
+  // dtype and device. `key` names the persistent state ("" = stateless).
+  virtual at::Tensor allreduce_mean(const at::Tensor& input, const std::string& key,
+                                    c10d::ProcessGroup& pg) = 0;
+
+  CodecStats stats() const;
+  // Drops one key's state ("" = every key's).
+  void reset_state(const std::string& key = "");
+
+ protected:
+  // Per-key named state tensors ("residual", "q"); undefined when absent.
+  at::Tensor state(const std::string& key, const std::string& slot) const;
+  void set_state(const std::string& key, const std::string& slot, const at::Tensor& value);
+  void count_call(int64_t bytes_sent, int64_t numel);
+  void count_bytes(int64_t bytes_sent);
+
+ private:
+  mutable std::mutex mu_;
+  CodecStats stats_;
+  std::map<std::string, std::map<std::string, at::Tensor>> state_;
+};
+
+// Parses the grammar above; a bad spec is a c10::Error that lists the codecs.
+std::unique_ptr<Codec> make_codec(const std::string& spec);
+
+// The grammar as one line per codec (for error messages and --help).
+std::string codec_grammar();
+
+// The process's world group for codec users: ddpx_mpi over all ranks when
+// launched by mpirun (made on first use, collectively, then cached), else the
+// default group torch.distributed registered (group name "0").
+c10::intrusive_ptr<c10d::ProcessGroup> world();
+
+// "" -> world(); otherwise a group registered with c10d (torch.distributed
+// registers every group under its group_name).
+c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const std::string& name);
+
+}  // namespace ddpx::comm

@@ -1,0 +1,133 @@
+// The int8 codec's layout and element math (kernels/common/int8_codec.h) and
+// its CPU kernels (ddpx::_int8_pack / _int8_unpack_sum) against an ATen
+// reference. Single process.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "kernels/common/int8_codec.h"
+
+namespace ic = ddpx::kernels::int8_codec;
+
+namespace {
+
+at::Tensor pack(const at::Tensor& x, int64_t chunk) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ddpx::_int8_pack", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t)>();
+  return op.call(x, chunk);
+}
+
+at::Tensor unpack_sum(const at::Tensor& packed, int64_t numel, int64_t chunk) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ddpx::_int8_unpack_sum", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  return op.call(packed, numel, chunk);
+}
+
+// ATen reference of pack: per-chunk absmax scale, rint(x / scale) clamped.
+std::pair<at::Tensor, at::Tensor> reference(const at::Tensor& x, int64_t chunk) {
+  const int64_t n = x.numel(), c = ic::num_chunks(n, chunk);
+  auto padded = at::zeros({c * chunk}, x.options());
+  padded.narrow(0, 0, n).copy_(x);
+  auto scales = padded.view({c, chunk}).abs().amax(1).div(127.0f);
+  auto safe = at::where(scales > 0, scales, at::ones_like(scales));
+  auto codes = padded.view({c, chunk})
+                   .div(safe.unsqueeze(1))
+                   .clamp(-127, 127)
+                   .round()
+                   .to(at::kChar)
+                   .view(-1)
+                   .narrow(0, 0, n);
+  return {codes, scales};
+}
+
+}  // namespace
+
+TEST(Int8Layout, SizesAndAlignment) {
+  EXPECT_EQ(ic::num_chunks(0, 256), 0);
+  EXPECT_EQ(ic::num_chunks(1, 256), 1);
+  EXPECT_EQ(ic::num_chunks(256, 256), 1);
+  EXPECT_EQ(ic::num_chunks(257, 256), 2);
+  EXPECT_EQ(ic::scales_offset(17), 20);
+  EXPECT_EQ(ic::scales_offset(20), 20);
+  EXPECT_EQ(ic::packed_bytes(17, 4), 20 + 4 * 5);
+  for (int64_t n : {0, 1, 3, 17, 97, 1000}) {
+    EXPECT_EQ(ic::packed_bytes(n, 7) % 4, 0) << "n=" << n;
+    EXPECT_EQ(ic::chunk_end(ic::num_chunks(n, 7) - 1, 7, n), n) << "n=" << n;
+  }
+  EXPECT_EQ(ic::chunk_begin(3, 7), 21);
+  EXPECT_EQ(ic::chunk_end(2, 7, 17), 17);
+}
+
+TEST(Int8Math, EncodeDecodeWithinHalfAStep) {
+  const float absmax = 3.7f, s = ic::scale_of(absmax);
+  for (float x = -absmax; x <= absmax; x += 0.01f) {
+    const float y = ic::decode(ic::encode(x, s), s);
+    EXPECT_LE(std::fabs(y - x), s / 2 * (1 + 1e-5f)) << "x=" << x;
+  }
+  EXPECT_EQ(ic::encode(absmax, s), 127);
+  EXPECT_EQ(ic::encode(-absmax, s), -127);
+  EXPECT_EQ(ic::encode(0.0f, 0.0f), 0);  // an all-zero chunk
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(ic::encode(1.0f, ic::scale_of(nan)), 0);
+  EXPECT_TRUE(std::isnan(ic::decode(0, ic::scale_of(nan))));  // NaN reaches the result
+}
+
+class Int8Kernel : public ::testing::TestWithParam<std::tuple<int64_t, int64_t>> {};
+
+TEST_P(Int8Kernel, PackMatchesReferenceAndUnpackSums) {
+  const auto [n, chunk] = GetParam();
+  auto g = at::make_generator<at::CPUGeneratorImpl>(n * 31 + chunk);
+  auto x = at::randn({n}, g, at::kFloat) * 5;
+  if (n > 3) x[2] = 0.5f;  // chunks of mixed magnitude
+  auto msg = pack(x, chunk);
+  ASSERT_EQ(msg.numel(), ic::packed_bytes(n, chunk));
+  const auto [codes, scales] = reference(x, chunk);
+  EXPECT_TRUE(at::equal(msg.narrow(0, 0, n).view(at::kChar), codes));
+  auto got_scales =
+      msg.narrow(0, ic::scales_offset(n), 4 * ic::num_chunks(n, chunk)).clone().view(at::kFloat);
+  EXPECT_TRUE(at::equal(got_scales, scales));
+  for (int64_t i = n; i < ic::scales_offset(n); ++i) EXPECT_EQ(msg[i].item<uint8_t>(), 0);
+
+  // Sum of three messages == sum of their reference decodes.
+  auto y = at::randn({n}, g, at::kFloat);
+  auto z = at::zeros({n}, at::kFloat);
+  auto all = at::stack({msg, pack(y, chunk), pack(z, chunk)});
+  auto decode_ref = [&](const at::Tensor& t) {
+    const auto [c, s] = reference(t, chunk);
+    auto sc = s.repeat_interleave(chunk).narrow(0, 0, n);
+    return c.to(at::kFloat) * sc;
+  };
+  auto want = decode_ref(x) + decode_ref(y);
+  auto got = unpack_sum(all, n, chunk);
+  EXPECT_TRUE(at::allclose(got, want, 1e-6, 1e-6));
+  // Quantisation bound: |decode(x) - x| <= absmax(chunk) / 254.
+  auto err = (unpack_sum(msg.view({1, -1}), n, chunk) - x).abs();
+  auto bound = scales.repeat_interleave(chunk).narrow(0, 0, n) / 2 * (1 + 1e-5) + 1e-7;
+  EXPECT_TRUE((err <= bound).all().item<bool>());
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Int8Kernel,
+                         ::testing::Combine(::testing::Values(0, 1, 17, 97, 4099),
+                                            ::testing::Values(1, 7, 256)),
+                         [](const auto& info) {
+                           return "n" + std::to_string(std::get<0>(info.param)) + "_chunk" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
+TEST(Int8Kernel, RejectsBadArguments) {
+  EXPECT_THROW(pack(at::zeros({4}, at::kDouble), 4), c10::Error);
+  EXPECT_THROW(pack(at::zeros({2, 2}, at::kFloat), 4), c10::Error);
+  EXPECT_THROW(pack(at::zeros({4}, at::kFloat), 0), c10::Error);
+  EXPECT_THROW(unpack_sum(at::zeros({1, 7}, at::kByte), 4, 4), c10::Error);
+}
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,351 @@
+// Codecs under mpirun (2 and 3 ranks), over ddpx_mpi and Gloo: each codec's
+// accuracy contract (exact / dtype tolerance / stated bound), error feedback,
+// per-key state, byte counts, and clear errors instead of hangs.
+// Every rank can rebuild every rank's input (seeded by rank), so the reference
+// mean is computed locally in float64.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ddpx/codec.h>
+#include <ddpx/comm.h>
+#include <ddpx/ops.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kernels/common/int8_codec.h"
+
+using ddpx::comm::Codec;
+using ddpx::comm::make_codec;
+
+namespace {
+
+ddpx::comm::ProcessGroupPtr group(const std::string& backend) {
+  // Leaked: the groups must outlive every test and never be torn down after
+  // MPI's exit handler has finalised MPI.
+  static auto* groups = new std::map<std::string, ddpx::comm::ProcessGroupPtr>();
+  auto& g = (*groups)[backend];
+  if (!g) {
+    ddpx::comm::MakeOptions o;
+    o.name = "codec_test_" + backend;
+    g = ddpx::comm::make(backend, o);
+  }
+  return g;
+}
+
+// Rank r's input for test case `seed`: normal * scale.
+at::Tensor input_of(int rank, int64_t seed, at::IntArrayRef shape, double scale = 1.0) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(seed * 1000 + rank);
+  return at::randn(shape, g, at::kFloat) * scale;
+}
+
+at::Tensor true_mean(int world, int64_t seed, at::IntArrayRef shape, double scale = 1.0) {
+  auto s = at::zeros(shape, at::kDouble);
+  for (int r = 0; r < world; ++r) s += input_of(r, seed, shape, scale).to(at::kDouble);
+  return s / world;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+class CodecTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  c10d::ProcessGroup& pg() { return *group(GetParam()); }
+  int rank() { return pg().getRank(); }
+  int world() { return pg().getSize(); }
+};
+
+const std::vector<std::vector<int64_t>> kShapes = {{1}, {17}, {97}, {5, 7}, {3, 4, 5}, {0}};
+
+TEST_P(CodecTest, NoneEqualsPlainAllreduce) {
+  auto c = make_codec("none");
+  for (size_t i = 0; i < kShapes.size(); ++i) {
+    auto x = input_of(rank(), i, kShapes[i]);
+    auto ref = x.clone();
+    std::vector<at::Tensor> v{ref};
+    pg().allreduce(v)->wait();
+    ref.div_(world());
+    auto got = c->allreduce_mean(x, "", pg());
+    EXPECT_TRUE(at::equal(got, ref)) << "shape " << x.sizes();
+    EXPECT_EQ(got.sizes(), x.sizes());
+  }
+  // Non-contiguous input; double input stays double.
+  auto t = input_of(rank(), 50, {6, 4}).t();
+  auto ref = t.contiguous();
+  std::vector<at::Tensor> v{ref};
+  pg().allreduce(v)->wait();
+  EXPECT_TRUE(at::equal(c->allreduce_mean(t, "", pg()), ref.div_(world())));
+  auto d = input_of(rank(), 51, {9}).to(at::kDouble);
+  EXPECT_EQ(c->allreduce_mean(d, "", pg()).scalar_type(), at::kDouble);
+}
+
+TEST_P(CodecTest, HalfCodecsWithinDtypeTolerance) {
+  for (const auto& [spec, unit] : std::vector<std::pair<std::string, double>>{
+           {"fp16", std::ldexp(1.0, -11)}, {"bf16", std::ldexp(1.0, -8)}}) {
+    auto c = make_codec(spec);
+    for (size_t i = 0; i < kShapes.size(); ++i) {
+      auto x = input_of(rank(), 100 + i, kShapes[i]);
+      auto want = true_mean(world(), 100 + i, kShapes[i]);
+      auto got = c->allreduce_mean(x, "", pg()).to(at::kDouble);
+      // Cast of x/w (1 unit roundoff) plus (w - 1) roundings of partial sums,
+      // each of at most mean(|x|) in size (+ the result's own rounding).
+      auto absmean = at::zeros(kShapes[i], at::kDouble);
+      for (int r = 0; r < world(); ++r) absmean += input_of(r, 100 + i, kShapes[i]).abs();
+      absmean /= world();
+      auto bound = absmean * (world() + 2) * unit + 1e-30;
+      EXPECT_TRUE(((got - want).abs() <= bound).all().item<bool>()) << spec << " " << x.sizes();
+    }
+    // Dividing before reducing: w * 60000 overflows fp16's 65504, the mean does not.
+    if (spec == "fp16") {
+      auto big = at::full({8}, 60000.0f);
+      auto got = c->allreduce_mean(big, "", pg());
+      EXPECT_TRUE(at::isfinite(got).all().item<bool>());
+      EXPECT_TRUE(at::allclose(got, big, 1e-3));
+      auto h = c->allreduce_mean(big.to(at::kHalf), "", pg());
+      EXPECT_EQ(h.scalar_type(), at::kHalf);
+      EXPECT_TRUE(at::isfinite(h).all().item<bool>());
+    }
+  }
+}
+
+TEST_P(CodecTest, Int8WithinStatedBound) {
+  for (int64_t chunk : {256, 7}) {
+    auto c = make_codec(chunk == 256 ? "int8" : "int8:7");
+    for (size_t i = 0; i < kShapes.size(); ++i) {
+      const auto& shape = kShapes[i];
+      auto x = input_of(rank(), 200 + i, shape, 3.0);
+      auto want = true_mean(world(), 200 + i, shape, 3.0).reshape(-1);
+      auto got = c->allreduce_mean(x, "", pg()).to(at::kDouble).reshape(-1);
+      // Stated bound: sum over ranks of absmax(chunk)/254, divided by w.
+      const int64_t n = x.numel();
+      auto bound = at::zeros({n}, at::kDouble);
+      for (int r = 0; r < world(); ++r) {
+        auto xr = input_of(r, 200 + i, shape, 3.0).reshape(-1);
+        for (int64_t ch = 0; ch < ddpx::kernels::int8_codec::num_chunks(n, chunk); ++ch) {
+          auto part = xr.narrow(0, ch * chunk, std::min(chunk, n - ch * chunk));
+          bound.narrow(0, ch * chunk, part.numel()) += part.abs().max().item<double>() / 254;
+        }
+      }
+      bound = bound / world() * (1 + 1e-5) + 1e-6;
+      EXPECT_TRUE(((got - want).abs() <= bound).all().item<bool>())
+          << c->spec() << " " << at::IntArrayRef(shape);
+    }
+  }
+}
+
+TEST_P(CodecTest, TopKExactOnKSparseInputs) {
+  auto c = make_codec("topk:0.1");
+  for (int64_t n : {1, 17, 97, 1000}) {
+    const int64_t k = (n + 9) / 10;
+    // Small integers at k positions per rank (positions differ by rank and
+    // overlap): exactly representable, so the mean is exact.
+    auto make = [&](int r) {
+      auto x = at::zeros({n}, at::kFloat);
+      for (int64_t j = 0; j < k; ++j)
+        x[(j * 7 + r * 3) % n] = static_cast<float>((j % 5) - 2 + r + 1);
+      return x;
+    };
+    auto sum = at::zeros({n}, at::kFloat);
+    for (int r = 0; r < world(); ++r) sum += make(r);
+    auto got = c->allreduce_mean(make(rank()), "ks", pg());
+    EXPECT_TRUE(at::equal(got, sum / world())) << "n=" << n;
+    // k-sparse inputs leave no residual: a second call gives the same.
+    EXPECT_TRUE(at::equal(c->allreduce_mean(make(rank()), "ks", pg()), sum / world()));
+    c->reset_state();
+  }
+}
+
+TEST_P(CodecTest, PowerSgdExactOnLowRankInputs) {
+  for (int64_t r : {1, 2, 4}) {
+    auto c = make_codec("powersgd:" + std::to_string(r));
+    // M_i = A B_i^T with A shared: mean(M_i) has rank <= r.
+    auto a = input_of(0, 300 + r, {40, r});
+    auto b_of = [&](int rr) { return input_of(rr, 310 + r, {30, r}); };
+    auto want = at::zeros({40, 30}, at::kFloat);
+    for (int rr = 0; rr < world(); ++rr) want += a.mm(b_of(rr).t());
+    want /= world();
+    auto got = c->allreduce_mean(a.mm(b_of(rank()).t()), "", pg());
+    EXPECT_TRUE(at::allclose(got, want, 1e-4, 1e-4 * want.abs().max().item<float>()))
+        << "rank " << r << " max err " << (got - want).abs().max().item<float>();
+    // Conv-shaped [out, in, kh, kw] is viewed as [out, in*kh*kw].
+    auto w4 = a.mm(b_of(rank()).t()).reshape({40, 3, 5, 2});
+    EXPECT_TRUE(at::allclose(c->allreduce_mean(w4, "", pg()), want.reshape({40, 3, 5, 2}), 1e-4,
+                             1e-4 * want.abs().max().item<float>()));
+  }
+  // 1-D and tensors that would not shrink go uncompressed: exact.
+  auto c = make_codec("powersgd:4");
+  auto none = make_codec("none");
+  for (const auto& shape : std::vector<std::vector<int64_t>>{{97}, {3, 5}, {1, 50}}) {
+    auto x = input_of(rank(), 320, shape);
+    const int64_t before = c->stats().bytes_sent;
+    EXPECT_TRUE(at::equal(c->allreduce_mean(x, "u", pg()), none->allreduce_mean(x, "", pg())));
+    EXPECT_EQ(c->stats().bytes_sent - before, 96 + 4 * x.numel()) << at::IntArrayRef(shape);
+  }
+}
+
+// Error feedback: x_t = c_rank + noise; without feedback, what the codec drops
+// of the constant part drifts away linearly; with it, sum(result) - sum(mean)
+// = -mean(residual_T) stays bounded.
+// fp16/bf16 get a constant input (their cast error is systematic only for a
+// repeated input). Feedback compensates each rank's cast, but the rounding of
+// the 16-bit sum on the wire belongs to no rank and is not compensated: the
+// deviation may grow by at most (w - 1) roundings of the sum per call.
+TEST_P(CodecTest, ErrorFeedbackTracksRunningSum) {
+  for (const std::string spec : {"topk:0.05", "int8", "powersgd:1", "fp16", "bf16"}) {
+    auto c = make_codec(spec);
+    const bool half = spec == "fp16" || spec == "bf16";
+    const std::vector<int64_t> shape{16, 12};
+    auto constant = input_of(rank(), 400, shape);
+    const double noise_scale = half ? 0.0 : 0.1;
+    const int steps = 60;
+    double early_max = 0, late_max = 0, dev_ef = 0, dev_plain = 0;
+    for (const bool ef : {true, false}) {
+      auto sum_got = at::zeros(shape, at::kDouble), sum_want = at::zeros(shape, at::kDouble);
+      for (int t = 0; t < steps; ++t) {
+        auto noise = input_of(rank(), 1000 + t, shape, noise_scale);
+        auto got = c->allreduce_mean(constant + noise, ef ? "ef" : "", pg());
+        sum_got += got.to(at::kDouble);
+        sum_want +=
+            true_mean(world(), 400, shape) + true_mean(world(), 1000 + t, shape, noise_scale);
+        const double dev = (sum_got - sum_want).abs().max().item<double>();
+        double& window = t < steps / 2 ? early_max : late_max;
+        if (ef) window = std::max(window, dev);
+        if (t == steps - 1) (ef ? dev_ef : dev_plain) = dev;
+      }
+    }
+    const double step = true_mean(world(), 400, shape).abs().max().item<double>();
+    if (half) {
+      auto absmean = at::zeros(shape, at::kDouble);
+      for (int r = 0; r < world(); ++r) absmean += input_of(r, 400, shape).abs();
+      const double unit = std::ldexp(1.0, spec == "fp16" ? -11 : -8);
+      const double per_call = (world() - 1) * unit * (absmean / world()).max().item<double>();
+      EXPECT_LE(dev_ef, steps * per_call * 1.01 + 2 * unit * step) << spec;
+    } else {
+      EXPECT_LT(dev_ef, 0.5 * dev_plain) << spec << ": feedback must beat no feedback";
+      EXPECT_LE(late_max, 1.5 * early_max + 0.05 * step)
+          << spec << ": the deviation must stay bounded, not grow with the number of calls";
+    }
+    c->reset_state();
+  }
+}
+
+TEST_P(CodecTest, StatePersistsPerKeyAndIsIsolated) {
+  for (const std::string spec : {"topk:0.1", "int8", "powersgd:2", "fp16"}) {
+    auto c = make_codec(spec);
+    auto x = input_of(rank(), 500, {12, 10});
+    auto y = input_of(rank(), 501, {12, 10});
+    auto first = c->allreduce_mean(x, "a", pg());
+    auto second = c->allreduce_mean(x, "a", pg());
+    EXPECT_FALSE(at::equal(first, second)) << spec << ": the key's state must change the result";
+    // Same history of "a" with calls under "b" and "" interleaved.
+    c->reset_state("a");
+    EXPECT_TRUE(at::equal(c->allreduce_mean(x, "a", pg()), first)) << spec;
+    c->allreduce_mean(y, "b", pg());
+    c->allreduce_mean(y, "", pg());
+    EXPECT_TRUE(at::equal(c->allreduce_mean(x, "a", pg()), second)) << spec;
+    // "" is stateless.
+    EXPECT_TRUE(at::equal(c->allreduce_mean(x, "", pg()), c->allreduce_mean(x, "", pg())));
+    EXPECT_TRUE(at::equal(c->allreduce_mean(x, "", pg()), first)) << spec;
+    // A key reused with another size is an error on every rank, not a hang.
+    EXPECT_NE(error_of([&] {
+                c->allreduce_mean(at::zeros({7, 3}), "a", pg());
+              }).find("key 'a'"),
+              std::string::npos)
+        << spec;
+  }
+}
+
+TEST_P(CodecTest, CountsBytesOnTheWire) {
+  const int64_t agree = 96;  // 12 int64
+  const int64_t n = 1000;
+  auto x = input_of(rank(), 600, {n});
+  auto x2 = input_of(rank(), 601, {50, 20});
+  struct Case {
+    std::string spec;
+    at::Tensor in;
+    int64_t payload;
+  };
+  for (const auto& [spec, in, payload] :
+       std::vector<Case>{{"none", x, 4 * n},
+                         {"fp16", x, 2 * n},
+                         {"bf16", x, 2 * n},
+                         {"int8", x, ddpx::kernels::int8_codec::packed_bytes(n, 256)},
+                         {"topk:0.01", x, 8 * 10},
+                         {"powersgd:2", x2, 4 * 2 * (50 + 20)}}) {
+    auto c = make_codec(spec);
+    c->allreduce_mean(in, "", pg());
+    c->allreduce_mean(in, "", pg());
+    const auto s = c->stats();
+    EXPECT_EQ(s.calls, 2) << spec;
+    EXPECT_EQ(s.bytes_raw, 2 * 4 * in.numel()) << spec;
+    EXPECT_EQ(s.bytes_sent, 2 * (agree + payload)) << spec;
+  }
+}
+
+TEST_P(CodecTest, MismatchesAcrossRanksAreErrorsOnEveryRank) {
+  auto c = make_codec("int8");
+  const int64_t n = rank() == 0 ? 5 : 6;
+  std::string err = error_of([&] { c->allreduce_mean(at::ones({n}), "", pg()); });
+  EXPECT_NE(err.find("disagree on the numel"), std::string::npos) << err;
+  err = error_of([&] {
+    c->allreduce_mean(rank() == 0 ? at::ones({4}) : at::ones({4}, at::kDouble), "", pg());
+  });
+  EXPECT_NE(err.find("dtype"), std::string::npos) << err;
+  err = error_of([&] { c->allreduce_mean(at::ones({4}), rank() == 0 ? "a" : "b", pg()); });
+  EXPECT_NE(err.find("key"), std::string::npos) << err;
+  auto other = make_codec(rank() == 0 ? "fp16" : "bf16");
+  err = error_of([&] { other->allreduce_mean(at::ones({4}), "", pg()); });
+  EXPECT_NE(err.find("codec"), std::string::npos) << err;
+  // The group is still usable.
+  EXPECT_TRUE(at::equal(c->allreduce_mean(at::zeros({4}), "", pg()), at::zeros({4})));
+}
+
+TEST_P(CodecTest, UnsupportedDtypesAreRejectedAtTheDoor) {
+  for (const auto& spec : {"none", "fp16", "int8", "topk:0.5", "powersgd:1"}) {
+    auto c = make_codec(spec);
+    auto err = error_of([&] { c->allreduce_mean(at::ones({4}, at::kLong), "", pg()); });
+    EXPECT_NE(err.find("must be float32, float64, float16 or bfloat16, got Long"),
+              std::string::npos)
+        << err;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CodecTest, ::testing::Values("ddpx_mpi", "gloo"),
+                         [](const auto& info) { return info.param; });
+
+TEST(CodecSpec, BadSpecsListTheValidCodecs) {
+  for (const auto& bad :
+       {"", "zip", "topk", "topk:0", "topk:1.5", "topk:abc", "powersgd", "powersgd:0",
+        "powersgd:2x", "int8:x", "int8:0", "none:1", "fp16:2", "FP16"}) {
+    auto err = error_of([&] { make_codec(bad); });
+    EXPECT_NE(err.find("valid codecs:"), std::string::npos) << "'" << bad << "': " << err;
+    EXPECT_NE(err.find("powersgd:<rank>"), std::string::npos) << err;
+  }
+  EXPECT_EQ(make_codec("topk:0.010")->spec(), "topk:0.01");
+  EXPECT_EQ(make_codec("int8:256")->spec(), "int8");
+  EXPECT_EQ(make_codec("powersgd:4")->spec(), "powersgd:4");
+}
+
+// The op (through the dispatcher) on the world group equals a codec object.
+TEST(CompressedAllreduceOp, MatchesTheCodecOnTheWorldGroup) {
+  auto world = ddpx::comm::world();
+  for (const auto& spec : {"none", "fp16", "int8", "topk:0.2", "powersgd:2"}) {
+    auto x = input_of(world->getRank(), 700, {9, 8});
+    auto want = make_codec(spec)->allreduce_mean(x, "", *world);
+    EXPECT_TRUE(at::equal(ddpx::compressed_allreduce(x, spec, "", ""), want)) << spec;
+  }
+  auto err = error_of([] { ddpx::compressed_allreduce(at::ones({2}), "none", "", "no-such"); });
+  EXPECT_NE(err.find("'no-such' is not a registered process group"), std::string::npos) << err;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
