@@ -143,12 +143,12 @@ struct GradSync::Impl {
     if (no_sync.load(std::memory_order_relaxed)) return;
     const auto h0 = Clock::now();
     const at::Tensor& g = params[p].grad();
+    // The copy needs no lock: slots are disjoint and the plan only changes at
+    // the step boundary, after every hook of the step has run.
+    if (g.defined()) slot(p).copy_(g.reshape(-1));
     std::lock_guard<std::mutex> lock(mu);
     if (!active) begin_step_locked();
-    if (g.defined()) {
-      slot(p).copy_(g.reshape(-1));
-      mark_ready_locked(p, /*used=*/true);
-    }
+    if (g.defined()) mark_ready_locked(p, /*used=*/true);
     ++stats.hook_calls;
     hook_cpu_us = hook_cpu_us + us_since(h0, Clock::now());
   }

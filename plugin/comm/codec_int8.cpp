@@ -13,26 +13,15 @@
 // Messages are packed by ddpx::_int8_pack / _int8_unpack_sum (CPU and CUDA
 // kernels; layout in kernels/common/int8_codec.h).
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include "plugin/comm/codec_util.h"
+#include "ops/int8_codec.h"
 
 namespace ddpx::comm::detail {
 namespace {
 
-at::Tensor pack(const at::Tensor& x, int64_t chunk) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ddpx::_int8_pack", "")
-                       .typed<at::Tensor(const at::Tensor&, int64_t)>();
-  return op.call(x, chunk);
-}
-
-at::Tensor unpack_sum(const at::Tensor& packed, int64_t numel, int64_t chunk) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ddpx::_int8_unpack_sum", "")
-                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
-  return op.call(packed, numel, chunk);
-}
+using ddpx::detail::int8_pack;
+using ddpx::detail::int8_unpack_sum;
 
 constexpr int64_t kDefaultChunk = 256;
 
@@ -53,10 +42,10 @@ class Int8Codec final : public LossyCodec {
       return input.contiguous().clone();
     }
     at::Tensor m = compensated(input, key);               // [numel] float32
-    at::Tensor msg = pack(m, chunk_);                     // [L] uint8
+    at::Tensor msg = int8_pack(m, chunk_);                     // [L] uint8
     at::Tensor all = allgather_rows(pg, msg, &bytes);     // [world, L]
-    at::Tensor sum = unpack_sum(all, m.numel(), chunk_);  // [numel] float32
-    if (!key.empty()) keep_residual(key, m, unpack_sum(msg.view({1, -1}), m.numel(), chunk_));
+    at::Tensor sum = int8_unpack_sum(all, m.numel(), chunk_);  // [numel] float32
+    if (!key.empty()) keep_residual(key, m, int8_unpack_sum(msg.view({1, -1}), m.numel(), chunk_));
     count_call(bytes, input.numel());
     return to_output(sum.div_(pg.getSize()), input);
   }

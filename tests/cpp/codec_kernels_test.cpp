@@ -3,31 +3,20 @@
 // reference. Single process.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 
 #include "kernels/common/int8_codec.h"
+#include "ops/int8_codec.h"
 
 namespace ic = ddpx::kernels::int8_codec;
 
 namespace {
 
-at::Tensor pack(const at::Tensor& x, int64_t chunk) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ddpx::_int8_pack", "")
-                       .typed<at::Tensor(const at::Tensor&, int64_t)>();
-  return op.call(x, chunk);
-}
-
-at::Tensor unpack_sum(const at::Tensor& packed, int64_t numel, int64_t chunk) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ddpx::_int8_unpack_sum", "")
-                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
-  return op.call(packed, numel, chunk);
-}
+using ddpx::detail::int8_pack;
+using ddpx::detail::int8_unpack_sum;
 
 // ATen reference of pack: per-chunk absmax scale, rint(x / scale) clamped.
 std::pair<at::Tensor, at::Tensor> reference(const at::Tensor& x, int64_t chunk) {
@@ -85,7 +74,7 @@ TEST_P(Int8Kernel, PackMatchesReferenceAndUnpackSums) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(n * 31 + chunk);
   auto x = at::randn({n}, g, at::kFloat) * 5;
   if (n > 3) x[2] = 0.5f;  // chunks of mixed magnitude
-  auto msg = pack(x, chunk);
+  auto msg = int8_pack(x, chunk);
   ASSERT_EQ(msg.numel(), ic::packed_bytes(n, chunk));
   const auto [codes, scales] = reference(x, chunk);
   EXPECT_TRUE(at::equal(msg.narrow(0, 0, n).view(at::kChar), codes));
@@ -97,17 +86,17 @@ TEST_P(Int8Kernel, PackMatchesReferenceAndUnpackSums) {
   // Sum of three messages == sum of their reference decodes.
   auto y = at::randn({n}, g, at::kFloat);
   auto z = at::zeros({n}, at::kFloat);
-  auto all = at::stack({msg, pack(y, chunk), pack(z, chunk)});
+  auto all = at::stack({msg, int8_pack(y, chunk), int8_pack(z, chunk)});
   auto decode_ref = [&](const at::Tensor& t) {
     const auto [c, s] = reference(t, chunk);
     auto sc = s.repeat_interleave(chunk).narrow(0, 0, n);
     return c.to(at::kFloat) * sc;
   };
   auto want = decode_ref(x) + decode_ref(y);
-  auto got = unpack_sum(all, n, chunk);
+  auto got = int8_unpack_sum(all, n, chunk);
   EXPECT_TRUE(at::allclose(got, want, 1e-6, 1e-6));
   // Quantisation bound: |decode(x) - x| <= absmax(chunk) / 254.
-  auto err = (unpack_sum(msg.view({1, -1}), n, chunk) - x).abs();
+  auto err = (int8_unpack_sum(msg.view({1, -1}), n, chunk) - x).abs();
   auto bound = scales.repeat_interleave(chunk).narrow(0, 0, n) / 2 * (1 + 1e-5) + 1e-7;
   EXPECT_TRUE((err <= bound).all().item<bool>());
 }
@@ -121,10 +110,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Int8Kernel,
                          });
 
 TEST(Int8Kernel, RejectsBadArguments) {
-  EXPECT_THROW(pack(at::zeros({4}, at::kDouble), 4), c10::Error);
-  EXPECT_THROW(pack(at::zeros({2, 2}, at::kFloat), 4), c10::Error);
-  EXPECT_THROW(pack(at::zeros({4}, at::kFloat), 0), c10::Error);
-  EXPECT_THROW(unpack_sum(at::zeros({1, 7}, at::kByte), 4, 4), c10::Error);
+  EXPECT_THROW(int8_pack(at::zeros({4}, at::kDouble), 4), c10::Error);
+  EXPECT_THROW(int8_pack(at::zeros({2, 2}, at::kFloat), 4), c10::Error);
+  EXPECT_THROW(int8_pack(at::zeros({4}, at::kFloat), 0), c10::Error);
+  EXPECT_THROW(int8_unpack_sum(at::zeros({1, 7}, at::kByte), 4, 4), c10::Error);
 }
 
 int main(int argc, char** argv) {
