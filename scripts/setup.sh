@@ -8,8 +8,8 @@ cd "$here"
 source scripts/versions.sh
 
 # --- system packages (Debian) ------------------------------------------------
-apt_pkgs=(openmpi-bin libopenmpi-dev ninja-build cmake g++ libgtest-dev
-          libcli11-dev nlohmann-json3-dev iproute2 procps)
+apt_pkgs=(openmpi-bin libopenmpi-dev ninja-build cmake g++ ccache libgtest-dev
+          libgloo-dev libcli11-dev nlohmann-json3-dev iproute2 procps)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -35,8 +35,14 @@ fi
 
 # --- configure + build --------------------------------------------------------
 torch_prefix=$("$DDPX_VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+# ccache keyed relative to the checkout (base_dir), so every clone and
+# worktree on this machine reuses the same objects: a fresh clone builds in
+# minutes instead of a quarter hour on two cores.
+launcher="${CMAKE_COMMAND:-cmake};-E;env;CCACHE_BASEDIR=$here;ccache"
 if [ ! -f "$DDPX_BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$DDPX_BUILD_DIR" -G Ninja \
+    -DCMAKE_CXX_COMPILER_LAUNCHER="$launcher" \
+    -DCMAKE_CUDA_COMPILER_LAUNCHER="$launcher" \
     -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_prefix" \
     -DPython3_EXECUTABLE="$DDPX_VENV/bin/python" \
