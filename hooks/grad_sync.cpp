@@ -382,6 +382,33 @@ void GradSync::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
 GradSync::NoSyncGuard::NoSyncGuard(GradSync& s) : s_(s) { s_.impl_->no_sync = true; }
 GradSync::NoSyncGuard::~NoSyncGuard() { s_.impl_->no_sync = false; }
 
+GradSync::State GradSync::state() const {
+  const auto& I = *impl_;
+  State s;
+  for (const auto& b : I.plan) s.plan_order.insert(s.plan_order.end(), b.params.begin(), b.params.end());
+  s.predictor = I.predictor.state();
+  s.steps = I.predictor.steps_observed();
+  return s;
+}
+
+void GradSync::load_state(const State& s) {
+  auto& I = *impl_;
+  const size_t n = I.params.size();
+  std::vector<int> order(s.plan_order.begin(), s.plan_order.end());
+  std::vector<char> seen(n, 0);
+  bool permutation = order.size() == n;
+  for (int p : order) {
+    permutation = permutation && p >= 0 && static_cast<size_t>(p) < n && !seen[p];
+    if (permutation) seen[p] = 1;
+  }
+  TORCH_CHECK(permutation, "GradSync::load_state: plan_order must be a permutation of the ", n,
+              " parameters, got ", s.plan_order.size(), " entries");
+  std::lock_guard<std::mutex> lock(I.mu);
+  TORCH_CHECK(!I.active, "GradSync::load_state: called during backward");
+  I.predictor.load_state(s.predictor, static_cast<int>(s.steps));
+  I.replan(order);
+}
+
 const StepStats& GradSync::last_step() const { return impl_->last; }
 int64_t GradSync::replans() const { return impl_->replans; }
 

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -144,6 +145,31 @@ Launcher detect_launcher() {
 }
 
 std::vector<std::string> available_backends() { return detail::backend_names(); }
+
+std::string process_label() {
+  std::string rank = "?", size = "?";
+  for (const auto& [r, s] : {std::pair{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+                             std::pair{"PMI_RANK", "PMI_SIZE"}, std::pair{"RANK", "WORLD_SIZE"}}) {
+    if (auto v = detail::env(r)) {
+      rank = *v;
+      size = detail::env(s).value_or("?");
+      break;
+    }
+  }
+  char host[256] = "?";
+  ::gethostname(host, sizeof host - 1);
+  return "rank " + rank + " of " + size + " on " + host;
+}
+
+void abort_job(int code) {
+  std::cout.flush();
+  std::cerr.flush();
+  int initialised = 0, finalised = 0;
+  MPI_Initialized(&initialised);
+  MPI_Finalized(&finalised);
+  if (detail::launched_by_mpi() && initialised && !finalised) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
 
 ProcessGroupPtr make(const std::string& spec, const MakeOptions& opts) {
   // "gloo" or "cpu:gloo,cuda:nccl" -> device type -> backend name.

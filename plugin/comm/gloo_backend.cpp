@@ -4,6 +4,11 @@
 #define USE_C10D_GLOO 1
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include <c10/util/env.h>
+
+#include <sstream>
+#include <string>
+
 #include "plugin/comm/backend_registry.h"
 
 namespace ddpx::comm::detail {
@@ -12,7 +17,17 @@ namespace {
 BackendPtr create_gloo(const BackendArgs& a) {
   auto opts = c10d::ProcessGroupGloo::Options::create();
   opts->timeout = a.timeout;
-  opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  // As torch.distributed does: GLOO_SOCKET_IFNAME picks the interface(s),
+  // comma-separated, e.g. on hosts whose name resolves to the wrong network.
+  if (auto ifnames = c10::utils::get_env("GLOO_SOCKET_IFNAME"); ifnames && !ifnames->empty()) {
+    std::stringstream ss(*ifnames);
+    std::string ifname;
+    while (std::getline(ss, ifname, ',')) {
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    }
+  } else {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
   return c10::make_intrusive<c10d::ProcessGroupGloo>(a.store, a.rank, a.size, opts);
 }
 

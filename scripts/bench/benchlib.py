@@ -86,3 +86,61 @@ def _fmt(v):
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
     return str(v)
+
+
+LINK_1GBIT = "emulated 1 Gbit/s link (netns loopback, tc tbf rate 1gbit burst 256kb latency 50ms)"
+# Open MPI forced onto TCP over the (shaped) loopback.
+MPI_TCP_LO = ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include",
+              "lo", "--mca", "oob_tcp_if_include", "lo"]
+
+
+class EmulatedLink:
+    """A network namespace whose loopback is shaped to 1 Gbit/s (DESIGN.md).
+
+        with EmulatedLink("train") as link:
+            subprocess.run(link.prefix + ["mpirun", ...])   # runs inside it
+            print(link.description)
+
+    Falls back to plain loopback (empty prefix, description says so) where
+    namespaces cannot be made; always deletes the namespace, also on signals.
+    """
+
+    def __init__(self, tag, rate="1gbit"):
+        self.ns = f"ddpx-{tag}-{os.getpid()}"
+        self.rate = rate
+        self.prefix = []
+        self.description = LINK_1GBIT
+        self._made = False
+
+    def __enter__(self):
+        import signal
+        import subprocess
+
+        def sh(*cmd):
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+        self._old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        for s in self._old:
+            signal.signal(s, lambda num, _f: (self.__exit__(), os._exit(128 + num)))
+        try:
+            sh("ip", "netns", "add", self.ns)
+            self._made = True
+            sh("ip", "-n", self.ns, "link", "set", "lo", "up")
+            sh("ip", "netns", "exec", self.ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+               "rate", self.rate, "burst", "256kb", "latency", "50ms")
+            self.prefix = ["ip", "netns", "exec", self.ns]
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
+            self.__exit__()
+            err = e.stderr.strip() if getattr(e, "stderr", None) else str(e)
+            self.description = f"UNSHAPED plain loopback (no network namespace: {err})"
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+        import subprocess
+        if self._made:
+            subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+            self._made = False
+        for s, h in getattr(self, "_old", {}).items():
+            signal.signal(s, h)
+        return False

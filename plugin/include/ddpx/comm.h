@@ -53,6 +53,16 @@ ProcessGroupPtr make(const std::string& backend, const MakeOptions& opts = {});
 BackendPtr make_mpi_backend(const std::vector<int>& world_ranks = {},
                             std::chrono::milliseconds timeout = default_timeout());
 
+// "rank R of N on HOST" from the launcher's environment (no collective), for
+// error messages.
+std::string process_label();
+
+// Ends this process with `code` after an unrecoverable error. Under mpirun the
+// whole job is aborted (MPI_Abort), so peers blocked in a collective with this
+// rank end now instead of at their timeout; otherwise the process exits
+// without running static destructors (a comm thread may be stuck).
+[[noreturn]] void abort_job(int code);
+
 // Names of the backends this build can make.
 std::vector<std::string> available_backends();
 

@@ -114,6 +114,18 @@ class GradSync {
   };
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
+  // What GradSync has learnt, for checkpoints: the current bucket plan's
+  // parameter order and the order predictor's state. load_state re-plans at
+  // once; call it between steps with the same state on every rank (e.g. a
+  // checkpoint that rank 0 broadcast), so the plans stay identical.
+  struct State {
+    std::vector<int64_t> plan_order;
+    std::vector<double> predictor;
+    int64_t steps = 0;
+  };
+  State state() const;
+  void load_state(const State& s);
+
   const StepStats& last_step() const;
   std::vector<std::vector<std::string>> bucket_plan() const;  // parameter names per bucket
   int64_t replans() const;

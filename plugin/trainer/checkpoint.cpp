@@ -1,0 +1,176 @@
+#include "plugin/trainer/checkpoint.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fcntl.h>
+#include <fstream>
+#include <iterator>
+#include <mutex>
+#include <unordered_map>
+#include <unistd.h>
+
+namespace ddpx::trainer {
+namespace {
+
+constexpr int64_t kFormat = 1;
+namespace fs = std::filesystem;
+
+void write_durably(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  TORCH_CHECK(fd >= 0, "ddpx-train: cannot write checkpoint ", tmp, ": ", std::strerror(errno));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int e = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      TORCH_CHECK(false, "ddpx-train: writing checkpoint ", tmp, " failed: ", std::strerror(e));
+    }
+    done += static_cast<size_t>(n);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  if (!synced) ::unlink(tmp.c_str());
+  TORCH_CHECK(synced, "ddpx-train: fsync of ", tmp, " failed: ", std::strerror(errno));
+  // rename() replaces the old checkpoint in one step; then persist the entry.
+  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "ddpx-train: cannot rename ", tmp,
+              " to ", path, ": ", std::strerror(errno));
+  const std::string dir = fs::path(path).has_parent_path() ? fs::path(path).parent_path().string() : ".";
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+at::Tensor int64_tensor(const std::vector<int64_t>& v) {
+  return at::tensor(c10::ArrayRef<int64_t>(v), at::kLong);
+}
+
+void broadcast(c10d::ProcessGroup& pg, at::Tensor t) {
+  std::vector<at::Tensor> v{std::move(t)};
+  pg.broadcast(v)->wait();
+}
+
+// Reads archive `ar` into the run's objects; throws naming what does not fit.
+void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos) {
+  c10::IValue v;
+  ar.read("format", v);
+  TORCH_CHECK(v.isInt() && v.toInt() == kFormat, "format ", v, ", this ddpx-train reads ", kFormat);
+  at::NoGradGuard no_grad;
+  // Model state as two lists (names, tensors): parameter names contain dots,
+  // which archive keys must not.
+  ar.read("model_names", v);
+  const auto names = v.toList();
+  c10::IValue tv;
+  ar.read("model_tensors", tv);
+  const auto tensors = tv.toTensorList();
+  TORCH_CHECK(names.size() == tensors.size(), "model_names and model_tensors differ in length");
+  std::unordered_map<std::string, at::Tensor> saved;
+  for (size_t i = 0; i < names.size(); ++i) saved[names.get(i).toStringRef()] = tensors.get(i);
+  auto copy_into = [&](const std::string& name, const at::Tensor& dst) {
+    auto it = saved.find(name);
+    TORCH_CHECK(it != saved.end(), "it has no entry for '", name,
+                "' (a checkpoint of another model?)");
+    const at::Tensor& src = it->second;
+    TORCH_CHECK(src.sizes() == dst.sizes() && src.scalar_type() == dst.scalar_type(), "'", name,
+                "' is ", src.sizes(), " ", src.scalar_type(), " there but ", dst.sizes(), " ",
+                dst.scalar_type(), " in the model");
+    dst.copy_(src);
+  };
+  for (const auto& p : t.model.named_parameters()) copy_into(p.name, p.value);
+  for (const auto& b : t.model.named_buffers()) copy_into(b.name, b.value);
+  torch::serialize::InputArchive opt;
+  ar.read("optimizer", opt);
+  t.optimizer.load(opt);
+  at::Tensor order, predictor, rng, where;
+  ar.read("gradsync.plan_order", order);
+  ar.read("gradsync.predictor", predictor);
+  ar.read("gradsync.steps", v);
+  GradSync::State s;
+  s.plan_order.assign(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
+  s.predictor.assign(predictor.data_ptr<double>(), predictor.data_ptr<double>() + predictor.numel());
+  s.steps = v.toInt();
+  t.sync.load_state(s);
+  ar.read("position", where);
+  pos = {where[0].item<int64_t>(), where[1].item<int64_t>(), where[2].item<int64_t>()};
+  ar.read("rng", rng);
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(rng);
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, TrainObjects& t, const Position& pos) {
+  torch::serialize::OutputArchive ar;
+  ar.write("format", c10::IValue(kFormat));
+  c10::List<std::string> names;
+  c10::List<at::Tensor> tensors;
+  for (const auto& p : t.model.named_parameters()) {
+    names.push_back(p.name);
+    tensors.push_back(p.value.detach());
+  }
+  for (const auto& b : t.model.named_buffers()) {
+    names.push_back(b.name);
+    tensors.push_back(b.value);
+  }
+  ar.write("model_names", c10::IValue(names));
+  ar.write("model_tensors", c10::IValue(tensors));
+  torch::serialize::OutputArchive opt;
+  t.optimizer.save(opt);
+  ar.write("optimizer", opt);
+  const GradSync::State s = t.sync.state();
+  ar.write("gradsync.plan_order", int64_tensor(s.plan_order));
+  ar.write("gradsync.predictor", at::tensor(c10::ArrayRef<double>(s.predictor), at::kDouble));
+  ar.write("gradsync.steps", c10::IValue(s.steps));
+  ar.write("position", int64_tensor({pos.step, pos.epoch, pos.batch}));
+  ar.write("rng", at::detail::getDefaultCPUGenerator().get_state());
+  std::string bytes;
+  ar.save_to([&bytes](const void* data, size_t n) {
+    bytes.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  write_durably(path, bytes);
+}
+
+bool load_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjects& t,
+                     Position& pos) {
+  // Rank 0 reads; header {status, size}: 0 none, 1 bytes follow, -1 unreadable.
+  at::Tensor header = at::zeros({2}, at::kLong);
+  std::string bytes, why;
+  if (pg.getRank() == 0 && fs::exists(path)) {
+    std::ifstream f(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(f), {});
+    if (!f.good() && !f.eof()) why = "read error";
+    header[0] = why.empty() ? 1 : -1;
+    header[1] = static_cast<int64_t>(bytes.size());
+  }
+  broadcast(pg, header);
+  const int64_t status = header[0].item<int64_t>();
+  TORCH_CHECK(status >= 0, "ddpx-train: cannot read checkpoint ", path, " on rank 0: ", why);
+  if (status == 0) return false;
+  at::Tensor buf = at::empty({header[1].item<int64_t>()}, at::kByte);
+  if (pg.getRank() == 0) std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
+  broadcast(pg, buf);
+  try {
+    torch::serialize::InputArchive ar;
+    ar.load_from(reinterpret_cast<const char*>(buf.data_ptr()), static_cast<size_t>(buf.numel()));
+    restore(ar, t, pos);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "ddpx-train: checkpoint ", path, " is corrupt, truncated or not this "
+                "model's: ", e.what_without_backtrace(), " (the file is left as it is)");
+  }
+  return true;
+}
+
+}  // namespace ddpx::trainer

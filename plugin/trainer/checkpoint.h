@@ -1,0 +1,42 @@
+#pragma once
+// Checkpoints of a ddpx-train run: model parameters and buffers, optimizer
+// state, GradSync's learnt state (bucket plan order, order predictor), the
+// data position and the RNG -- everything a resumed run needs to continue
+// bit for bit as if it had never stopped.
+//
+// Only rank 0 writes (every rank holds the same state after a synced step),
+// to a temporary file that is flushed to disk and then renamed over the old
+// checkpoint, so a crash at any moment leaves the previous checkpoint whole.
+// On resume rank 0 reads the file and broadcasts its bytes, so ranks on other
+// hosts need no shared filesystem.
+#include <ddpx/grad_sync.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/optim/optimizer.h>
+#include <torch/script.h>
+
+#include <cstdint>
+#include <string>
+
+namespace ddpx::trainer {
+
+struct Position {
+  int64_t step = 0;   // optimizer steps taken
+  int64_t epoch = 0;  // epoch of the next batch
+  int64_t batch = 0;  // next batch within that epoch
+};
+
+struct TrainObjects {
+  torch::jit::Module& model;
+  torch::optim::Optimizer& optimizer;
+  GradSync& sync;
+};
+
+void save_checkpoint(const std::string& path, TrainObjects& t, const Position& pos);
+
+// Collective. Returns false (and changes nothing) when `path` does not exist;
+// throws a clear error on every rank when it cannot be read or does not fit
+// the model.
+bool load_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjects& t,
+                     Position& pos);
+
+}  // namespace ddpx::trainer

@@ -1,0 +1,24 @@
+#pragma once
+// The scripted model a run trains, and what it says about its input.
+#include <torch/script.h>
+
+#include <string>
+
+#include "plugin/trainer/data.h"
+
+namespace ddpx::trainer {
+
+struct ScriptedModel {
+  torch::jit::Module module;
+  std::string input;  // "image" or "tokens"
+  int64_t num_classes = 0;
+  DocSpec doc;        // tokens only
+};
+
+// Loads `path` (plugin ops resolve: libddpx is linked) and checks the
+// contract of scripts/export_models.py: forward(x) -> logits plus the
+// attributes ddpx_input and num_classes (and vocab_size, sentences, words for
+// token models). Throws naming the file and what is missing.
+ScriptedModel load_model(const std::string& path);
+
+}  // namespace ddpx::trainer

@@ -1,0 +1,101 @@
+#include "plugin/trainer/options.h"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdlib>
+
+namespace ddpx::trainer {
+
+Options parse_options(int argc, char** argv) {
+  Options o;
+  CLI::App app{
+      "ddpx-train: train a TorchScript model data-parallel with ddpx::GradSync.\n"
+      "Launch with mpirun (ddpx_mpi) or torchrun (Gloo); one process is fine too.\n"
+      "  mpirun -np 2 ddpx-train --model build/torchscript_models/lenet.pt --steps 300"};
+  app.get_formatter()->column_width(34);
+
+  auto* data = app.add_option_group("model and data");
+  data->add_option("--model", o.model, "scripted model file (.pt) with forward(x) -> logits")
+      ->required();
+  data->add_option("--data", o.data,
+                   "MNIST idx directory (train-images-idx3-ubyte, ...); "
+                   "default: a generated 10-class set")
+      ->check(CLI::ExistingDirectory);
+  data->add_option("--data-cache", o.data_cache,
+                   "where the generated image set is written (default: $TMPDIR/ddpx-data-<seed>)");
+  data->add_option("--train-samples", o.train_samples,
+                   "generated documents for token models (default 20000)")
+      ->check(CLI::NonNegativeNumber);
+
+  auto* run = app.add_option_group("schedule");
+  run->add_option("--mode", o.mode, "sync: synchronous data parallel")
+      ->check(CLI::IsMember({"sync"}))
+      ->capture_default_str();
+  run->add_option("--epochs", o.epochs, "epochs over the training set")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  run->add_option("--steps", o.steps, "stop after this many steps (overrides --epochs)")
+      ->check(CLI::NonNegativeNumber);
+  run->add_option("--batch-size", o.batch_size, "samples per rank per step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  run->add_option("--optimizer", o.optimizer, "sgd (with momentum) or adam")
+      ->check(CLI::IsMember({"sgd", "adam"}))
+      ->capture_default_str();
+  run->add_option("--lr", o.lr, "peak learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  run->add_option("--momentum", o.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  run->add_option("--weight-decay", o.weight_decay)->check(CLI::NonNegativeNumber);
+  run->add_option("--lr-schedule", o.lr_schedule, "constant | cosine | step (x0.1 at 50% and 75%)")
+      ->check(CLI::IsMember({"constant", "cosine", "step"}))
+      ->capture_default_str();
+  run->add_option("--warmup-steps", o.warmup_steps, "linear warm-up steps")
+      ->check(CLI::NonNegativeNumber);
+  run->add_option("--seed", o.seed, "initialisation, data generation and shuffling")
+      ->capture_default_str();
+  run->add_option("--threads", o.threads, "intra-op threads per rank (default: cores / ranks)")
+      ->check(CLI::NonNegativeNumber);
+
+  auto* sync = app.add_option_group("GradSync");
+  sync->add_option("--bucket-cap-mb", o.bucket_cap_mb)->check(CLI::PositiveNumber)->capture_default_str();
+  sync->add_option("--first-bucket-mb", o.first_bucket_mb)->check(CLI::PositiveNumber)->capture_default_str();
+  sync->add_option("--codec", o.codec, "none | fp16 | bf16 | int8 | topk:<ratio> | powersgd:<rank>")
+      ->capture_default_str();
+  sync->add_option("--unused", o.unused, "off | predict | exact")
+      ->check(CLI::IsMember({"off", "predict", "exact"}))
+      ->capture_default_str();
+  sync->add_option("--channels", o.channels, "process groups used round-robin for buckets")
+      ->check(CLI::Range(1, 16))
+      ->capture_default_str();
+  sync->add_option("--timeout-s", o.timeout_s,
+                   "collective timeout (default: DDPX_TIMEOUT_S, else 30 min)")
+      ->check(CLI::NonNegativeNumber);
+
+  auto* out = app.add_option_group("output");
+  out->add_option("--checkpoint", o.checkpoint, "checkpoint file (written atomically by rank 0)");
+  out->add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints (0: end only)")
+      ->check(CLI::NonNegativeNumber);
+  out->add_flag("--resume", o.resume, "continue from --checkpoint when it exists");
+  out->add_option("--trace", o.trace, "Chrome/Perfetto trace of GradSync (like DDPX_TRACE)");
+  out->add_option("--metrics", o.metrics, "JSON lines of metrics (rank 0)");
+  out->add_option("--log-every", o.log_every, "steps between progress lines")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  out->add_flag("--quiet", o.quiet, "no progress lines");
+
+  // A flag given twice takes its last value, so wrappers such as
+  // scripts/run.sh can set defaults that the user's own flags override.
+  for (CLI::Option* opt : app.get_options()) {
+    opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
+  }
+  if (o.resume && o.checkpoint.empty()) {
+    std::exit(app.exit(CLI::ValidationError("--resume", "needs --checkpoint PATH")));
+  }
+  return o;
+}
+
+}  // namespace ddpx::trainer

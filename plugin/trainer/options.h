@@ -1,0 +1,50 @@
+#pragma once
+// ddpx-train's command line: every knob of a run, parsed by CLI11.
+#include <cstdint>
+#include <string>
+
+namespace ddpx::trainer {
+
+struct Options {
+  // What to train on.
+  std::string model;      // scripted model (.pt), e.g. build/torchscript_models/lenet.pt
+  std::string data;       // MNIST idx directory; empty: generate a synthetic set
+  std::string data_cache; // where generated idx files are written (per host)
+  int64_t train_samples = 0;  // documents to generate (token models); images are always 60k/10k
+
+  // How long, how fast.
+  std::string mode = "sync";
+  int64_t epochs = 1;
+  int64_t steps = 0;  // > 0: stop after this many steps (overrides epochs)
+  int64_t batch_size = 64;  // per rank
+  std::string optimizer = "sgd";
+  double lr = 0.05;
+  double momentum = 0.9;
+  double weight_decay = 0.0;
+  std::string lr_schedule = "constant";  // constant | cosine | step
+  int64_t warmup_steps = 0;
+  uint64_t seed = 1;
+  int threads = 0;  // intra-op threads; 0: cores / local ranks
+
+  // GradSync.
+  double bucket_cap_mb = 25.0;
+  double first_bucket_mb = 1.0;
+  std::string codec = "none";
+  std::string unused = "predict";  // off | predict | exact
+  int channels = 1;
+  double timeout_s = 0;  // 0: DDPX_TIMEOUT_S, else torch's default
+
+  // Output.
+  std::string checkpoint;        // path; written atomically
+  int64_t checkpoint_every = 0;  // steps; 0: only at the end
+  bool resume = false;           // continue from --checkpoint if it exists
+  std::string trace;             // Chrome trace of GradSync (as DDPX_TRACE)
+  std::string metrics;           // JSON lines, rank 0
+  int64_t log_every = 50;
+  bool quiet = false;
+};
+
+// Parses argv; on --help or a usage error prints and exits (CLI11's codes).
+Options parse_options(int argc, char** argv);
+
+}  // namespace ddpx::trainer

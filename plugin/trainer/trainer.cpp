@@ -1,0 +1,268 @@
+#include "plugin/trainer/trainer.h"
+
+#include <ddpx/comm.h>
+#include <ddpx/grad_sync.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include "plugin/trainer/checkpoint.h"
+#include "plugin/trainer/data.h"
+#include "plugin/trainer/model.h"
+#include "plugin/trainer/optim.h"
+
+namespace ddpx::trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+int local_ranks() {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"}) {
+    if (const char* s = std::getenv(v)) return std::max(1, std::atoi(s));
+  }
+  return 1;
+}
+
+std::string default_data_cache(uint64_t seed) {
+  const char* tmp = std::getenv("TMPDIR");
+  return (fs::path(tmp ? tmp : "/tmp") / ("ddpx-data-v1-seed" + std::to_string(seed))).string();
+}
+
+DataSplit load_data(const Options& o, const ScriptedModel& m) {
+  if (m.input == "tokens") {
+    TORCH_CHECK(o.data.empty(), "ddpx-train: --data holds MNIST images, but ", o.model,
+                " is a token model (it trains on generated documents)");
+    const int64_t n = o.train_samples > 0 ? o.train_samples : 20000;
+    return make_documents(m.doc, n, std::max<int64_t>(n / 10, 1), o.seed);
+  }
+  std::string dir = o.data;
+  if (dir.empty()) {
+    dir = o.data_cache.empty() ? default_data_cache(o.seed) : o.data_cache;
+    ensure_synthetic_images(dir, o.seed);
+  }
+  return load_images(dir);
+}
+
+Unused parse_unused(const std::string& s) {
+  if (s == "off") return Unused::Off;
+  if (s == "exact") return Unused::Exact;
+  TORCH_CHECK(s == "predict", "ddpx-train: --unused must be off, predict or exact, got '", s, "'");
+  return Unused::Predict;
+}
+
+std::string eta(double seconds) {
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", (long long)(s / 3600),
+                (long long)(s / 60 % 60), (long long)(s % 60));
+  return buf;
+}
+
+at::Tensor allreduce_sum(c10d::ProcessGroup& pg, at::Tensor t) {
+  std::vector<at::Tensor> v{t};
+  pg.allreduce(v)->wait();
+  return t;
+}
+
+// Accuracy of the model on the test set, each rank scoring its share.
+double evaluate(torch::jit::Module& m, const Dataset& test, c10d::ProcessGroup& pg, int64_t batch) {
+  at::NoGradGuard no_grad;
+  m.eval();
+  const at::Tensor idx = shard_indices(test.size(), pg.getRank(), pg.getSize(), 0, 0);
+  double correct = 0;
+  for (int64_t b = 0; b < idx.numel(); b += batch) {
+    const at::Tensor rows = idx.narrow(0, b, std::min(batch, idx.numel() - b));
+    const at::Tensor out = m.forward({test.inputs.index_select(0, rows)}).toTensor();
+    correct += out.argmax(1).eq(test.targets.index_select(0, rows)).sum().item<double>();
+  }
+  m.train();
+  auto t = allreduce_sum(pg, at::tensor({correct, double(idx.numel())}, at::kDouble));
+  return t[0].item<double>() / std::max(1.0, t[1].item<double>());
+}
+
+// Refuses to start a fresh run over an existing checkpoint (rank 0 decides,
+// so ranks on other hosts agree).
+void refuse_to_overwrite(const Options& o, c10d::ProcessGroup& pg) {
+  at::Tensor exists = at::zeros({1}, at::kLong);
+  if (pg.getRank() == 0) exists[0] = fs::exists(o.checkpoint) ? 1 : 0;
+  std::vector<at::Tensor> v{exists};
+  pg.broadcast(v)->wait();
+  TORCH_CHECK(exists[0].item<int64_t>() == 0, "ddpx-train: checkpoint ", o.checkpoint,
+              " already exists; pass --resume to continue from it, or choose another "
+              "--checkpoint path (a fresh run never overwrites a checkpoint)");
+}
+
+}  // namespace
+
+void run(const Options& o) {
+  const auto timeout = o.timeout_s > 0
+                           ? std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000))
+                           : comm::default_timeout();
+  auto pg = comm::init_from_env(timeout);
+  const int rank = pg->getRank(), world = pg->getSize();
+  const bool lead = rank == 0;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(o.threads > 0 ? o.threads : std::max(1, cores / local_ranks()));
+  torch::manual_seed(o.seed);
+
+  ScriptedModel sm = load_model(o.model);
+  torch::jit::Module& model = sm.module;
+  model.train();
+  const DataSplit data = load_data(o, sm);
+  TORCH_CHECK(data.num_classes == sm.num_classes, "ddpx-train: data has ", data.num_classes,
+              " classes, the model ", sm.num_classes);
+  const int64_t per_rank = data.train.size() / world;
+  const int64_t steps_per_epoch = per_rank / o.batch_size;
+  TORCH_CHECK(steps_per_epoch > 0, "ddpx-train: --batch-size ", o.batch_size, " exceeds the ",
+              per_rank, " training samples each of ", world, " ranks holds");
+  const int64_t total = o.steps > 0 ? o.steps : o.epochs * steps_per_epoch;
+
+  std::vector<at::Tensor> params;
+  for (const auto& p : model.parameters()) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  auto opt = make_optimizer(params, o);
+  if (!o.trace.empty()) ::setenv("DDPX_TRACE", o.trace.c_str(), 1);
+  GradSyncOptions so;
+  so.bucket_cap_mb(o.bucket_cap_mb).first_bucket_mb(o.first_bucket_mb).codec(o.codec)
+      .unused(parse_unused(o.unused));
+  const std::string backend =
+      comm::detect_launcher() == comm::Launcher::Mpi ? "ddpx_mpi" : "gloo";
+  for (int c = 1; c < o.channels; ++c) {
+    comm::MakeOptions mo;
+    mo.timeout = timeout;
+    mo.name = "channel" + std::to_string(c);
+    so.channels.push_back(comm::make(backend, mo));
+  }
+  GradSync sync(model, pg, so);
+
+  TrainObjects objs{model, *opt, sync};
+  Position pos;
+  if (!o.checkpoint.empty()) {
+    if (o.resume) {
+      const bool resumed = load_checkpoint(o.checkpoint, *pg, objs, pos);
+      if (lead) {
+        std::cout << (resumed ? "[ddpx-train] resumed from " : "[ddpx-train] no checkpoint at ")
+                  << o.checkpoint << (resumed ? " at step " + std::to_string(pos.step)
+                                              : ": starting at step 0")
+                  << std::endl;
+      }
+    } else {
+      refuse_to_overwrite(o, *pg);
+    }
+  }
+  std::ofstream metrics;
+  if (lead && !o.metrics.empty()) {
+    metrics.open(o.metrics, pos.step > 0 ? std::ios::app : std::ios::trunc);
+    TORCH_CHECK(metrics, "ddpx-train: cannot write --metrics ", o.metrics);
+  }
+  if (lead && !o.quiet) {
+    std::cout << "[ddpx-train] " << o.model << ": " << params.size() << " parameter tensors, "
+               << world << " rank(s) over " << (world > 1 ? backend : "one process") << ", " << total
+              << " steps of " << o.batch_size << " x " << world << " samples, codec " << o.codec
+              << std::endl;
+  }
+
+  const auto t_start = Clock::now();
+  auto t_window = t_start;
+  const int64_t first_step = pos.step;
+  double w_loss = 0, w_correct = 0, w_count = 0, last_loss = 0, last_acc = 0;
+  at::Tensor idx;
+  int64_t idx_epoch = -1;
+  while (pos.step < total) {
+    if (pos.batch >= steps_per_epoch) {
+      ++pos.epoch;
+      pos.batch = 0;
+    }
+    if (idx_epoch != pos.epoch) {
+      idx = shard_indices(data.train.size(), rank, world, pos.epoch, o.seed);
+      idx_epoch = pos.epoch;
+    }
+    const at::Tensor rows = idx.narrow(0, pos.batch * o.batch_size, o.batch_size);
+    const at::Tensor x = data.train.inputs.index_select(0, rows);
+    const at::Tensor y = data.train.targets.index_select(0, rows);
+    set_lr(*opt, lr_at(pos.step, total, o));
+    opt->zero_grad();
+    const at::Tensor logits = model.forward({x}).toTensor();
+    const at::Tensor loss = torch::nn::functional::cross_entropy(logits, y);
+    if (so.unused_ == Unused::Exact) sync.prepare_for_backward({loss});
+    loss.backward();
+    opt->step();
+    ++pos.step;
+    ++pos.batch;
+    w_loss += loss.item<double>() * double(o.batch_size);
+    w_correct += logits.argmax(1).eq(y).sum().item<double>();
+    w_count += double(o.batch_size);
+
+    const bool log_now = pos.step % o.log_every == 0 || pos.step == total;
+    if (log_now) {
+      auto w = allreduce_sum(*pg, at::tensor({w_loss, w_correct, w_count}, at::kDouble));
+      const auto now = Clock::now();
+      const double dt = std::chrono::duration<double>(now - t_window).count();
+      const double elapsed = std::chrono::duration<double>(now - t_start).count();
+      const double rate = w[2].item<double>() / std::max(dt, 1e-9);
+      last_loss = w[0].item<double>() / w[2].item<double>();
+      last_acc = w[1].item<double>() / w[2].item<double>();
+      const double per_step = elapsed / double(pos.step - first_step);
+      if (lead && !o.quiet) {
+        char line[256];
+        std::snprintf(line, sizeof line,
+                      "[ddpx-train] step %lld/%lld  epoch %lld  loss %.4f  acc %5.1f%%  "
+                      "%.0f samples/s  ETA %s",
+                      (long long)pos.step, (long long)total, (long long)pos.epoch, last_loss,
+                      100 * last_acc, rate, eta(per_step * double(total - pos.step)).c_str());
+        std::cout << line << std::endl;
+      }
+      if (metrics.is_open()) {
+        const auto& st = sync.last_step();
+        metrics << nlohmann::json{{"step", pos.step}, {"epoch", pos.epoch},
+                                  {"loss", last_loss}, {"accuracy", last_acc},
+                                  {"samples_per_s", rate}, {"lr", lr_at(pos.step - 1, total, o)},
+                                  {"elapsed_s", elapsed}, {"backward_us", st.backward_us},
+                                  {"exposed_comm_us", st.exposed_comm_us},
+                                  {"hook_cpu_us", st.hook_cpu_us}, {"replans", st.replans}}
+                       .dump()
+                << std::endl;
+      }
+      t_window = now;
+      w_loss = w_correct = w_count = 0;
+    }
+    const bool save_now = o.checkpoint_every > 0 && pos.step % o.checkpoint_every == 0;
+    if (lead && !o.checkpoint.empty() && (save_now || pos.step == total)) {
+      save_checkpoint(o.checkpoint, objs, pos);
+    }
+  }
+
+  const double test_acc = evaluate(model, data.test, *pg, 256);
+  const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
+  if (lead) {
+    if (!o.quiet) {
+      char line[200];
+      std::snprintf(line, sizeof line,
+                    "[ddpx-train] done: %lld steps in %.1f s, train loss %.4f, train acc %.1f%%, "
+                    "test accuracy %.2f%%",
+                    (long long)(pos.step - first_step), elapsed, last_loss, 100 * last_acc,
+                    100 * test_acc);
+      std::cout << line << std::endl;
+    }
+    if (metrics.is_open()) {
+      metrics << nlohmann::json{{"event", "end"}, {"step", pos.step}, {"loss", last_loss},
+                                {"accuracy", last_acc}, {"test_accuracy", test_acc},
+                                {"elapsed_s", elapsed}}
+                     .dump()
+              << std::endl;
+    }
+  }
+}
+
+}  // namespace ddpx::trainer

@@ -1,0 +1,84 @@
+"""The peer of scripts/bench/train: PyTorch's DistributedDataParallel (Python,
+Gloo) training the same scripted model file on the same kind of data, with
+the same batch size, optimizer and logging windows as ddpx-train. Launched
+under mpirun; prints one JSON line (rank 0)."""
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def load_images(d):
+    raw = np.fromfile(os.path.join(d, "train-images-idx3-ubyte"), dtype=np.uint8, offset=16)
+    lab = np.fromfile(os.path.join(d, "train-labels-idx1-ubyte"), dtype=np.uint8, offset=8)
+    x = torch.from_numpy(raw.reshape(-1, 1, 28, 28).astype(np.float32) / 255)
+    return (x - 0.1307) / 0.3081, torch.from_numpy(lab.astype(np.int64))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", help="idx directory (image models)")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--target", type=float, default=0.0, help="window accuracy to time")
+    p.add_argument("--port", type=int, required=True)
+    a = p.parse_args()
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
+    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
+    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    torch.ops.load_library(os.environ["DDPX_LIB"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(1)
+    model = torch.jit.load(a.model)
+    model.train()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    if model.ddpx_input == "image":
+        x_all, y_all = load_images(a.data)
+    else:
+        n = 20000
+        x_all = torch.randint(1, model.vocab_size, (n, model.sentences, model.words))
+        y_all = torch.randint(0, model.num_classes, (n,))
+    idx = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(1))[rank::world]
+    windows, tta = [], None
+    correct = count = 0
+    t0 = tw = time.perf_counter()
+    for step in range(1, a.steps + 1):
+        b = (step - 1) * a.batch_size % (len(idx) - a.batch_size)
+        rows = idx[b:b + a.batch_size]
+        x, y = x_all[rows], y_all[rows]
+        opt.zero_grad()
+        logits = ddp(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        correct += (logits.argmax(1) == y).sum().item()
+        count += len(y)
+        if step % a.log_every == 0:
+            w = torch.tensor([correct, count], dtype=torch.float64)
+            dist.all_reduce(w)
+            now = time.perf_counter()
+            windows.append(w[1].item() / (now - tw))
+            if tta is None and a.target and w[0].item() / w[1].item() >= a.target:
+                tta = now - t0
+            tw, correct, count = now, 0, 0
+    if rank == 0:
+        steady = windows[1:] or windows
+        print(json.dumps({"samples_per_s": float(np.median(steady)), "time_to_accuracy_s": tta,
+                          "elapsed_s": time.perf_counter() - t0}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

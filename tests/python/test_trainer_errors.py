@@ -1,0 +1,144 @@
+"""ddpx-train on bad input: a clear error, a non-zero exit, no hang, and no
+checkpoint overwritten or lost. Single process (no launcher) unless noted."""
+import hashlib
+import shutil
+
+import pytest
+import torch
+
+from trainer_util import TRAIN, model, mpirun_cmd, run
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A generated idx directory (ddpx-train writes it on first use)."""
+    d = tmp_path_factory.mktemp("idx")
+    r = run([TRAIN, "--model", model("mlp"), "--data-cache", d, "--steps", 1, "--quiet"])
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, data_dir):
+    path = tmp_path_factory.mktemp("ckpt") / "good.ckpt"
+    r = run([TRAIN, "--model", model("mlp"), "--data", data_dir, "--steps", 2, "--quiet",
+             "--checkpoint", path])
+    assert r.returncode == 0, r.stderr
+    return path
+
+
+def fails_with(args, *needles, cmd=None):
+    r = run(cmd or [TRAIN, *map(str, args)], timeout=120)
+    assert r.returncode != 0, r.stdout
+    for n in needles:
+        assert n in r.stderr, r.stderr
+    return r
+
+
+def digest(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_missing_model():
+    fails_with(["--model", "/nonexistent/model.pt", "--steps", 1], "/nonexistent/model.pt",
+               "does not exist")
+
+
+def test_not_torchscript(tmp_path):
+    bad = tmp_path / "junk.pt"
+    bad.write_bytes(b"this is not a TorchScript archive")
+    fails_with(["--model", bad, "--steps", 1], "cannot load model", str(bad))
+
+
+def test_model_without_forward(tmp_path):
+    class NoForward(torch.nn.Module):
+        @torch.jit.export
+        def predict(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    path = tmp_path / "noforward.pt"
+    torch.jit.script(NoForward()).save(str(path))
+    fails_with(["--model", path, "--steps", 1], "has no forward() method")
+
+
+def test_model_without_contract_attributes(tmp_path):
+    path = tmp_path / "linear.pt"
+    torch.jit.script(torch.nn.Linear(4, 2)).save(str(path))
+    fails_with(["--model", path, "--steps", 1], "ddpx_input", "export_models.py")
+
+
+def test_missing_data_directory():
+    fails_with(["--model", model("mlp"), "--data", "/nonexistent/mnist", "--steps", 1],
+               "/nonexistent/mnist")
+
+
+def test_data_directory_without_files(tmp_path):
+    fails_with(["--model", model("mlp"), "--data", tmp_path, "--steps", 1], "missing data file",
+               "train-images-idx3-ubyte")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "magic", "label"])
+def test_corrupt_idx_file(tmp_path, data_dir, damage):
+    d = tmp_path / "idx"
+    shutil.copytree(data_dir, d)
+    if damage == "truncate":
+        f = d / "train-images-idx3-ubyte"
+        f.write_bytes(f.read_bytes()[:-1000])
+        needle = "truncated"
+    elif damage == "magic":
+        f = d / "t10k-labels-idx1-ubyte"
+        b = bytearray(f.read_bytes())
+        b[3] ^= 0xFF
+        f.write_bytes(bytes(b))
+        needle = "magic number"
+    else:
+        f = d / "train-labels-idx1-ubyte"
+        b = bytearray(f.read_bytes())
+        b[8 + 17] = 42
+        f.write_bytes(bytes(b))
+        needle = "label 42 at item 17"
+    fails_with(["--model", model("mlp"), "--data", d, "--steps", 1], "corrupt idx file",
+               str(f), needle)
+
+
+def test_fresh_run_never_overwrites_a_checkpoint(tmp_path, data_dir, checkpoint):
+    before = digest(checkpoint)
+    fails_with(["--model", model("mlp"), "--data", data_dir, "--steps", 1, "--checkpoint",
+                checkpoint], "already exists", "--resume")
+    assert digest(checkpoint) == before
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_checkpoint_is_reported_and_kept(tmp_path, data_dir, checkpoint, damage):
+    path = tmp_path / "bad.ckpt"
+    good = checkpoint.read_bytes()
+    path.write_bytes(b"\x00garbage" * 100 if damage == "garbage" else good[: len(good) // 2])
+    before = digest(path)
+    fails_with(["--model", model("mlp"), "--data", data_dir, "--steps", 3, "--checkpoint", path,
+                "--resume"], "is corrupt, truncated", str(path))
+    assert digest(path) == before
+
+
+def test_checkpoint_of_another_model(tmp_path, data_dir, checkpoint):
+    path = tmp_path / "mlp.ckpt"
+    shutil.copy(checkpoint, path)
+    before = digest(path)
+    fails_with(["--model", model("lenet"), "--data", data_dir, "--steps", 3, "--checkpoint",
+                path, "--resume"], "not this model's", "has no entry for")
+    assert digest(path) == before
+
+
+def test_corrupt_checkpoint_under_mpirun(tmp_path, data_dir):
+    """Rank 0 reads the checkpoint; every rank must fail, none may hang."""
+    path = tmp_path / "bad.ckpt"
+    path.write_bytes(b"PK\x03\x04 not really a zip")
+    fails_with(None, "is corrupt", cmd=mpirun_cmd(2, "--model", model("mlp"), "--data", data_dir,
+                                                  "--steps", 3, "--checkpoint", path, "--resume"))
+
+
+def test_usage_errors():
+    r = run([TRAIN, "--help"])
+    assert r.returncode == 0 and "--codec" in r.stdout and "--checkpoint-every" in r.stdout
+    fails_with(["--model", model("mlp"), "--optimizer", "rmsprop"], "--optimizer")
+    fails_with(["--model", model("mlp"), "--resume"], "--checkpoint")
+    fails_with(["--model", model("mlp"), "--steps", 1, "--codec", "zstd"], "zstd")

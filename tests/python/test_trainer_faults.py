@@ -1,0 +1,72 @@
+"""A lost rank ends the job with an error, never a hang: kill -9 one rank,
+or freeze it (SIGSTOP), under mpirun and under torchrun.
+
+Bounds (stated): with DDPX_TIMEOUT_S=T the job ends within T + 15 s under
+mpirun (a frozen peer: the others time out after T and abort the MPI job,
+which also kills the frozen one), and within T + 45 s under torchrun (its
+agent sends SIGTERM, which a stopped process holds, and SIGKILL after 30 s).
+"""
+import os
+import signal
+import time
+
+import pytest
+
+from trainer_util import (env, kill_group, model, mpirun_cmd, rank_pid, start, torchrun_cmd,
+                          wait_for)
+
+T = 10  # DDPX_TIMEOUT_S for these runs
+
+
+def launch(launcher, tmp_path, data):
+    marker = str(tmp_path / "marker.ckpt")  # unique per test: finds our ranks
+    args = ["--model", model("mlp"), "--data-cache", data, "--steps", 1000000, "--batch-size",
+            16, "--log-every", 20, "--checkpoint", marker]
+    cmd = mpirun_cmd(2, *args) if launcher == "mpirun" else torchrun_cmd(2, *args)
+    p = start(cmd, env=env(DDPX_TIMEOUT_S=T))
+    rank_var = "OMPI_COMM_WORLD_RANK" if launcher == "mpirun" else "RANK"
+    lines = []
+    # Wait until training is under way (a progress line from rank 0).
+    def progressing():
+        line = p.stdout.readline()
+        lines.append(line)
+        return "step 20/" in line or (line == "" and p.poll() is not None and "exited")
+    wait_for(progressing, 300, "training to start")
+    assert p.poll() is None, "".join(lines)
+    pid = wait_for(lambda: rank_pid(marker, 1, rank_var), 30, "rank 1's pid")
+    return p, pid, lines
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_lost_rank_ends_the_job(tmp_path, data, launcher, sig):
+    p, pid, lines = launch(launcher, tmp_path, data)
+    try:
+        t0 = time.monotonic()
+        os.kill(pid, getattr(signal, sig))
+        bound = T + (15 if launcher == "mpirun" else 45)
+        out, _ = p.communicate(timeout=bound + 30)
+        elapsed = time.monotonic() - t0
+        time.sleep(1)
+        survivors = [pid for r in (0, 1) for v in ("OMPI_COMM_WORLD_RANK", "RANK")
+                     if (pid := rank_pid(str(tmp_path / "marker.ckpt"), r, v))]
+    finally:
+        kill_group(p)
+    out = "".join(lines) + out
+    assert p.returncode != 0, out
+    assert elapsed <= bound, f"{elapsed:.1f} s > {bound} s\n{out}"
+    if sig == "SIGSTOP":
+        # The survivors say what happened: a timeout waiting for a peer.
+        assert "timed out" in out.lower() or "timeout" in out.lower(), out
+        assert "ddpx-train (rank 0 of 2" in out, out
+    else:
+        # The launcher names the dead rank.
+        named = ("rank 1" in out) if launcher == "mpirun" else ("local_rank: 1" in out or
+                                                                 "rank: 1" in out)
+        assert named, out
+    assert not survivors, f"ranks still alive after the launcher exited: {survivors}"

@@ -1,0 +1,96 @@
+"""ddpx-train learns, and a killed run resumes bit for bit.
+
+Stated targets (CPU, 2 ranks under mpirun, generated data):
+- LeNet (tiled_conv2d), 200 steps of 32 x 2 samples: test accuracy >= 90%;
+- HAN (fused_gru), 200 steps of Adam at 1e-2: the last logged loss is at most
+  a quarter of the first (seen: 1.40 -> 0.14, test accuracy 95%).
+"""
+import hashlib
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from trainer_util import (TRAIN, checkpoint_tensors, env, kill_group, model, mpirun_cmd,
+                          rank_pid, read_metrics, run, start, wait_for)
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+def test_lenet_reaches_accuracy(tmp_path, data_cache):
+    metrics = tmp_path / "m.jsonl"
+    r = run(mpirun_cmd(2, "--model", model("lenet"), "--data-cache", data_cache, "--steps", 200,
+                       "--batch-size", 32, "--lr", 0.05, "--log-every", 50,
+                       "--metrics", metrics))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "test accuracy" in r.stdout
+    lines = read_metrics(metrics)
+    assert [m["step"] for m in lines[:-1]] == [50, 100, 150, 200]
+    end = lines[-1]
+    assert end["event"] == "end"
+    assert end["test_accuracy"] >= 0.90, end
+    assert all(m["samples_per_s"] > 0 for m in lines[:-1])
+
+
+def test_han_loss_falls(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    r = run(mpirun_cmd(2, "--model", model("han"), "--train-samples", 4000, "--steps", 200,
+                       "--batch-size", 32, "--optimizer", "adam", "--lr", 1e-2,
+                       "--log-every", 25, "--metrics", metrics))
+    assert r.returncode == 0, r.stdout + r.stderr
+    losses = [m["loss"] for m in read_metrics(metrics) if "event" not in m]
+    assert losses[-1] <= losses[0] / 4, losses
+
+
+def test_mlp_trains_one_process(tmp_path, data_cache):
+    """No launcher: one rank (a local Gloo group), the same code path."""
+    r = run([TRAIN, "--model", model("mlp"), "--data-cache", data_cache, "--steps", 60,
+             "--batch-size", 64, "--log-every", 30])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 rank(s)" in r.stdout and "test accuracy" in r.stdout
+
+
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_resume_after_kill_is_bitwise_equal(tmp_path, data_cache):
+    """Kill -9 one rank mid-run, resume from the last checkpoint: the final
+    parameters equal those of an uninterrupted run of the same length."""
+    common = ["--model", model("lenet"), "--data-cache", data_cache, "--batch-size", 16,
+              "--lr", 0.02, "--log-every", 10, "--seed", 7]
+    total = 60
+    ref = tmp_path / "ref.ckpt"
+    r = run(mpirun_cmd(2, *common, "--steps", total, "--checkpoint", ref))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    ckpt = tmp_path / "run.ckpt"
+    marker = str(ckpt)
+    # Far more steps than we let it take: it is killed after its first checkpoint.
+    p = start(mpirun_cmd(2, *common, "--steps", 100000, "--checkpoint-every", 10,
+                         "--checkpoint", ckpt))
+    try:
+        wait_for(lambda: ckpt.exists(), 300, "the first checkpoint")
+        pid = wait_for(lambda: rank_pid(marker, 1, "OMPI_COMM_WORLD_RANK"), 30, "rank 1")
+        os.kill(pid, signal.SIGKILL)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        kill_group(p)
+    assert p.returncode != 0
+    _, (step, _, _) = checkpoint_tensors(ckpt)
+    assert 10 <= step < total and step % 10 == 0, step
+
+    r = run(mpirun_cmd(2, *common, "--steps", total, "--checkpoint", ckpt, "--resume"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resumed from {ckpt} at step {step}" in r.stdout
+    got, (gstep, _, _) = checkpoint_tensors(ckpt)
+    want, (wstep, _, _) = checkpoint_tensors(ref)
+    assert gstep == wstep == total
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

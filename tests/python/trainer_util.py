@@ -1,0 +1,101 @@
+"""Helpers for the ddpx-train tests: launching under mpirun / torchrun,
+finding a rank's process, reading checkpoints and metrics."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TRAIN = os.environ.get("DDPX_TRAIN", "ddpx-train")
+MODELS = Path(os.environ.get("DDPX_MODELS_DIR", "build/torchscript_models"))
+MPIRUN = [os.environ.get("DDPX_MPIEXEC", "mpirun"), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+          "--mca", "btl_vader_single_copy_mechanism", "none"]
+
+
+def model(name):
+    return str(MODELS / f"{name}.pt")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra):
+    e = dict(os.environ)
+    e.setdefault("DDPX_TIMEOUT_S", "60")
+    e["OMP_NUM_THREADS"] = "1"
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def mpirun_cmd(np, *args):
+    return MPIRUN + ["-np", str(np), TRAIN, *map(str, args)]
+
+
+def torchrun_cmd(np, *args, port=None):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(np),
+            "--master-port", str(port or free_port()), "--no-python", TRAIN, *map(str, args)]
+
+
+def run(cmd, timeout=600, **kw):
+    """Runs to completion; returns CompletedProcess with text output."""
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
+                          env=kw.pop("env", env()), **kw)
+
+
+def start(cmd, **kw):
+    return subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=kw.pop("env", env()), start_new_session=True, **kw)
+
+
+def rank_pid(marker, rank, rank_var):
+    """The pid of the ddpx-train process whose command line holds `marker`
+    and whose environment has rank_var=rank (OMPI_COMM_WORLD_RANK or RANK)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            if not cmdline or not cmdline[0].endswith(b"ddpx-train") or marker.encode() not in cmdline:
+                continue
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"{rank_var}={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+def wait_for(pred, timeout, what):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def kill_group(p):
+    """Ends a launched job and everything it started, even stopped processes."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait(timeout=30)
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def checkpoint_tensors(path):
+    """name -> tensor of a ddpx-train checkpoint (a TorchScript archive)."""
+    import torch
+    m = torch.jit.load(str(path))
+    return dict(zip(m.model_names, m.model_tensors)), m.position.tolist()
