@@ -31,8 +31,9 @@ def build(name: str, seed: int = 0, aten: bool = False) -> torch.nn.Module:
     alone (each model from its own fresh generator state)."""
     if name not in MODELS:
         raise ValueError(f"name must be one of {sorted(MODELS)}, got {name!r}")
-    torch.manual_seed(seed)
-    return MODELS[name](aten=aten)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's generator as it was
+        torch.manual_seed(seed)
+        return MODELS[name](aten=aten)
 
 
 def script(model: torch.nn.Module) -> torch.jit.ScriptModule:
