@@ -1,0 +1,53 @@
+"""Hierarchical attention network for document classification (Yang et al.,
+2016): word embedding -> bidirectional word GRU -> word attention gives one
+vector per sentence -> bidirectional sentence GRU -> sentence attention gives
+the document vector -> linear classifier. The GRUs run on ddpx::fused_gru
+(aten=True: torch.gru, what nn.GRU calls).
+
+Input: token ids int64 [N, S, W] (S sentences of W words), 0 = padding. Any S
+and W work; the `sentences` and `words` attributes are the sizes the model was
+exported for, which ddpx-train feeds. The GRUs also step over padding (fused_gru
+has no packed sequences); attention ignores padded words and empty sentences,
+and a sentence with no word pools to zeros.
+"""
+import torch
+from torch import nn
+
+from ddpx_layers import GRU, Attention
+
+
+class HAN(nn.Module):
+    def __init__(self, vocab_size: int = 2000, sentences: int = 8, words: int = 12,
+                 embed: int = 64, hidden: int = 64, num_classes: int = 4, aten: bool = False):
+        super().__init__()
+        # Read by ddpx-train through module.attr(name).
+        self.ddpx_input = "tokens"
+        self.num_classes = num_classes
+        self.vocab_size = vocab_size
+        self.sentences = sentences
+        self.words = words
+        self.aten_reference = aten  # exported with --aten
+        self.embedding = nn.Embedding(vocab_size, embed, padding_idx=0)
+        self.word_gru = GRU(embed, hidden, bidirectional=True, aten=aten)
+        self.word_attention = Attention(2 * hidden)
+        self.sentence_gru = GRU(2 * hidden, hidden, bidirectional=True, aten=aten)
+        self.sentence_attention = Attention(2 * hidden)
+        self.classifier = nn.Linear(2 * hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, S, W] int64 -> [N, num_classes]
+        if x.dim() != 3:
+            raise ValueError("x must be [N, sentences, words] token ids, got shape {}".format(
+                x.shape))
+        if x.dtype != torch.int64:
+            raise ValueError("x must be int64 token ids, got {}".format(x.dtype))
+        if x.numel() > 0 and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
+            raise ValueError("x must hold token ids in [0, vocab_size={}), got [{}, {}]".format(
+                self.vocab_size, int(x.min()), int(x.max())))
+        n, s, w = x.size(0), x.size(1), x.size(2)
+        words = x.reshape(n * s, w)
+        word_mask = words != 0                                   # [N*S, W]
+        h, _ = self.word_gru(self.embedding(words))              # [N*S, W, 2H]
+        sent = self.word_attention(h, word_mask).reshape(n, s, -1)  # [N, S, 2H]
+        sent_mask = word_mask.reshape(n, s, w).any(dim=2)        # [N, S]
+        hs, _ = self.sentence_gru(sent)                          # [N, S, 2H]
+        return self.classifier(self.sentence_attention(hs, sent_mask))
