@@ -69,3 +69,28 @@ def test_not_a_trace_is_an_error(tmp_path):
     bad.write_text('{"hello": 1}')
     r = run(bad)
     assert r.returncode != 0 and "not a Chrome trace" in r.stderr + r.stdout
+
+
+def test_tracks_nest_properly(trace):
+    """Chrome/Perfetto draw the spans of one track as a stack: any two on the
+    same (pid, tid) must be disjoint or one inside the other."""
+    import json
+    from collections import defaultdict
+
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    tracks = defaultdict(list)
+    for e in events:
+        if e["ph"] == "X":
+            tracks[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    assert len({pid for pid, _ in tracks}) == 2
+    eps = 0.002  # us: timestamps carry ns
+    for key, spans in tracks.items():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        stack = []
+        for a, b, name in spans:
+            while stack and stack[-1][1] <= a + eps:
+                stack.pop()
+            if stack:
+                assert b <= stack[-1][1] + eps, f"{key}: {name} [{a}, {b}] crosses {stack[-1]}"
+            stack.append((a, b, name))
