@@ -62,6 +62,7 @@ struct GradSync::Impl {
   std::vector<char> expected_unused;  // Exact: from prepare_for_backward
   StepStats stats, last;
   Clock::time_point t0;
+  Clock::time_point agree_t0, agree_t1;  // the step-end agreement, on channel 0
   std::atomic<double> hook_cpu_us{0};
 
   Impl(GradSyncOptions o, int n) : opts(std::move(o)), predictor(n) {}
@@ -226,11 +227,14 @@ void GradSync::Impl::finish_step() {
     for (int p : arrival) f[p] = 1;
     f[n] = propose && channels[0]->pg().getRank() == 0 ? 1 : 0;  // only rank 0's counts
   }
-  auto agree = channels[0]->submit([flags](c10d::ProcessGroup& pg) mutable {
+  auto agree = channels[0]->submit([this, flags](c10d::ProcessGroup& pg) mutable {
+    hooks::Range range("ddpx::step_agreement");
+    agree_t0 = Clock::now();
     std::vector<at::Tensor> t{flags};
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp::MAX;
     pg.allreduce(t, o)->wait();
+    agree_t1 = Clock::now();
   });
   const auto wait0 = Clock::now();
   const double cpu_before_wait = us_since(f0, wait0);
@@ -273,7 +277,8 @@ void GradSync::Impl::finish_step() {
   stats.hook_cpu_us = hook_cpu_us + cpu_before_wait + us_since(w0, f1);
   stats.replans = replans;
   last = stats;
-  profiler->end_step(stats, {t0, f0, wait0, w0, f1}, hook_cpu_us, wire_stats());
+  profiler->end_step(stats, {t0, f0, wait0, w0, f1, agree_t0, agree_t1}, hook_cpu_us,
+                     wire_stats());
   expected_unused.clear();
   active = false;
   if (profiler->flush_due()) flush_trace();  // the first step after the window

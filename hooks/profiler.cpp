@@ -259,6 +259,7 @@ void Profiler::record_step_events(const StepStats& s, const FinalTimes& t, const
       span("ddpx::decode", tid, bt.wire.last_end_ns, bt.run_end_ns);
     }
   }
+  span("ddpx::step_agreement", 1000, ns_of(t.agree_begin), ns_of(t.agree_end));
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& e : ev) events_.push_back(std::move(e));
 }

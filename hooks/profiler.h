@@ -33,7 +33,8 @@
 // event per bucket: first to last hook of the bucket, with the summed hook
 // CPU time and call count; overlapping buckets get another lane), 1000+c
 // "channel c" (per bucket: ready and launch instants, the reduction from the
-// start of its run to completion, with encode / wire / decode inside).
+// start of its run to completion, with encode / wire / decode inside; on
+// channel 0 also the step-end agreement, "ddpx::step_agreement").
 #include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
 #include <ddpx/codec.h>
@@ -74,6 +75,7 @@ struct BucketTrace {
 // The times of a step's final callback (GradSync::Impl::finish_step).
 struct FinalTimes {
   Clock::time_point t0, begin, wait_begin, wait_end, end;
+  Clock::time_point agree_begin, agree_end;  // used-bitmap / re-plan agreement, channel 0
 };
 
 // One step of the always-on record (summary input).

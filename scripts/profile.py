@@ -135,7 +135,8 @@ def summary(trace):
 
 COLORS = {"backward": "#9ecae1", "final_callback": "#fdd0a2", "final_wait": "#e6550d",
           "write_back": "#a1d99b", "hooks": "#756bb1", "allreduce": "#c6dbef",
-          "encode": "#31a354", "wire": "#3182bd", "decode": "#dd3497", "phase": "#969696"}
+          "encode": "#31a354", "wire": "#3182bd", "decode": "#dd3497",
+          "step_agreement": "#fec44f", "phase": "#969696"}
 
 
 def kind(name):

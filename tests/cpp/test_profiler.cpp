@@ -118,6 +118,10 @@ void expect_complete_step(const json& trace, int step, int buckets) {
                &fw = one(ev, "ddpx::final_wait"), &wb = one(ev, "ddpx::write_back"),
                &opt = one(ev, "ddpx::optimizer_step");
     one(ev, "ddpx::step_stats");
+    const auto& agree = one(ev, "ddpx::step_agreement");  // after every bucket, on channel 0
+    EXPECT_EQ(agree["tid"], 1000);
+    EXPECT_GE(agree["ts"].get<double>(), fc["ts"].get<double>() - kEps);
+    EXPECT_LE(end_of(agree), end_of(fw) + kEps);
     EXPECT_LE(end_of(bw), fc["ts"].get<double>() + kEps);
     EXPECT_GE(fw["ts"].get<double>(), fc["ts"].get<double>() - kEps);
     EXPECT_LE(end_of(fw), wb["ts"].get<double>() + kEps);
@@ -141,6 +145,7 @@ void expect_complete_step(const json& trace, int step, int buckets) {
       EXPECT_LE(c, end_of(fw) + kEps) << tag;  // the final wait saw it complete
       EXPECT_EQ(run["tid"], launch["tid"]);    // the bucket's channel track
       EXPECT_EQ(run["tid"], ready["tid"]);
+      if (run["tid"] == 1000) EXPECT_GE(agree["ts"].get<double>(), end_of(run) - kEps) << tag;
     }
     // encode -> wire -> decode inside each bucket's run: 3 per bucket.
     EXPECT_EQ(ev.count("ddpx::encode"), static_cast<size_t>(buckets));
