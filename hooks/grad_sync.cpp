@@ -152,8 +152,8 @@ struct GradSync::Impl {
 
   void on_grad(int p) {
     if (no_sync.load(std::memory_order_relaxed)) return;
-    hooks::Range range("ddpx::hook");
     const auto h0 = Clock::now();
+    hooks::Range range("ddpx::hook");
     const at::Tensor& g = params[p].grad();
     // The copy needs no lock: slots are disjoint and the plan only changes at
     // the step boundary, after every hook of the step has run.
