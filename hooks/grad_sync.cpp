@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <mutex>
 #include <unordered_set>
 
@@ -16,6 +17,7 @@
 #include "hooks/channel.h"
 #include "hooks/grad_sync_setup.h"
 #include "hooks/order_predictor.h"
+#include "hooks/profiler.h"
 #include "hooks/reduce_fn.h"
 
 namespace ddpx {
@@ -37,6 +39,8 @@ struct GradSync::Impl {
   GradSyncOptions opts;
   std::vector<std::unique_ptr<hooks::Channel>> channels;
   hooks::ReduceFn reduce;
+  hooks::WireStatsFn wire_stats;
+  std::unique_ptr<hooks::Profiler> profiler;
   int world = 1;
 
   // ---- the plan (changes only at step boundaries) ---------------------------
@@ -58,6 +62,7 @@ struct GradSync::Impl {
   std::vector<char> expected_unused;  // Exact: from prepare_for_backward
   StepStats stats, last;
   Clock::time_point t0;
+  Clock::time_point agree_t0, agree_t1;  // the step-end agreement, on channel 0
   std::atomic<double> hook_cpu_us{0};
 
   Impl(GradSyncOptions o, int n) : opts(std::move(o)), predictor(n) {}
@@ -105,6 +110,7 @@ struct GradSync::Impl {
       stats.buckets[b].bytes = plan[b].numel * c10::elementSize(plan[b].dtype);
     }
     hook_cpu_us = 0;
+    profiler->begin_step(stats.step, t0, static_cast<int>(plan.size()));
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_step(); });
     if (!expected_unused.empty()) {
       for (size_t p = 0; p < params.size(); ++p) {
@@ -126,6 +132,7 @@ struct GradSync::Impl {
   }
 
   void launch_locked(int b) {
+    hooks::Range range("ddpx::bucket_launch");
     auto& bs = stats.buckets[b];
     bs.launch_us = us_since(t0, Clock::now());
     at::Tensor flat = storage[b];
@@ -133,8 +140,12 @@ struct GradSync::Impl {
     auto* complete = &bs.complete_us;
     const auto start = t0;
     futures[b] = channels[b % channels.size()]->submit(
-        [this, flat, key, complete, start](c10d::ProcessGroup& pg) mutable {
-          reduce(flat, key, pg);
+        [this, flat, key, complete, start, ctx = profiler->launch_context(b)](
+            c10d::ProcessGroup& pg) mutable {
+          {
+            hooks::ReduceScope scope(ctx);
+            reduce(flat, key, pg);
+          }
           *complete = us_since(start, Clock::now());
         });
   }
@@ -142,6 +153,7 @@ struct GradSync::Impl {
   void on_grad(int p) {
     if (no_sync.load(std::memory_order_relaxed)) return;
     const auto h0 = Clock::now();
+    hooks::Range range("ddpx::hook");
     const at::Tensor& g = params[p].grad();
     // The copy needs no lock: slots are disjoint and the plan only changes at
     // the step boundary, after every hook of the step has run.
@@ -150,7 +162,9 @@ struct GradSync::Impl {
     if (!active) begin_step_locked();
     if (g.defined()) mark_ready_locked(p, /*used=*/true);
     ++stats.hook_calls;
-    hook_cpu_us = hook_cpu_us + us_since(h0, Clock::now());
+    const auto h1 = Clock::now();
+    hook_cpu_us = hook_cpu_us + us_since(h0, h1);
+    if (profiler->tracing()) profiler->on_hook(bucket_of[p], h0, h1);
   }
 
   // Would a plan from the updated prediction launch buckets materially
@@ -168,11 +182,15 @@ struct GradSync::Impl {
   }
 
   void finish_step();
+  void flush_trace() {
+    channels[0]->submit([this](c10d::ProcessGroup& pg) { profiler->flush(&pg); }).get();
+  }
   void write_back(const std::vector<char>& globally_used);
   void replan_agreed(c10d::ProcessGroup& pg);
 };
 
 void GradSync::Impl::finish_step() {
+  hooks::Range range("ddpx::final_callback");
   const auto f0 = Clock::now();
   std::vector<std::string> missing;
   {
@@ -209,14 +227,19 @@ void GradSync::Impl::finish_step() {
     for (int p : arrival) f[p] = 1;
     f[n] = propose && channels[0]->pg().getRank() == 0 ? 1 : 0;  // only rank 0's counts
   }
-  auto agree = channels[0]->submit([flags](c10d::ProcessGroup& pg) mutable {
+  auto agree = channels[0]->submit([this, flags](c10d::ProcessGroup& pg) mutable {
+    hooks::Range range("ddpx::step_agreement");
+    agree_t0 = Clock::now();
     std::vector<at::Tensor> t{flags};
     c10d::AllreduceOptions o;
     o.reduceOp = c10d::ReduceOp::MAX;
     pg.allreduce(t, o)->wait();
+    agree_t1 = Clock::now();
   });
-  const double cpu_before_wait = us_since(f0, Clock::now());
+  const auto wait0 = Clock::now();
+  const double cpu_before_wait = us_since(f0, wait0);
   std::exception_ptr error;
+  hooks::Range wait_range("ddpx::final_wait");
   for (auto& f : futures) {
     try {
       if (f.valid()) f.get();
@@ -229,6 +252,7 @@ void GradSync::Impl::finish_step() {
   } catch (...) {
     if (!error) error = std::current_exception();
   }
+  wait_range.end();
   if (error) {
     std::lock_guard<std::mutex> lock(mu);
     active = false;
@@ -253,8 +277,11 @@ void GradSync::Impl::finish_step() {
   stats.hook_cpu_us = hook_cpu_us + cpu_before_wait + us_since(w0, f1);
   stats.replans = replans;
   last = stats;
+  profiler->end_step(stats, {t0, f0, wait0, w0, f1, agree_t0, agree_t1}, hook_cpu_us,
+                     wire_stats());
   expected_unused.clear();
   active = false;
+  if (profiler->flush_due()) flush_trace();  // the first step after the window
 }
 
 void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
@@ -307,7 +334,9 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
   I.names = names;
   I.params = params;
   I.world = pg->getSize();
-  I.reduce = hooks::make_reduce_fn(options.codec_);
+  I.reduce = hooks::make_reduce_fn(options.codec_, &I.wire_stats);
+  I.profiler = std::make_unique<hooks::Profiler>(hooks::TraceConfig::from(options), pg->getRank(),
+                                                 pg->getSize(), static_cast<int64_t>(params.size()));
   I.channels.push_back(std::make_unique<hooks::Channel>(pg));
   for (auto& c : options.channels) {
     TORCH_CHECK(c && c->getSize() == pg->getSize() && c->getRank() == pg->getRank(),
@@ -315,6 +344,7 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     I.channels.push_back(std::make_unique<hooks::Channel>(c));
   }
   hooks::verify_same_parameters(*pg, names, params);
+  I.profiler->agree(*pg);
   if (options.broadcast_on_init_) {
     std::vector<at::Tensor> state = params;
     for (const auto& b : named_buffers) state.push_back(b.value());
@@ -353,7 +383,21 @@ GradSync::GradSync(const torch::jit::Module& module, comm::ProcessGroupPtr pg,
     : GradSync(jit_named(module, true), std::move(pg), std::move(options),
                jit_named(module, false)) {}
 
-GradSync::~GradSync() = default;
+GradSync::~GradSync() {
+  auto& P = *impl_->profiler;
+  if (!P.needs_flush()) return;
+  try {
+    // The gather needs every peer here too: not after a failed step or while
+    // an exception unwinds (a peer may be gone); rank 0 then writes its own.
+    if (!P.step_failed() && std::uncaught_exceptions() == 0) {
+      impl_->flush_trace();
+    } else {
+      P.flush(nullptr);
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("GradSync: the trace was not written: ", e.what());
+  }
+}
 
 void GradSync::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   auto& I = *impl_;
@@ -410,6 +454,32 @@ void GradSync::load_state(const State& s) {
 }
 
 const StepStats& GradSync::last_step() const { return impl_->last; }
+
+ProfileSummary GradSync::profile() const { return impl_->profiler->summary(); }
+std::string GradSync::profile_summary() const { return impl_->profiler->summary_table(); }
+void GradSync::flush_trace() {
+  if (impl_->profiler->needs_flush()) impl_->flush_trace();
+}
+
+struct GradSync::PhaseGuard::State {
+  hooks::Profiler& profiler;
+  std::string name;
+  at::RecordFunction range{at::RecordScope::USER_SCOPE};
+  Clock::time_point begin = Clock::now();
+};
+GradSync::PhaseGuard::PhaseGuard(std::unique_ptr<State> s) : s_(std::move(s)) {}
+GradSync::PhaseGuard::PhaseGuard(PhaseGuard&&) noexcept = default;
+GradSync::PhaseGuard::~PhaseGuard() {
+  if (s_) s_->profiler.phase(s_->name, s_->begin, Clock::now());
+}
+
+GradSync::PhaseGuard GradSync::phase(const std::string& name) {
+  TORCH_CHECK(!name.empty(), "GradSync::phase: name must not be empty");
+  auto s = std::make_unique<PhaseGuard::State>(*impl_->profiler, name);
+  if (s->range.isActive()) s->range.before("ddpx::" + name);
+  s->begin = Clock::now();
+  return PhaseGuard(std::move(s));
+}
 int64_t GradSync::replans() const { return impl_->replans; }
 
 std::vector<std::vector<std::string>> GradSync::bucket_plan() const {

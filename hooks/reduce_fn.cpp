@@ -1,26 +1,40 @@
 #include "hooks/reduce_fn.h"
 
 #include <c10/util/Exception.h>
-#include <ddpx/codec.h>
 
+#include <atomic>
 #include <memory>
+
+#include "plugin/comm/wire_span.h"
 
 namespace ddpx::hooks {
 
-ReduceFn make_reduce_fn(const std::string& codec) {
+ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats) {
   if (codec != "none") {
     // Lossy codecs keep error-feedback state per bucket key inside the codec.
     std::shared_ptr<comm::Codec> c = comm::make_codec(codec);
+    if (stats) *stats = [c] { return c->stats(); };
     return [c](at::Tensor& flat, const std::string& key, c10d::ProcessGroup& pg) {
       flat.copy_(c->allreduce_mean(flat, key, pg));
     };
   }
-  return [](at::Tensor& flat, const std::string&, c10d::ProcessGroup& pg) {
+  struct Counters {
+    std::atomic<int64_t> calls{0}, sent{0}, raw{0};
+  };
+  auto n = std::make_shared<Counters>();
+  if (stats) *stats = [n] { return comm::CodecStats{n->calls, n->sent, n->raw}; };
+  return [n](at::Tensor& flat, const std::string&, c10d::ProcessGroup& pg) {
     // Divide before summing: a low-precision bucket cannot overflow, and the
     // result is the same on every rank bit for bit (all receive one sum).
     if (at::isFloatingType(flat.scalar_type())) flat.div_(pg.getSize());
     std::vector<at::Tensor> t{flat};
-    pg.allreduce(t)->wait();
+    {
+      comm::detail::WireScope wire;
+      pg.allreduce(t)->wait();
+    }
+    n->calls += 1;
+    n->sent += static_cast<int64_t>(flat.nbytes());
+    n->raw += 4 * flat.numel();
   };
 }
 

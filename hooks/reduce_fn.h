@@ -2,6 +2,7 @@
 // The seam between a bucket and the wire: averages a flat bucket in place
 // across the ranks of a process group, through the codec named in
 // GradSyncOptions::codec (the comm hook of DDP, in C++).
+#include <ddpx/codec.h>
 #include <ddpx/comm.h>
 
 #include <functional>
@@ -13,6 +14,12 @@ namespace ddpx::hooks {
 // (error-feedback state is kept per key).
 using ReduceFn = std::function<void(at::Tensor& flat, const std::string& key, c10d::ProcessGroup&)>;
 
-ReduceFn make_reduce_fn(const std::string& codec);
+// Totals since make_reduce_fn: bytes this rank put on the wire and their
+// float32-equivalent (the codec's stats; counted here for "none"). Read at a
+// step boundary, when no reduction is in flight, the difference of two reads
+// is one step's traffic.
+using WireStatsFn = std::function<comm::CodecStats()>;
+
+ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats = nullptr);
 
 }  // namespace ddpx::hooks

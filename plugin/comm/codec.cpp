@@ -7,9 +7,22 @@
 #include <sstream>
 
 #include "plugin/comm/codec_util.h"
+#include "plugin/comm/wire_span.h"
 
 namespace ddpx::comm {
 namespace detail {
+
+namespace {
+thread_local WireSpan* tls_wire_span = nullptr;
+}  // namespace
+
+WireSpan* set_thread_wire_span(WireSpan* span) {
+  WireSpan* prev = tls_wire_span;
+  tls_wire_span = span;
+  return prev;
+}
+WireSpan* thread_wire_span() { return tls_wire_span; }
+
 namespace {
 
 std::map<std::string, CodecEntry>& registry() {
@@ -99,7 +112,10 @@ int64_t check_agreement(c10d::ProcessGroup& pg, const at::Tensor& input, const s
   std::vector<at::Tensor> v{dev};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
-  pg.allreduce(v, o)->wait();
+  {
+    WireScope agreement(/*payload=*/false);
+    pg.allreduce(v, o)->wait();
+  }
   auto got = v[0].cpu();
   const auto* g = got.data_ptr<int64_t>();
   static const char* names[6] = {"numel", "dtype", "ndim", "shape", "codec", "key"};
@@ -117,6 +133,7 @@ int64_t check_agreement(c10d::ProcessGroup& pg, const at::Tensor& input, const s
 int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t) {
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
   std::vector<at::Tensor> v{t};
+  WireScope wire;
   pg.allreduce(v, c10d::AllreduceOptions{})->wait();
   return t.nbytes();
 }
@@ -130,7 +147,10 @@ at::Tensor allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_
   std::vector<std::vector<at::Tensor>> outs(1);
   for (int64_t r = 0; r < n; ++r) outs[0].push_back(out[r]);
   std::vector<at::Tensor> ins{flat};
-  pg.allgather(outs, ins, c10d::AllgatherOptions{})->wait();
+  {
+    WireScope wire;
+    pg.allgather(outs, ins, c10d::AllgatherOptions{})->wait();
+  }
   *bytes += flat.nbytes();
   return out;
 }

@@ -75,7 +75,10 @@ Options parse_options(int argc, char** argv) {
   out->add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints (0: end only)")
       ->check(CLI::NonNegativeNumber);
   out->add_flag("--resume", o.resume, "continue from --checkpoint when it exists");
-  out->add_option("--trace", o.trace, "Chrome/Perfetto trace of GradSync (like DDPX_TRACE)");
+  out->add_option("--trace", o.trace,
+                  "Chrome/Perfetto trace of GradSync, merged over ranks (like DDPX_TRACE)");
+  out->add_option("--trace-steps", o.trace_steps,
+                  "traced steps a:b, 1-based inclusive (like DDPX_TRACE_STEPS; default 1:20)");
   out->add_option("--metrics", o.metrics, "JSON lines of metrics (rank 0)");
   out->add_option("--log-every", o.log_every, "steps between progress lines")
       ->check(CLI::PositiveNumber)

@@ -39,6 +39,7 @@ struct Options {
   int64_t checkpoint_every = 0;  // steps; 0: only at the end
   bool resume = false;           // continue from --checkpoint if it exists
   std::string trace;             // Chrome trace of GradSync (as DDPX_TRACE)
+  std::string trace_steps;       // "a:b" window (as DDPX_TRACE_STEPS)
   std::string metrics;           // JSON lines, rank 0
   int64_t log_every = 50;
   bool quiet = false;

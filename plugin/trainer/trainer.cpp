@@ -132,8 +132,8 @@ void run(const Options& o) {
     if (p.requires_grad()) params.push_back(p);
   }
   auto opt = make_optimizer(params, o);
-  if (!o.trace.empty()) ::setenv("DDPX_TRACE", o.trace.c_str(), 1);
   GradSyncOptions so;
+  so.trace(o.trace).trace_steps(o.trace_steps);
   so.bucket_cap_mb(o.bucket_cap_mb).first_bucket_mb(o.first_bucket_mb).codec(o.codec)
       .unused(parse_unused(o.unused));
   const std::string backend =
@@ -197,7 +197,10 @@ void run(const Options& o) {
     const at::Tensor loss = torch::nn::functional::cross_entropy(logits, y);
     if (so.unused_ == Unused::Exact) sync.prepare_for_backward({loss});
     loss.backward();
-    opt->step();
+    {
+      auto in_trace = sync.phase("optimizer_step");
+      opt->step();
+    }
     ++pos.step;
     ++pos.batch;
     w_loss += loss.item<double>() * double(o.batch_size);
@@ -243,6 +246,7 @@ void run(const Options& o) {
     }
   }
 
+  sync.flush_trace();  // collective: every rank, before anything can fail alone
   const double test_acc = evaluate(model, data.test, *pg, 256);
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
   if (lead) {
@@ -254,6 +258,8 @@ void run(const Options& o) {
                     (long long)(pos.step - first_step), elapsed, last_loss, 100 * last_acc,
                     100 * test_acc);
       std::cout << line << std::endl;
+      std::cout << "[ddpx-train] GradSync profile (rank 0):\n" << sync.profile_summary();
+      if (!o.trace.empty()) std::cout << "[ddpx-train] trace: " << o.trace << std::endl;
     }
     if (metrics.is_open()) {
       metrics << nlohmann::json{{"event", "end"}, {"step", pos.step}, {"loss", last_loss},

@@ -62,6 +62,13 @@ struct GradSyncOptions {
   DDPX_OPT(Unused, unused, Unused::Predict)
   DDPX_OPT(bool, replan, true)            // learn the order and re-plan buckets
   DDPX_OPT(bool, broadcast_on_init, true)
+  // Chrome/Perfetto trace of GradSync's phases, merged over ranks by rank 0
+  // into this file ("": the DDPX_TRACE environment variable; unset: off).
+  DDPX_OPT(std::string, trace, "")
+  // Steps traced, "a:b" inclusive and 1-based, "a:" or ":b" open-ended
+  // ("": DDPX_TRACE_STEPS, else "1:20"). The file is written when the window
+  // ends, at flush_trace() or at destruction, whichever comes first.
+  DDPX_OPT(std::string, trace_steps, "")
 #undef DDPX_OPT
   // Extra process groups: buckets go round-robin over {pg, channels...}.
   std::vector<comm::ProcessGroupPtr> channels;
@@ -85,6 +92,23 @@ struct StepStats {
     int64_t bytes;
   };
   std::vector<Bucket> buckets;
+};
+
+// Per-step medians over the steps run so far (the last 100000), from
+// GradSync::profile(). Times in microseconds.
+struct ProfileSummary {
+  int64_t steps = 0;
+  int64_t params = 0;                  // parameter tensors synced
+  double backward_us = 0;              // compute: first hook -> final callback
+  double comm_us = 0;                  // wall time with a bucket in flight (launch -> complete)
+  double exposed_comm_us = 0;          // final callback -> gradients written back
+  double overlap_efficiency = 0;       // 1 - exposed / comm, per step
+  double hook_cpu_us = 0;              // hooks + final callback, CPU
+  double hook_cpu_per_param_us = 0;    // the hooks alone / hook calls
+  double bytes_sent = 0;               // this rank's bytes on the wire
+  double compression = 0;              // float32-equivalent bytes / bytes sent
+  int64_t replans = 0;                 // re-planning events in these steps
+  int64_t unused_mispredictions = 0;   // summed over these steps
 };
 
 class GradSync {
@@ -127,6 +151,29 @@ class GradSync {
   void load_state(const State& s);
 
   const StepStats& last_step() const;
+
+  // Profiling (hooks/profiler.h has the trace's protocol and tracks).
+  ProfileSummary profile() const;
+  std::string profile_summary() const;  // profile() as a fixed-width table
+  // A trainer phase, e.g. `auto g = sync.phase("optimizer_step");`: a
+  // "ddpx::<name>" range for torch.profiler and, in a traced step, an event on
+  // the rank's step track, until the guard is destroyed.
+  class PhaseGuard {
+   public:
+    ~PhaseGuard();
+    PhaseGuard(PhaseGuard&&) noexcept;
+    PhaseGuard& operator=(PhaseGuard&&) = delete;
+
+   private:
+    friend class GradSync;
+    struct State;
+    explicit PhaseGuard(std::unique_ptr<State> s);
+    std::unique_ptr<State> s_;
+  };
+  PhaseGuard phase(const std::string& name);
+  // Writes the trace now (collective when tracing: call it on every rank or
+  // on none; later calls and the destructor then do nothing).
+  void flush_trace();
   std::vector<std::vector<std::string>> bucket_plan() const;  // parameter names per bucket
   int64_t replans() const;
 
