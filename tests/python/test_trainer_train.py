@@ -6,6 +6,7 @@ Stated targets (CPU, 2 ranks under mpirun, generated data):
   a quarter of the first (seen: 1.40 -> 0.14, test accuracy 95%).
 """
 import hashlib
+import json
 import os
 import signal
 import time
@@ -23,12 +24,17 @@ def data_cache(tmp_path_factory):
 
 
 def test_lenet_reaches_accuracy(tmp_path, data_cache):
-    metrics = tmp_path / "m.jsonl"
+    metrics, trace = tmp_path / "m.jsonl", tmp_path / "trace.json"
     r = run(mpirun_cmd(2, "--model", model("lenet"), "--data-cache", data_cache, "--steps", 200,
                        "--batch-size", 32, "--lr", 0.05, "--log-every", 50,
-                       "--metrics", metrics))
+                       "--metrics", metrics, "--trace", trace, "--trace-steps", "3:4"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "test accuracy" in r.stdout
+    assert "GradSync profile" in r.stdout and "overlap efficiency" in r.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events}
+    assert {"ddpx::backward", "ddpx::final_wait", "ddpx::optimizer_step"} <= names, names
+    assert {e["pid"] for e in events} == {0, 1}  # one track per rank, merged by rank 0
     lines = read_metrics(metrics)
     assert [m["step"] for m in lines[:-1]] == [50, 100, 150, 200]
     end = lines[-1]
