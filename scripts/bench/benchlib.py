@@ -12,8 +12,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,6 +24,8 @@ def parser(description):
 
 
 def load_plugin():
+    import torch  # here, so that launchers (ShapedLink) run on a python without torch
+
     lib = os.environ.get("DDPX_LIB", str(ROOT / "build" / "libddpx.so"))
     torch.ops.load_library(lib)
     return lib
@@ -86,3 +86,73 @@ def _fmt(v):
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
     return str(v)
+
+
+LINK_1GBIT = "emulated 1 Gbit/s link (netns loopback, tc tbf rate 1gbit burst 256kb latency 50ms)"
+
+
+class ShapedLink:
+    """A network namespace whose loopback is shaped to 1 Gbit/s (tc tbf), for
+    ranks on one machine: `prefix` runs a command inside it. Both directions
+    share the one shaped device. The namespace is deleted on exit, on SIGINT/
+    SIGTERM/SIGHUP and at interpreter exit. Without CAP_NET_ADMIN (or with
+    enabled=False) `prefix` is empty and `link` says the loopback is unshaped.
+
+        with benchlib.ShapedLink("ddpx-bench-ddp") as net:
+            subprocess.run(net.prefix + ["mpirun", ...])
+    """
+
+    def __init__(self, name, enabled=True):
+        self.ns = f"{name}-{os.getpid()}"
+        self.enabled = enabled
+        self.made = False
+        self.prefix = []
+        self.link = "UNSHAPED plain loopback (--no-netns)"
+
+    def __enter__(self):
+        import atexit
+        import signal
+        import subprocess
+        import sys
+
+        if not self.enabled:
+            return self
+        atexit.register(self.close)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda s, f: (self.close(), sys.exit(128 + s)))
+        ip = ["ip", "netns", "exec", self.ns]
+        try:
+            subprocess.run(["ip", "netns", "add", self.ns], check=True, capture_output=True, text=True)
+            self.made = True
+            for cmd in (["ip", "-n", self.ns, "link", "set", "lo", "up"],
+                        ip + ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit",
+                              "burst", "256kb", "latency", "50ms"]):
+                subprocess.run(cmd, check=True, capture_output=True, text=True)
+            self.prefix = ip
+            self.link = LINK_1GBIT
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
+            self.close()
+            err = e.stderr.strip() if getattr(e, "stderr", None) else str(e)
+            self.link = f"UNSHAPED plain loopback (no network namespace: {err})"
+            print(f"cannot shape a link ({err}); falling back to plain loopback", file=sys.stderr)
+        return self
+
+    def close(self):
+        import subprocess
+
+        if self.made:
+            subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+            self.made = False
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def mpirun_tcp_loopback(np_=2):
+    """mpirun for ranks on this machine that talk TCP over loopback only (so
+    that a ShapedLink shapes MPI too)."""
+    import shutil
+
+    return [shutil.which("mpirun") or "mpirun", "--allow-run-as-root", "--oversubscribe",
+            "-np", str(np_), "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+            "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"]
