@@ -13,6 +13,10 @@
 //   gradsync_copy  GradSync over Gloo with gradient_as_bucket_view(false):
 //                  gradients copied into the buckets and back (the benefit
 //                  of views is gradsync_gloo vs this)
+//   gradsync_solo  GradSync over a one-rank Gloo group per rank: the same
+//                  hooks, final callback and write-back, but no traffic, so
+//                  no communication thread competes with the hooks for the
+//                  core; its hook time is the hook's own cost
 //
 // The graph executor's optimisations are off here and in the DDP job (both
 // run the scripted module as written, op by op, like eager): the profiling
@@ -23,6 +27,7 @@
 // GradSync's StepStats figures are medians in microseconds.
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/script.h>
 #include <torch/torch.h>
 
@@ -42,8 +47,8 @@ using ddpx::comm::ProcessGroupPtr;
 struct Args {
   std::string dir;
   std::vector<std::string> models;
-  std::vector<std::string> variants{"compute", "comm_gloo", "comm_mpi", "naive",
-                                    "gradsync_gloo", "gradsync_mpi", "gradsync_copy"};
+  std::vector<std::string> variants{"compute",       "comm_gloo",     "comm_mpi",     "naive",
+                                    "gradsync_gloo", "gradsync_mpi", "gradsync_copy", "gradsync_solo"};
   int warmup = 3, steps = 5, threads = 1;
   double bucket_cap_mb = 25.0;
   bool zero_in_place = false;  // zero_grad(set_to_none=false)
@@ -90,7 +95,7 @@ std::vector<at::Tensor> comm_buffers(const std::vector<at::Tensor>& params, doub
 }
 
 struct Groups {
-  ProcessGroupPtr mpi, gloo;
+  ProcessGroupPtr mpi, gloo, solo;
 };
 
 nlohmann::json run_variant(const Args& a, const std::string& model, const std::string& variant,
@@ -104,7 +109,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
 
   std::optional<ddpx::GradSync> sync;
   if (variant.rfind("gradsync_", 0) == 0) {
-    sync.emplace(m, variant == "gradsync_mpi" ? g.mpi : g.gloo,
+    sync.emplace(m, variant == "gradsync_mpi" ? g.mpi : variant == "gradsync_solo" ? g.solo : g.gloo,
                  ddpx::GradSyncOptions().bucket_cap_mb(a.bucket_cap_mb).gradient_as_bucket_view(
                      variant != "gradsync_copy"));
   }
@@ -193,6 +198,12 @@ int main(int argc, char** argv) {
   Groups g;
   g.mpi = ddpx::comm::init_from_env();
   g.gloo = ddpx::comm::make("gloo");
+  ddpx::comm::MakeOptions solo;
+  solo.store = c10::make_intrusive<c10d::HashStore>();
+  solo.rank = 0;
+  solo.size = 1;
+  solo.name = "solo";
+  g.solo = ddpx::comm::make("gloo", solo);
   for (const auto& model : a.models) {
     for (const auto& variant : a.variants) {
       auto j = run_variant(a, model, variant, g);

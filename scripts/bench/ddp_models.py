@@ -30,7 +30,7 @@ def _wave(n: int, cols: int, step: int, rank: int) -> Tensor:
 class MLP25M(nn.Module):
     """~25M parameters in 8 tensors: large buckets, few hooks."""
 
-    def __init__(self, batch: int = 64):
+    def __init__(self, batch: int = 384):
         super().__init__()
         self.batch = batch
         self.l1 = nn.Linear(1024, 4096)
@@ -53,7 +53,7 @@ class SmallCNN(nn.Module):
     """A small CNN (2.4M parameters, most in fc1): convolutions compute, fc1
     communicates."""
 
-    def __init__(self, batch: int = 16):
+    def __init__(self, batch: int = 64):
         super().__init__()
         self.batch = batch
         self.c1 = nn.Conv2d(3, 32, 3, padding=1)
@@ -90,7 +90,7 @@ class ManyTensors(nn.Module):
     """130 residual blocks x 4 tensors = 520 small parameter tensors: the
     per-tensor cost of the hook dominates here, not the bytes."""
 
-    def __init__(self, blocks: int = 130, width: int = 128, batch: int = 32):
+    def __init__(self, blocks: int = 130, width: int = 128, batch: int = 192):
         super().__init__()
         self.batch = batch
         self.width = width
@@ -111,7 +111,7 @@ class Unused(nn.Module):
     so a third of the parameters get no gradient on every step (DDP needs
     find_unused_parameters=True)."""
 
-    def __init__(self, batch: int = 128):
+    def __init__(self, batch: int = 1024):
         super().__init__()
         self.batch = batch
         self.trunk1 = nn.Linear(1024, 2048)
@@ -135,7 +135,7 @@ class Reordered(nn.Module):
     backward order is the registration order: the usual first guess (reverse
     registration) is exactly wrong until the order is learned."""
 
-    def __init__(self, batch: int = 96):
+    def __init__(self, batch: int = 320):
         super().__init__()
         self.batch = batch
         self.l0 = nn.Linear(1024, 1024)
