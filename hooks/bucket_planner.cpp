@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <tuple>
 
 namespace ddpx::hooks {
 
@@ -9,11 +10,13 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
                                      const std::vector<ParamInfo>& params,
                                      int64_t first_cap_bytes, int64_t cap_bytes) {
   std::vector<BucketPlan> out;
-  // One open bucket per (dtype, device); index into `out`.
-  std::map<std::pair<int, std::string>, size_t> open;
+  // One open bucket per (dtype, device); index into `out`. Integer keys: this
+  // runs every step (GradSync's re-plan check), so no strings.
+  std::map<std::tuple<int, int, int>, size_t> open;
   for (int p : order) {
     const auto& info = params[p];
-    const auto key = std::make_pair(static_cast<int>(info.dtype), info.device.str());
+    const auto key = std::make_tuple(static_cast<int>(info.dtype), static_cast<int>(info.device.type()),
+                                     static_cast<int>(info.device.index()));
     const int64_t bytes = info.numel * static_cast<int64_t>(c10::elementSize(info.dtype));
     auto it = open.find(key);
     if (it != open.end()) {

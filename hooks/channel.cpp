@@ -1,9 +1,20 @@
 #include "hooks/channel.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 namespace ddpx::hooks {
 
 Channel::Channel(comm::ProcessGroupPtr pg) : pg_(std::move(pg)) {
-  thread_ = std::thread([this] { loop(); });
+  thread_ = std::thread([this] {
+    // SCHED_BATCH: waking this thread never preempts the waker. The waker is
+    // backward, in a gradient hook, launching a bucket; on a busy core it
+    // should finish its backward time slice (the critical path) rather than
+    // yield to the reduction at once. Best effort: ignored if refused.
+    sched_param sp{};
+    pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp);
+    loop();
+  });
 }
 
 Channel::~Channel() {

@@ -47,6 +47,8 @@ struct GradSync::Impl {
   std::vector<hooks::BucketPlan> plan;
   std::vector<at::Tensor> storage;       // flat bucket tensors
   std::vector<int> bucket_of, offset_of;  // per parameter
+  std::vector<at::Tensor> views;          // per parameter: its slot, shaped like it
+  std::vector<std::string> keys;          // per bucket: the codec's state key
   hooks::OrderPredictor predictor;
   int64_t replans = 0;
 
@@ -72,22 +74,31 @@ struct GradSync::Impl {
                                static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
                                static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)));
     storage.clear();
+    keys.clear();
     bucket_of.assign(params.size(), -1);
     offset_of.assign(params.size(), 0);
+    views.assign(params.size(), at::Tensor());
     for (size_t b = 0; b < plan.size(); ++b) {
+      storage.push_back(at::zeros({plan[b].numel},
+                                  at::TensorOptions().dtype(plan[b].dtype).device(plan[b].device)));
+      keys.push_back("bucket" + std::to_string(b));
       int64_t off = 0;
       for (int p : plan[b].params) {
         bucket_of[p] = static_cast<int>(b);
         offset_of[p] = static_cast<int>(off);
+        // detach(): an alias, not an autograd view; LibTorch's
+        // Optimizer::zero_grad calls detach_() on .grad, which views reject.
+        views[p] = storage[b].narrow(0, off, info[p].numel).view(params[p].sizes()).detach();
         off += info[p].numel;
       }
-      storage.push_back(at::zeros({plan[b].numel},
-                                  at::TensorOptions().dtype(plan[b].dtype).device(plan[b].device)));
     }
   }
 
-  at::Tensor slot(int p) {
-    return storage[bucket_of[p]].narrow(0, offset_of[p], info[p].numel);
+  // Is `g` (a parameter's .grad) the bucket slot itself? Then backward has
+  // already accumulated into the bucket and there is nothing to copy. After a
+  // re-plan, grads still viewing the old storage are not: they are copied.
+  bool is_slot(int p, const at::Tensor& g) const {
+    return g.defined() && g.data_ptr() == views[p].data_ptr() && g.strides() == views[p].strides();
   }
 
   // First hook of a backward: reset the step and queue the final callback.
@@ -122,8 +133,16 @@ struct GradSync::Impl {
   void mark_ready_locked(int p, bool used) {
     if (ready[p]) return;
     ready[p] = 1;
-    if (used) arrival.push_back(p);
-    else slot(p).zero_();  // a locally unused parameter contributes zeros
+    if (used) {
+      arrival.push_back(p);
+    } else {
+      // A locally unused parameter contributes zeros. If its .grad is the
+      // slot, zeroing would clobber it (and a globally unused .grad must stay
+      // untouched): give it its own copy first.
+      auto& g = params[p].mutable_grad();
+      if (is_slot(p, g)) g = g.clone();
+      views[p].zero_();
+    }
     const int b = bucket_of[p];
     if (--pending[b] == 0) stats.buckets[b].ready_us = us_since(t0, Clock::now());
     while (next_launch < static_cast<int>(plan.size()) && pending[next_launch] == 0) {
@@ -136,7 +155,7 @@ struct GradSync::Impl {
     auto& bs = stats.buckets[b];
     bs.launch_us = us_since(t0, Clock::now());
     at::Tensor flat = storage[b];
-    const std::string key = "bucket" + std::to_string(b);
+    const std::string* key = &keys[b];  // keys change only at a re-plan, after every future
     auto* complete = &bs.complete_us;
     const auto start = t0;
     futures[b] = channels[b % channels.size()]->submit(
@@ -144,7 +163,7 @@ struct GradSync::Impl {
             c10d::ProcessGroup& pg) mutable {
           {
             hooks::ReduceScope scope(ctx);
-            reduce(flat, key, pg);
+            reduce(flat, *key, pg);
           }
           *complete = us_since(start, Clock::now());
         });
@@ -157,7 +176,7 @@ struct GradSync::Impl {
     const at::Tensor& g = params[p].grad();
     // The copy needs no lock: slots are disjoint and the plan only changes at
     // the step boundary, after every hook of the step has run.
-    if (g.defined()) slot(p).copy_(g.reshape(-1));
+    if (g.defined() && !is_slot(p, g)) views[p].copy_(g);
     std::lock_guard<std::mutex> lock(mu);
     if (!active) begin_step_locked();
     if (g.defined()) mark_ready_locked(p, /*used=*/true);
@@ -288,12 +307,16 @@ void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
   at::NoGradGuard no_grad;
   for (size_t p = 0; p < params.size(); ++p) {
     if (!globally_used[p]) continue;  // unused everywhere: .grad untouched, as under DDP
-    auto avg = slot(static_cast<int>(p)).view(params[p].sizes());
+    const int i = static_cast<int>(p);
     auto& g = params[p].mutable_grad();
-    if (g.defined()) {
-      g.copy_(avg);
+    if (opts.gradient_as_bucket_view_) {
+      // .grad becomes the slot (DDP's gradient_as_bucket_view): the average
+      // is already there, and the next backward accumulates into the bucket.
+      if (!is_slot(i, g)) g = views[p];
+    } else if (g.defined()) {
+      g.copy_(views[p]);
     } else {
-      g = avg.clone();
+      g = views[p].clone();
     }
   }
 }
@@ -301,14 +324,14 @@ void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
 void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
   // Every rank adopts rank 0's predicted order.
   auto order_t = at::empty({static_cast<int64_t>(params.size())}, at::kLong);
+  int64_t* o = order_t.data_ptr<int64_t>();
   if (pg.getRank() == 0) {
     auto order = predictor.predicted_order();
-    for (size_t i = 0; i < order.size(); ++i) order_t[i] = order[i];
+    for (size_t i = 0; i < order.size(); ++i) o[i] = order[i];
   }
   std::vector<at::Tensor> t{order_t};
   pg.broadcast(t)->wait();
-  std::vector<int> order(params.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(order_t[i].item<int64_t>());
+  std::vector<int> order(o, o + params.size());
   replan(order);
   ++replans;
 }

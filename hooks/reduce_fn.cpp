@@ -26,7 +26,8 @@ ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats) {
   return [n](at::Tensor& flat, const std::string&, c10d::ProcessGroup& pg) {
     // Divide before summing: a low-precision bucket cannot overflow, and the
     // result is the same on every rank bit for bit (all receive one sum).
-    if (at::isFloatingType(flat.scalar_type())) flat.div_(pg.getSize());
+    // (One rank: nothing to average, and no pass over the bucket.)
+    if (at::isFloatingType(flat.scalar_type()) && pg.getSize() > 1) flat.div_(pg.getSize());
     std::vector<at::Tensor> t{flat};
     {
       comm::detail::WireScope wire;

@@ -12,8 +12,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,6 +24,8 @@ def parser(description):
 
 
 def load_plugin():
+    import torch  # here, so that launchers (ShapedLink) run on a python without torch
+
     lib = os.environ.get("DDPX_LIB", str(ROOT / "build" / "libddpx.so"))
     torch.ops.load_library(lib)
     return lib
@@ -89,58 +89,70 @@ def _fmt(v):
 
 
 LINK_1GBIT = "emulated 1 Gbit/s link (netns loopback, tc tbf rate 1gbit burst 256kb latency 50ms)"
-# Open MPI forced onto TCP over the (shaped) loopback.
-MPI_TCP_LO = ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include",
-              "lo", "--mca", "oob_tcp_if_include", "lo"]
 
 
-class EmulatedLink:
-    """A network namespace whose loopback is shaped to 1 Gbit/s (DESIGN.md).
+class ShapedLink:
+    """A network namespace whose loopback is shaped to 1 Gbit/s (tc tbf), for
+    ranks on one machine: `prefix` runs a command inside it. Both directions
+    share the one shaped device. The namespace is deleted on exit, on SIGINT/
+    SIGTERM/SIGHUP and at interpreter exit. Without CAP_NET_ADMIN (or with
+    enabled=False) `prefix` is empty and `link` says the loopback is unshaped.
 
-        with EmulatedLink("train") as link:
-            subprocess.run(link.prefix + ["mpirun", ...])   # runs inside it
-            print(link.description)
-
-    Falls back to plain loopback (empty prefix, description says so) where
-    namespaces cannot be made; always deletes the namespace, also on signals.
+        with benchlib.ShapedLink("ddpx-bench-ddp") as net:
+            subprocess.run(net.prefix + ["mpirun", ...])
     """
 
-    def __init__(self, tag, rate="1gbit"):
-        self.ns = f"ddpx-{tag}-{os.getpid()}"
-        self.rate = rate
+    def __init__(self, name, enabled=True):
+        self.ns = f"{name}-{os.getpid()}"
+        self.enabled = enabled
+        self.made = False
         self.prefix = []
-        self.description = LINK_1GBIT
-        self._made = False
+        self.link = "UNSHAPED plain loopback (--no-netns)"
 
     def __enter__(self):
+        import atexit
         import signal
         import subprocess
+        import sys
 
-        def sh(*cmd):
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-        self._old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        for s in self._old:
-            signal.signal(s, lambda num, _f: (self.__exit__(), os._exit(128 + num)))
+        if not self.enabled:
+            return self
+        atexit.register(self.close)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda s, f: (self.close(), sys.exit(128 + s)))
+        ip = ["ip", "netns", "exec", self.ns]
         try:
-            sh("ip", "netns", "add", self.ns)
-            self._made = True
-            sh("ip", "-n", self.ns, "link", "set", "lo", "up")
-            sh("ip", "netns", "exec", self.ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-               "rate", self.rate, "burst", "256kb", "latency", "50ms")
-            self.prefix = ["ip", "netns", "exec", self.ns]
+            subprocess.run(["ip", "netns", "add", self.ns], check=True, capture_output=True, text=True)
+            self.made = True
+            for cmd in (["ip", "-n", self.ns, "link", "set", "lo", "up"],
+                        ip + ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit",
+                              "burst", "256kb", "latency", "50ms"]):
+                subprocess.run(cmd, check=True, capture_output=True, text=True)
+            self.prefix = ip
+            self.link = LINK_1GBIT
         except (subprocess.CalledProcessError, FileNotFoundError) as e:
-            self.__exit__()
+            self.close()
             err = e.stderr.strip() if getattr(e, "stderr", None) else str(e)
-            self.description = f"UNSHAPED plain loopback (no network namespace: {err})"
+            self.link = f"UNSHAPED plain loopback (no network namespace: {err})"
+            print(f"cannot shape a link ({err}); falling back to plain loopback", file=sys.stderr)
         return self
 
-    def __exit__(self, *exc):
-        import signal
+    def close(self):
         import subprocess
-        if self._made:
+
+        if self.made:
             subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
-            self._made = False
-        for s, h in getattr(self, "_old", {}).items():
-            signal.signal(s, h)
-        return False
+            self.made = False
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def mpirun_tcp_loopback(np_=2):
+    """mpirun for ranks on this machine that talk TCP over loopback only (so
+    that a ShapedLink shapes MPI too)."""
+    import shutil
+
+    return [shutil.which("mpirun") or "mpirun", "--allow-run-as-root", "--oversubscribe",
+            "-np", str(np_), "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+            "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"]

@@ -32,9 +32,11 @@ at::Tensor shard(const at::Tensor& g, int r) { return g.narrow(0, r * kB, kB); }
 template <typename M>
 using LossFn = std::function<at::Tensor(M&, const at::Tensor&, int)>;
 
+// zero_in_place: zero_grad(set_to_none=false) between steps, so that .grad
+// stays the bucket view and backward accumulates into the bucket.
 template <typename M>
 void expect_matches_reference(std::function<M()> make, LossFn<M> loss_of, int64_t features,
-                              GradSyncOptions opts = {}, int steps = 3) {
+                              GradSyncOptions opts = {}, int steps = 3, bool zero_in_place = false) {
   auto& pg = world();
   const int r = pg->getRank(), n = pg->getSize();
   torch::manual_seed(1234);
@@ -44,14 +46,14 @@ void expect_matches_reference(std::function<M()> make, LossFn<M> loss_of, int64_
   GradSync sync((*model).named_parameters(), pg, opts, (*model).named_buffers());
   for (int step = 0; step < steps; ++step) {
     auto g = global_batch(features, 100 + step);
-    (*ref).zero_grad();
+    (*ref).zero_grad(/*set_to_none=*/!zero_in_place);
     at::Tensor total;
     for (int k = 0; k < n; ++k) {
       auto l = loss_of(ref, shard(g, k), k) / n;
       total = total.defined() ? total + l : l;
     }
     total.backward();
-    (*model).zero_grad();
+    (*model).zero_grad(/*set_to_none=*/!zero_in_place);
     auto loss = loss_of(model, shard(g, r), r);
     if (opts.unused_ == Unused::Exact) sync.prepare_for_backward({loss});
     loss.backward();
@@ -83,6 +85,20 @@ TEST(GradSync, MLPMatchesOneProcess) {
   expect_matches_reference<MLP>([] { return MLP(); },
                                 [](MLP& m, const at::Tensor& x, int) { return m(x).pow(2).mean(); },
                                 8);
+}
+
+TEST(GradSync, MLPGradAsBucketViewZeroedInPlace) {
+  expect_matches_reference<MLP>([] { return MLP(); },
+                                [](MLP& m, const at::Tensor& x, int) { return m(x).pow(2).mean(); },
+                                8, GradSyncOptions().bucket_cap_mb(0.002), 4, /*zero_in_place=*/true);
+}
+
+TEST(GradSync, MLPWithoutGradAsBucketView) {
+  for (bool in_place : {false, true}) {
+    expect_matches_reference<MLP>(
+        [] { return MLP(); }, [](MLP& m, const at::Tensor& x, int) { return m(x).pow(2).mean(); },
+        8, GradSyncOptions().gradient_as_bucket_view(false), 3, in_place);
+  }
 }
 
 TEST(GradSync, MLPWithTinyBucketsAndTwoChannels) {
@@ -149,6 +165,52 @@ TEST(GradSync, UnusedAndRankDependentBranchesExact) {
       [] { return Branchy(); },
       [](Branchy& m, const at::Tensor& x, int rank) { return m(x, rank); }, 6,
       GradSyncOptions().unused(Unused::Exact).bucket_cap_mb(0.0001).first_bucket_mb(0.0001), 3);
+}
+
+TEST(GradSync, UnusedBranchesWithGradAsBucketView) {
+  for (Unused u : {Unused::Predict, Unused::Exact}) {
+    expect_matches_reference<Branchy>(
+        [] { return Branchy(); },
+        [](Branchy& m, const at::Tensor& x, int rank) { return m(x, rank); }, 6,
+        GradSyncOptions().unused(u).bucket_cap_mb(0.0001).first_bucket_mb(0.0001), 4,
+        /*zero_in_place=*/true);
+  }
+}
+
+// .grad of "left" is a bucket view after a step where every rank used it;
+// the next step no rank uses it: its slot contributes zeros, yet .grad (not
+// zeroed by the user in between) must keep its value, as under DDP.
+TEST(GradSync, GloballyUnusedViewGradStaysUntouched) {
+  auto& pg = world();
+  for (Unused u : {Unused::Predict, Unused::Exact}) {
+    torch::manual_seed(11);
+    Branchy m;
+    GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(u));  // one bucket
+    auto x = at::randn({kB, 6}, at::kDouble) * (pg->getRank() + 1);
+    for (int branch : {0, 1}) {
+      auto loss = m(x, branch);
+      if (u == Unused::Exact) sync.prepare_for_backward({loss});
+      loss.backward();
+      if (branch == 0) {
+        ASSERT_TRUE(m->left->weight.grad().is_alias_of(m->trunk->weight.grad())) << "not in a bucket";
+      }
+    }
+    // Reference: the same two steps without GradSync's views (accumulating).
+    auto left = m->left->weight.grad();
+    torch::manual_seed(11);
+    Branchy ref;
+    GradSync ref_sync(ref->named_parameters(), pg,
+                      GradSyncOptions().unused(u).gradient_as_bucket_view(false));
+    for (int branch : {0, 1}) {
+      auto loss = ref(x, branch);
+      if (u == Unused::Exact) ref_sync.prepare_for_backward({loss});
+      loss.backward();
+    }
+    EXPECT_TRUE(at::equal(left, ref->left->weight.grad()));
+    EXPECT_TRUE(at::equal(m->right->weight.grad(), ref->right->weight.grad()));
+    EXPECT_GT(left.abs().sum().item<double>(), 0.0) << "left.grad was zeroed";
+    EXPECT_FALSE(m->never->weight.grad().defined());
+  }
 }
 
 TEST(GradSync, UnusedOffNamesTheParameter) {
@@ -249,7 +311,7 @@ struct FlipImpl : torch::nn::Module {
 };
 TORCH_MODULE(Flip);
 
-TEST(GradSync, OrderChangeReplansOnceAndStaysExact) {
+void expect_flip_replans_once(bool zero_in_place) {
   auto& pg = world();
   const int n = pg->getSize();
   torch::manual_seed(9);
@@ -269,7 +331,7 @@ TEST(GradSync, OrderChangeReplansOnceAndStaysExact) {
       total = total.defined() ? total + l : l;
     }
     total.backward();
-    m->zero_grad();
+    m->zero_grad(/*set_to_none=*/!zero_in_place);
     m(shard(g, pg->getRank())).backward();
     auto rp = ref->named_parameters();
     for (const auto& item : m->named_parameters()) {
@@ -284,7 +346,17 @@ TEST(GradSync, OrderChangeReplansOnceAndStaysExact) {
   EXPECT_EQ(replans.back(), 1) << "re-planned " << replans.back() << " times";
 }
 
-TEST(GradSync, NoSyncAccumulationEqualsOneLargeBatch) {
+TEST(GradSync, OrderChangeReplansOnceAndStaysExact) {
+  // In place: .grad views the old buckets when the re-plan reallocates them.
+  for (bool in_place : {false, true}) {
+    SCOPED_TRACE(in_place ? "zero_grad in place" : "zero_grad set_to_none");
+    expect_flip_replans_once(in_place);
+  }
+}
+
+// views: one synced step first, then zero_grad in place, so that the no_sync
+// micro-batches accumulate straight into the buckets.
+void expect_no_sync_equals_large_batch(bool views) {
   auto& pg = world();
   const int n = pg->getSize();
   torch::manual_seed(3);
@@ -292,6 +364,10 @@ TEST(GradSync, NoSyncAccumulationEqualsOneLargeBatch) {
   torch::manual_seed(3);
   MLP m;
   GradSync sync(m->named_parameters(), pg);
+  if (views) {
+    m(at::randn({kB, 8}, at::kDouble)).pow(2).mean().backward();
+    m->zero_grad(/*set_to_none=*/false);
+  }
   // Three micro-batches per rank: two under no_sync, the third synced.
   std::vector<at::Tensor> gs;
   for (int k = 0; k < 3; ++k) gs.push_back(global_batch(8, 500 + k));
@@ -313,6 +389,11 @@ TEST(GradSync, NoSyncAccumulationEqualsOneLargeBatch) {
   for (const auto& item : m->named_parameters()) {
     EXPECT_TRUE(at::allclose(item.value().grad(), rp[item.key()].grad(), 1e-5, 1e-8)) << item.key();
   }
+}
+
+TEST(GradSync, NoSyncAccumulationEqualsOneLargeBatch) {
+  expect_no_sync_equals_large_batch(/*views=*/false);
+  expect_no_sync_equals_large_batch(/*views=*/true);
 }
 
 TEST(GradSync, MismatchedModelsNameTheParameter) {

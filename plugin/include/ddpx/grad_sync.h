@@ -13,7 +13,8 @@
 //     rank 0's parameters and buffers are broadcast. Buckets are planned in
 //     reverse registration order (the usual backward order).
 //  2. Backward: a post-hook on each parameter's gradient accumulator copies
-//     the gradient into its bucket and marks it ready. A bucket launches its
+//     the gradient into its bucket (nothing to copy when .grad already is its
+//     bucket slot, see gradient_as_bucket_view) and marks it ready. A bucket launches its
 //     reduction (codec -> collective, on the bucket's channel thread) once it
 //     is complete and every bucket before it has launched, so the launch
 //     order is the plan's order on every rank.
@@ -22,7 +23,11 @@
 //     otherwise they contribute zeros, the remaining buckets launch, and a
 //     used-bitmap MAX-reduction tells which are unused on every rank (their
 //     .grad is left untouched, as under DDP). All reductions are awaited and
-//     the averages written to .grad before backward returns.
+//     the averages written to .grad before backward returns: with
+//     gradient_as_bucket_view, .grad is made a view of its bucket slot (the
+//     average is already there, and the next backward accumulates straight
+//     into the bucket); a locally unused parameter whose .grad is its slot
+//     gets a private copy of it before the slot is zeroed.
 //  4. Between steps: the order predictor learns from this step's arrival
 //     order (and Predict mode learns which parameters go unused). When the
 //     predicted order would launch buckets materially later than a re-plan
@@ -69,6 +74,10 @@ struct GradSyncOptions {
   // ("": DDPX_TRACE_STEPS, else "1:20"). The file is written when the window
   // ends, at flush_trace() or at destruction, whichever comes first.
   DDPX_OPT(std::string, trace_steps, "")
+  // .grad of a synced parameter is a view of its bucket slot (as DDP's
+  // gradient_as_bucket_view): no copy into the bucket or back. Its storage is
+  // overwritten by the next synced backward; clone a .grad to keep it.
+  DDPX_OPT(bool, gradient_as_bucket_view, true)
 #undef DDPX_OPT
   // Extra process groups: buckets go round-robin over {pg, channels...}.
   std::vector<comm::ProcessGroupPtr> channels;

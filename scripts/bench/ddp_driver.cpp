@@ -1,0 +1,214 @@
+// ddpx-bench-ddp: the C++ side of scripts/bench/ddp. Under mpirun, loads
+// scripted models (ddp_models.py, saved by the orchestrator) and times one
+// training step (inputs -> forward -> backward -> gradients averaged ->
+// zero_grad) per variant:
+//
+//   compute        forward + backward, no communication
+//   comm_gloo/mpi  the same bytes all-reduced, no compute: buckets of
+//                  --bucket-cap-mb launched back to back, then awaited
+//   naive          after backward, all-reduce every gradient one by one and
+//                  divide (the usual LibTorch loop), over Gloo
+//   gradsync_gloo  ddpx::GradSync over Gloo (the transport of PyTorch DDP)
+//   gradsync_mpi   ddpx::GradSync over ddpx_mpi
+//   gradsync_copy  GradSync over Gloo with gradient_as_bucket_view(false):
+//                  gradients copied into the buckets and back (the benefit
+//                  of views is gradsync_gloo vs this)
+//   gradsync_solo  GradSync over a one-rank Gloo group per rank: the same
+//                  hooks, final callback and write-back, but no traffic, so
+//                  no communication thread competes with the hooks for the
+//                  core; its hook time is the hook's own cost
+//
+// The graph executor's optimisations are off here and in the DDP job (both
+// run the scripted module as written, op by op, like eager): the profiling
+// executor would otherwise re-compile differentiable graphs during the first
+// steps, and its timing would be measured instead of synchronisation.
+// Rank 0 prints one JSON object per (model, variant) on a line starting with
+// "DDPX_BENCH ". Times are medians over the timed steps, in milliseconds;
+// GradSync's StepStats figures are medians in microseconds.
+#include <ddpx/comm.h>
+#include <ddpx/grad_sync.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/script.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using ddpx::comm::ProcessGroupPtr;
+
+struct Args {
+  std::string dir;
+  std::vector<std::string> models;
+  std::vector<std::string> variants{"compute",       "comm_gloo",     "comm_mpi",     "naive",
+                                    "gradsync_gloo", "gradsync_mpi", "gradsync_copy", "gradsync_solo"};
+  int warmup = 3, steps = 5, threads = 1;
+  double bucket_cap_mb = 25.0;
+  bool zero_in_place = false;  // zero_grad(set_to_none=false)
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::vector<at::Tensor> params_of(const torch::jit::Module& m) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : m.parameters(/*recurse=*/true)) {
+    if (p.requires_grad()) out.push_back(p);
+  }
+  return out;
+}
+
+void zero_grad(const std::vector<at::Tensor>& params, bool in_place) {
+  for (const auto& p : params) {
+    if (in_place) {
+      if (p.grad().defined()) p.grad().zero_();
+    } else {
+      const_cast<at::Tensor&>(p).mutable_grad().reset();
+    }
+  }
+}
+
+void forward_backward(torch::jit::Module& m, int64_t step, int64_t rank) {
+  at::Tensor x = m.run_method("inputs", step, rank).toTensor();
+  m.forward({x, step}).toTensor().backward();
+}
+
+// The flat buffers comm-only reduces: the model's bytes in bucket-sized parts.
+std::vector<at::Tensor> comm_buffers(const std::vector<at::Tensor>& params, double cap_mb) {
+  int64_t total = 0;
+  for (const auto& p : params) total += p.numel();
+  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(cap_mb * (1 << 20)) / 4);
+  std::vector<at::Tensor> out;
+  for (int64_t off = 0; off < total; off += cap) out.push_back(at::ones({std::min(cap, total - off)}));
+  return out;
+}
+
+struct Groups {
+  ProcessGroupPtr mpi, gloo, solo;
+};
+
+nlohmann::json run_variant(const Args& a, const std::string& model, const std::string& variant,
+                           const Groups& g) {
+  const int rank = g.mpi->getRank(), world = g.mpi->getSize();
+  torch::jit::Module m = torch::jit::load(a.dir + "/" + model + ".pt");
+  m.train();
+  const auto params = params_of(m);
+  int64_t numel = 0;
+  for (const auto& p : params) numel += p.numel();
+
+  std::optional<ddpx::GradSync> sync;
+  if (variant.rfind("gradsync_", 0) == 0) {
+    sync.emplace(m, variant == "gradsync_mpi" ? g.mpi : variant == "gradsync_solo" ? g.solo : g.gloo,
+                 ddpx::GradSyncOptions().bucket_cap_mb(a.bucket_cap_mb).gradient_as_bucket_view(
+                     variant != "gradsync_copy"));
+  }
+  std::vector<at::Tensor> bufs;
+  if (variant == "comm_gloo" || variant == "comm_mpi") bufs = comm_buffers(params, a.bucket_cap_mb);
+
+  std::function<void(int64_t)> step_fn;
+  if (variant == "compute" || sync) {
+    step_fn = [&](int64_t s) { forward_backward(m, s, rank); };
+  } else if (variant == "naive") {
+    step_fn = [&](int64_t s) {
+      forward_backward(m, s, rank);
+      torch::NoGradGuard no_grad;
+      for (const auto& p : params) {
+        if (!p.grad().defined()) continue;  // unused here: skipped on every rank alike
+        std::vector<at::Tensor> t{p.grad()};
+        g.gloo->allreduce(t)->wait();
+        p.grad().div_(world);
+      }
+    };
+  } else if (!bufs.empty()) {
+    auto pg = variant == "comm_gloo" ? g.gloo : g.mpi;
+    step_fn = [&, pg](int64_t) {
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      for (auto& b : bufs) {
+        std::vector<at::Tensor> t{b};
+        works.push_back(pg->allreduce(t));
+      }
+      for (auto& w : works) w->wait();
+    };
+  } else {
+    TORCH_CHECK(false, "ddpx-bench-ddp: unknown variant '", variant, "'");
+  }
+
+  std::vector<double> ms, hook_us, calls, exposed_us, backward_us, comm_us;
+  int64_t replans = 0, buckets = 0;
+  g.mpi->barrier()->wait();
+  for (int s = 0; s < a.warmup + a.steps; ++s) {
+    const auto t0 = Clock::now();
+    step_fn(s);
+    zero_grad(params, a.zero_in_place);
+    const double dt = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    if (s < a.warmup) continue;
+    ms.push_back(dt);
+    if (sync) {
+      const auto& st = sync->last_step();
+      hook_us.push_back(st.hook_cpu_us);
+      calls.push_back(static_cast<double>(st.hook_calls));
+      exposed_us.push_back(st.exposed_comm_us);
+      backward_us.push_back(st.backward_us);
+      comm_us.push_back(st.comm_us);
+      replans = st.replans;
+      buckets = static_cast<int64_t>(st.buckets.size());
+    }
+  }
+  nlohmann::json j = {{"model", model}, {"variant", variant}, {"world", world},
+                      {"tensors", params.size()}, {"numel", numel},
+                      {"step_ms", median(ms)}, {"min_ms", *std::min_element(ms.begin(), ms.end())},
+                      {"steps", a.steps}, {"warmup", a.warmup}};
+  if (sync) {
+    j.update({{"hook_cpu_us", median(hook_us)}, {"hook_calls", median(calls)},
+              {"exposed_comm_us", median(exposed_us)}, {"backward_us", median(backward_us)},
+              {"comm_us", median(comm_us)}, {"replans", replans}, {"buckets", buckets}});
+  }
+  return j;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"ddpx-bench-ddp: C++ variants of scripts/bench/ddp (run under mpirun)"};
+  app.add_option("--models-dir", a.dir, "directory of <model>.pt from ddp_models.export")->required();
+  app.add_option("--models", a.models, "model names")->required();
+  app.add_option("--variants", a.variants, "variants to run, in this order");
+  app.add_option("--warmup", a.warmup, "untimed steps per variant");
+  app.add_option("--steps", a.steps, "timed steps per variant");
+  app.add_option("--threads", a.threads, "intra-op threads per rank");
+  app.add_option("--bucket-cap-mb", a.bucket_cap_mb, "GradSync bucket cap and comm-only part size");
+  app.add_flag("--zero-in-place", a.zero_in_place, "zero_grad(set_to_none=false)");
+  CLI11_PARSE(app, argc, argv);
+  TORCH_CHECK(a.steps > 0, "--steps must be positive, got ", a.steps);
+
+  at::set_num_threads(a.threads);
+  torch::jit::setGraphExecutorOptimize(false);
+  Groups g;
+  g.mpi = ddpx::comm::init_from_env();
+  g.gloo = ddpx::comm::make("gloo");
+  ddpx::comm::MakeOptions solo;
+  solo.store = c10::make_intrusive<c10d::HashStore>();
+  solo.rank = 0;
+  solo.size = 1;
+  solo.name = "solo";
+  g.solo = ddpx::comm::make("gloo", solo);
+  for (const auto& model : a.models) {
+    for (const auto& variant : a.variants) {
+      auto j = run_variant(a, model, variant, g);
+      if (g.mpi->getRank() == 0) std::cout << "DDPX_BENCH " << j.dump() << std::endl;
+    }
+  }
+  return 0;
+}

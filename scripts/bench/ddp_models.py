@@ -1,0 +1,183 @@
+"""The models of scripts/bench/ddp, defined once.
+
+PyTorch DDP runs them from Python; the same modules are scripted and saved
+(`export`) for the C++ driver (ddp_driver.cpp), which torch::jit::load's them
+and runs naive all-reduce and GradSync. Every model has the same interface so
+both sides drive it identically:
+
+    loss = m(m.inputs(step, rank), step)      # forward returns the scalar loss
+
+`inputs` is deterministic in (step, rank) and cheap (no RNG, so Python and C++
+see the same numbers); `step` is an int argument so that models whose graph
+changes with the step (unused parameters) are scriptable and take the same
+branch in DDP and in C++.
+
+Sizes are chosen so that on the emulated 1 Gbit/s link (both directions share
+the shaped loopback, ~8 ns per byte reduced with 2 ranks) communication is of
+the same order as the compute of one 1-thread rank: neither hides the other.
+"""
+from typing import List
+
+import torch
+from torch import Tensor, nn
+
+
+def _wave(n: int, cols: int, step: int, rank: int) -> Tensor:
+    i = torch.arange(n * cols, dtype=torch.float32)
+    return torch.sin(i * (0.0137 + 0.001 * rank) + float(step)).view(n, cols)
+
+
+class MLP25M(nn.Module):
+    """~25M parameters in 8 tensors: large buckets, few hooks."""
+
+    def __init__(self, batch: int = 384):
+        super().__init__()
+        self.batch = batch
+        self.l1 = nn.Linear(1024, 4096)
+        self.l2 = nn.Linear(4096, 4096)
+        self.l3 = nn.Linear(4096, 1024)
+        self.l4 = nn.Linear(1024, 10)
+
+    @torch.jit.export
+    def inputs(self, step: int, rank: int) -> Tensor:
+        return _wave(self.batch, 1024, step, rank)
+
+    def forward(self, x: Tensor, step: int) -> Tensor:
+        h = torch.relu(self.l1(x))
+        h = torch.relu(self.l2(h))
+        h = torch.relu(self.l3(h))
+        return self.l4(h).pow(2).mean()
+
+
+class SmallCNN(nn.Module):
+    """A small CNN (2.4M parameters, most in fc1): convolutions compute, fc1
+    communicates."""
+
+    def __init__(self, batch: int = 64):
+        super().__init__()
+        self.batch = batch
+        self.c1 = nn.Conv2d(3, 32, 3, padding=1)
+        self.c2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.c3 = nn.Conv2d(64, 128, 3, padding=1)
+        self.c4 = nn.Conv2d(128, 128, 3, padding=1)
+        self.fc1 = nn.Linear(128 * 4 * 4, 1024)
+        self.fc2 = nn.Linear(1024, 10)
+
+    @torch.jit.export
+    def inputs(self, step: int, rank: int) -> Tensor:
+        return _wave(self.batch, 3 * 32 * 32, step, rank).view(self.batch, 3, 32, 32)
+
+    def forward(self, x: Tensor, step: int) -> Tensor:
+        h = torch.max_pool2d(torch.relu(self.c1(x)), 2)  # 16x16
+        h = torch.max_pool2d(torch.relu(self.c2(h)), 2)  # 8x8
+        h = torch.relu(self.c3(h))
+        h = torch.max_pool2d(torch.relu(self.c4(h)), 2)  # 4x4
+        h = torch.relu(self.fc1(h.flatten(1)))
+        return self.fc2(h).pow(2).mean()
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.tanh(self.norm(self.fc(x)))
+
+
+class ManyTensors(nn.Module):
+    """130 residual blocks x 4 tensors = 520 small parameter tensors: the
+    per-tensor cost of the hook dominates here, not the bytes."""
+
+    def __init__(self, blocks: int = 130, width: int = 128, batch: int = 192):
+        super().__init__()
+        self.batch = batch
+        self.width = width
+        self.blocks = nn.ModuleList([Block(width) for _ in range(blocks)])
+
+    @torch.jit.export
+    def inputs(self, step: int, rank: int) -> Tensor:
+        return _wave(self.batch, self.width, step, rank)
+
+    def forward(self, x: Tensor, step: int) -> Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+
+
+class Unused(nn.Module):
+    """A trunk and two experts; even steps use expert a, odd steps expert b,
+    so a third of the parameters get no gradient on every step (DDP needs
+    find_unused_parameters=True)."""
+
+    def __init__(self, batch: int = 1024):
+        super().__init__()
+        self.batch = batch
+        self.trunk1 = nn.Linear(1024, 2048)
+        self.trunk2 = nn.Linear(2048, 1024)
+        self.expert_a = nn.Linear(1024, 2048)
+        self.expert_b = nn.Linear(1024, 2048)
+        self.head = nn.Linear(2048, 10)
+
+    @torch.jit.export
+    def inputs(self, step: int, rank: int) -> Tensor:
+        return _wave(self.batch, 1024, step, rank)
+
+    def forward(self, x: Tensor, step: int) -> Tensor:
+        h = torch.relu(self.trunk2(torch.relu(self.trunk1(x))))
+        e = self.expert_a(h) if step % 2 == 0 else self.expert_b(h)
+        return self.head(torch.relu(e)).pow(2).mean()
+
+
+class Reordered(nn.Module):
+    """Eight layers applied in the reverse of their registration order, so the
+    backward order is the registration order: the usual first guess (reverse
+    registration) is exactly wrong until the order is learned."""
+
+    def __init__(self, batch: int = 320):
+        super().__init__()
+        self.batch = batch
+        self.l0 = nn.Linear(1024, 1024)
+        self.l1 = nn.Linear(1024, 1024)
+        self.l2 = nn.Linear(1024, 1024)
+        self.l3 = nn.Linear(1024, 1024)
+        self.l4 = nn.Linear(1024, 1024)
+        self.l5 = nn.Linear(1024, 1024)
+        self.l6 = nn.Linear(1024, 1024)
+        self.l7 = nn.Linear(1024, 1024)
+
+    @torch.jit.export
+    def inputs(self, step: int, rank: int) -> Tensor:
+        return _wave(self.batch, 1024, step, rank)
+
+    def forward(self, x: Tensor, step: int) -> Tensor:
+        h = torch.tanh(self.l7(x))
+        h = torch.tanh(self.l6(h))
+        h = torch.tanh(self.l5(h))
+        h = torch.tanh(self.l4(h))
+        h = torch.tanh(self.l3(h))
+        h = torch.tanh(self.l2(h))
+        h = torch.tanh(self.l1(h))
+        return self.l0(h).pow(2).mean()
+
+
+# name -> (constructor, find_unused_parameters needed by DDP)
+MODELS = {
+    "mlp25m": (MLP25M, False),
+    "cnn": (SmallCNN, False),
+    "many520": (ManyTensors, False),
+    "unused": (Unused, True),
+    "reordered": (Reordered, False),
+}
+
+
+def make(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name][0]()
+
+
+def export(names: List[str], out_dir) -> None:
+    """Scripts and saves each model as <out_dir>/<name>.pt."""
+    for name in names:
+        torch.jit.script(make(name)).save(str(out_dir / f"{name}.pt"))
