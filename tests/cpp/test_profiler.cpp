@@ -297,6 +297,30 @@ TEST(Profiler, EnvironmentTurnsTracingOnWithItsWindow) {
   if (world()->getRank() == 0) EXPECT_EQ(traced_steps(read_trace(path)), (std::set<int>{3, 4}));
 }
 
+// After a failed step a peer may be gone: the destructor must not wait on
+// it. Rank 0 writes its own events only (ranks_gathered 1).
+TEST(Profiler, DestructorAfterAFailedStepDoesNotGather) {
+  const auto path = trace_path("failed");
+  torch::manual_seed(8);
+  Net m;
+  {
+    GradSync sync(m->named_parameters(), world(),
+                  small_buckets().unused(ddpx::Unused::Off).trace(path));
+    train(m, sync, 1);
+    // Only the first layer gets a gradient: every rank raises at the end of
+    // backward (Unused::Off), so nobody is left waiting in a collective.
+    EXPECT_THROW(torch::tanh(m->layers[0](at::randn({4, 16}))).pow(2).mean().backward(),
+                 c10::Error);
+  }
+  barrier();
+  if (world()->getRank() == 0) {
+    const json t = read_trace(path);
+    EXPECT_EQ(t["otherData"]["ranks_gathered"], 1);
+    EXPECT_EQ(traced_steps(t), (std::set<int>{1}));
+    for (const auto& e : t["traceEvents"]) EXPECT_EQ(e["pid"], 0);
+  }
+}
+
 TEST(Profiler, UnwritablePathIsAnErrorAtConstruction) {
   torch::manual_seed(6);
   Net m;
