@@ -98,8 +98,12 @@ ReduceScope::~ReduceScope() {
 }
 
 Profiler::Profiler(TraceConfig cfg, int rank, int world, int64_t params)
-    : cfg_(std::move(cfg)), rank_(rank), world_(world), params_(params),
-      enabled_(!cfg_.path.empty()), anchor_(Clock::now()) {}
+    : cfg_(std::move(cfg)),
+      rank_(rank),
+      world_(world),
+      params_(params),
+      enabled_(!cfg_.path.empty()),
+      anchor_(Clock::now()) {}
 
 Profiler::~Profiler() = default;
 
@@ -123,12 +127,14 @@ void Profiler::agree(c10d::ProcessGroup& pg) {
   TORCH_CHECK(p[3] == 0, "GradSync: cannot write the trace file '", cfg_.path,
               "' (GradSyncOptions::trace / DDPX_TRACE)",
               rank_ == 0 ? ": " + why : std::string(" on rank 0, which writes it"));
-  TORCH_CHECK(p[0] == -p[4], "GradSync: tracing is on for some ranks only (DDPX_TRACE / "
-              "GradSyncOptions::trace must be set on every rank or on none); rank ", rank_,
-              enabled_ ? " traces" : " does not");
-  TORCH_CHECK(p[1] == -p[5] && p[2] == -p[6], "GradSync: the ranks trace different steps "
-              "(DDPX_TRACE_STEPS / trace_steps must be the same on every rank); rank ", rank_,
-              " traces ", cfg_.first_step, ":", cfg_.last_step);
+  TORCH_CHECK(p[0] == -p[4],
+              "GradSync: tracing is on for some ranks only (DDPX_TRACE / "
+              "GradSyncOptions::trace must be set on every rank or on none); rank ",
+              rank_, enabled_ ? " traces" : " does not");
+  TORCH_CHECK(p[1] == -p[5] && p[2] == -p[6],
+              "GradSync: the ranks trace different steps "
+              "(DDPX_TRACE_STEPS / trace_steps must be the same on every rank); rank ",
+              rank_, " traces ", cfg_.first_step, ":", cfg_.last_step);
 }
 
 double Profiler::ts(int64_t ns) const { return static_cast<double>(ns - ns_of(anchor_)) / 1e3; }
@@ -199,7 +205,11 @@ void Profiler::record_step_events(const StepStats& s, const FinalTimes& t, const
   span("ddpx::final_callback", 0, ns_of(t.begin), ns_of(t.end));
   span("ddpx::final_wait", 0, ns_of(t.wait_begin), ns_of(t.wait_end));
   span("ddpx::write_back", 0, ns_of(t.wait_end), ns_of(t.end));
-  ev.push_back({"ddpx::step_stats", 'i', 0, ns_of(t.end), 0,
+  ev.push_back({"ddpx::step_stats",
+                'i',
+                0,
+                ns_of(t.end),
+                0,
                 {{"step", step},
                  {"backward_us", r.backward_us},
                  {"comm_us", r.comm_us},
@@ -265,11 +275,16 @@ void Profiler::record_step_events(const StepStats& s, const FinalTimes& t, const
 }
 
 void Profiler::phase(const std::string& name, Clock::time_point begin, Clock::time_point end) {
-  if (!enabled_ || flushed_ || last_finished_ < cfg_.first_step || last_finished_ > cfg_.last_step) {
+  if (!enabled_ || flushed_ || last_finished_ < cfg_.first_step ||
+      last_finished_ > cfg_.last_step) {
     return;
   }
   std::lock_guard<std::mutex> lock(mu_);
-  events_.push_back({"ddpx::" + name, 'X', 0, ns_of(begin), ns_of(end) - ns_of(begin),
+  events_.push_back({"ddpx::" + name,
+                     'X',
+                     0,
+                     ns_of(begin),
+                     ns_of(end) - ns_of(begin),
                      {{"step", static_cast<double>(last_finished_)}}});
 }
 

@@ -103,8 +103,8 @@ class Range {
 // What a bucket launch hands its channel thread.
 struct LaunchContext {
   int bucket = 0;
-  BucketTrace* slot = nullptr;                  // null: step not traced
-  std::shared_ptr<at::ThreadLocalState> tls;    // set while a profiler listens
+  BucketTrace* slot = nullptr;                // null: step not traced
+  std::shared_ptr<at::ThreadLocalState> tls;  // set while a profiler listens
 };
 
 // Around one bucket's reduction on its channel thread.
@@ -144,7 +144,7 @@ class Profiler {
   void phase(const std::string& name, Clock::time_point begin, Clock::time_point end);
 
   // ---- output ---------------------------------------------------------------
-  bool flush_due() const;   // the window is over and nothing was written yet
+  bool flush_due() const;  // the window is over and nothing was written yet
   bool needs_flush() const { return enabled_ && !flushed_; }
   // Step 3 of the protocol; collective unless gather is false.
   void flush(c10d::ProcessGroup* pg);
@@ -176,7 +176,7 @@ class Profiler {
   Clock::time_point anchor_;
   std::ofstream file_;  // rank 0, open from agree() to flush
   std::vector<BucketTrace> buckets_;
-  mutable std::mutex mu_;   // events_, records_
+  mutable std::mutex mu_;  // events_, records_
   std::vector<Event> events_;
   std::deque<StepRecord> records_;
   comm::CodecStats wire_before_;

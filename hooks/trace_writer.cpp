@@ -51,7 +51,7 @@ std::string Profiler::local_events_json() const {
   json out = json::array();
   for (const auto& e : events_) {
     json j = {{"name", e.name}, {"ph", std::string(1, e.ph)}, {"pid", rank_},
-              {"tid", e.tid}, {"ts", ts(e.ts_ns)}, {"cat", "ddpx"}};
+              {"tid", e.tid},   {"ts", ts(e.ts_ns)},          {"cat", "ddpx"}};
     if (e.ph == 'X') j["dur"] = static_cast<double>(e.dur_ns) / 1e3;
     if (e.ph == 'i') j["s"] = "t";  // instant scoped to its track
     json args = json::object();
@@ -88,9 +88,10 @@ void Profiler::flush(c10d::ProcessGroup* pg) {
     std::sort(tids.begin(), tids.end());
     tids.erase(std::unique(tids.begin(), tids.end()), tids.end());
     for (int tid : tids) {
-      const std::string name = tid == 0     ? "step"
-                               : tid < 1000 ? "hooks" + (tid > 100 ? " lane " + std::to_string(tid - 99) : "")
-                                            : "channel " + std::to_string(tid - 1000);
+      const std::string name =
+          tid == 0     ? "step"
+          : tid < 1000 ? "hooks" + (tid > 100 ? " lane " + std::to_string(tid - 99) : "")
+                       : "channel " + std::to_string(tid - 1000);
       events.push_back(meta("thread_name", pid, tid, {{"name", name}}));
       events.push_back(meta("thread_sort_index", pid, tid, {{"sort_index", tid}}));
     }

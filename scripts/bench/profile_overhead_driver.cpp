@@ -5,10 +5,10 @@
 // median step time and hook CPU per parameter tensor of each.
 //
 //   mpirun -np 2 ddpx_profile_overhead --params 600 --width 32 --steps 200 --trace /tmp/t.json
-#include <CLI/CLI.hpp>
 #include <ddpx/grad_sync.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -46,7 +46,8 @@ int main(int argc, char** argv) {
   int params = 600, width = 32, steps = 200, warmup = 10, batch = 8;
   std::string trace = "/tmp/ddpx_profile_overhead.json", codec = "none";
   double bucket_mb = 25;
-  app.add_option("--params", params, "parameter tensors (2 per Linear layer)")->check(CLI::Range(2, 100000));
+  app.add_option("--params", params, "parameter tensors (2 per Linear layer)")
+      ->check(CLI::Range(2, 100000));
   app.add_option("--width", width, "Linear width")->check(CLI::PositiveNumber);
   app.add_option("--batch", batch, "rows per rank")->check(CLI::PositiveNumber);
   app.add_option("--steps", steps, "timed steps per side")->check(CLI::PositiveNumber);
@@ -66,8 +67,8 @@ int main(int argc, char** argv) {
     auto o = ddpx::GradSyncOptions().codec(codec).bucket_cap_mb(bucket_mb);
     if (s == &on) o.trace(trace).trace_steps("1:");  // every step: the worst case
     s->sync = std::make_unique<ddpx::GradSync>(s->model->named_parameters(), pg, o);
-    s->opt = std::make_unique<torch::optim::SGD>(s->model->parameters(),
-                                                 torch::optim::SGDOptions(1e-3));
+    s->opt =
+        std::make_unique<torch::optim::SGD>(s->model->parameters(), torch::optim::SGDOptions(1e-3));
   }
   auto x = torch::randn({batch, width}) * (pg->getRank() + 1);
   for (int i = 0; i < total; ++i) {

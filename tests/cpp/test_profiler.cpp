@@ -134,7 +134,8 @@ void expect_complete_step(const json& trace, int step, int buckets) {
       const auto& launch = one(ev, "ddpx::launch" + tag);
       const auto& run = one(ev, "ddpx::allreduce" + tag);
       EXPECT_GE(hooks["args"]["calls"].get<double>(), 1);
-      EXPECT_LE(end_of(hooks), fc["ts"].get<double>() + kEps);  // hooks end before the final callback
+      EXPECT_LE(end_of(hooks),
+                fc["ts"].get<double>() + kEps);  // hooks end before the final callback
       const double r = ready["ts"].get<double>(), l = launch["ts"].get<double>(),
                    c = run["args"]["complete"].get<double>();
       EXPECT_NEAR(run["args"]["ready"].get<double>(), r, kEps);
@@ -201,7 +202,8 @@ TEST(Profiler, SummaryAgreesWithTheTrace) {
     std::vector<std::pair<double, double>> inflight;  // launch -> complete per bucket
     for (const auto& [name, e] : ev) {
       if (name.rfind("ddpx::allreduce[", 0) == 0) {
-        inflight.emplace_back(e["args"]["launch"].get<double>(), e["args"]["complete"].get<double>());
+        inflight.emplace_back(e["args"]["launch"].get<double>(),
+                              e["args"]["complete"].get<double>());
       }
       if (name.rfind("ddpx::hooks[", 0) == 0) {
         cpu += e["args"]["cpu_us"].get<double>();
@@ -297,6 +299,30 @@ TEST(Profiler, EnvironmentTurnsTracingOnWithItsWindow) {
   if (world()->getRank() == 0) EXPECT_EQ(traced_steps(read_trace(path)), (std::set<int>{3, 4}));
 }
 
+// After a failed step a peer may be gone: the destructor must not wait on
+// it. Rank 0 writes its own events only (ranks_gathered 1).
+TEST(Profiler, DestructorAfterAFailedStepDoesNotGather) {
+  const auto path = trace_path("failed");
+  torch::manual_seed(8);
+  Net m;
+  {
+    GradSync sync(m->named_parameters(), world(),
+                  small_buckets().unused(ddpx::Unused::Off).trace(path));
+    train(m, sync, 1);
+    // Only the first layer gets a gradient: every rank raises at the end of
+    // backward (Unused::Off), so nobody is left waiting in a collective.
+    EXPECT_THROW(torch::tanh(m->layers[0](at::randn({4, 16}))).pow(2).mean().backward(),
+                 c10::Error);
+  }
+  barrier();
+  if (world()->getRank() == 0) {
+    const json t = read_trace(path);
+    EXPECT_EQ(t["otherData"]["ranks_gathered"], 1);
+    EXPECT_EQ(traced_steps(t), (std::set<int>{1}));
+    for (const auto& e : t["traceEvents"]) EXPECT_EQ(e["pid"], 0);
+  }
+}
+
 TEST(Profiler, UnwritablePathIsAnErrorAtConstruction) {
   torch::manual_seed(6);
   Net m;
@@ -344,9 +370,9 @@ TEST(Profiler, PhasesAreRecordFunctionRanges) {
   GradSync sync(m->named_parameters(), world(), small_buckets().codec("bf16"));
   train(m, sync, 1);
   at::removeCallback(handle);
-  for (const char* name : {"ddpx::hook", "ddpx::bucket_launch", "ddpx::allreduce[bucket0]",
-                           "ddpx::allreduce[bucket2]", "ddpx::codec_wire",
-                           "ddpx::final_callback", "ddpx::final_wait", "ddpx::optimizer_step"}) {
+  for (const char* name :
+       {"ddpx::hook", "ddpx::bucket_launch", "ddpx::allreduce[bucket0]", "ddpx::allreduce[bucket2]",
+        "ddpx::codec_wire", "ddpx::final_callback", "ddpx::final_wait", "ddpx::optimizer_step"}) {
     EXPECT_EQ(seen.count(name), 1u) << name;
   }
 }
