@@ -36,6 +36,7 @@ struct GradSync::Impl {
   std::vector<at::Tensor> params;  // requires_grad parameters only
   std::vector<hooks::ParamInfo> info;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;  // keep hooks alive
+  std::shared_ptr<std::atomic<Impl*>> alive;  // what the hooks call; null once destroyed
   GradSyncOptions opts;
   std::vector<std::unique_ptr<hooks::Channel>> channels;
   hooks::ReduceFn reduce;
@@ -375,14 +376,17 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
   }
   for (const auto& p : params) I.info.push_back({p.numel(), p.scalar_type(), p.device()});
   I.replan(I.predictor.predicted_order());
+  // The hooks outlive GradSync on the parameters' accumulators (autograd has
+  // no way to remove one); they reach it through a pointer the destructor
+  // clears, so a backward after GradSync is gone is a plain local backward.
+  I.alive = std::make_shared<std::atomic<Impl*>>(impl_.get());
   for (size_t i = 0; i < params.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params[i]);
     const int idx = static_cast<int>(i);
-    Impl* self = impl_.get();
     acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [self, idx](const torch::autograd::variable_list& outputs,
-                    const torch::autograd::variable_list&) {
-          self->on_grad(idx);
+        [alive = I.alive, idx](const torch::autograd::variable_list& outputs,
+                               const torch::autograd::variable_list&) {
+          if (Impl* self = alive->load(std::memory_order_acquire)) self->on_grad(idx);
           return outputs;
         }));
     I.accumulators.push_back(std::move(acc));
@@ -407,6 +411,7 @@ GradSync::GradSync(const torch::jit::Module& module, comm::ProcessGroupPtr pg,
                jit_named(module, false)) {}
 
 GradSync::~GradSync() {
+  impl_->alive->store(nullptr, std::memory_order_release);
   auto& P = *impl_->profiler;
   if (!P.needs_flush()) return;
   try {

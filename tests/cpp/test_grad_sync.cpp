@@ -420,3 +420,29 @@ TEST(GradSync, MismatchedModelsNameTheParameter) {
 }
 
 }  // namespace
+
+// The hooks stay on the parameters after GradSync is gone: a later backward
+// must be a plain local one (no call into freed memory, no communication).
+TEST(GradSync, BackwardAfterDestructionIsLocal) {
+  auto& pg = world();
+  torch::manual_seed(5);
+  MLP model;
+  const auto x = global_batch(8, 77).narrow(0, pg->getRank() * kB, kB);
+  {
+    GradSync sync(model->named_parameters(), pg);
+    model->forward(x).sum().backward();
+  }
+  model->zero_grad();
+  model->forward(x).sum().backward();  // ranks see different shards: local grads differ
+  MLP ref;
+  torch::NoGradGuard no_grad;
+  for (const auto& item : model->named_parameters()) {
+    ref->named_parameters()[item.key()].copy_(item.value());
+  }
+  torch::GradMode::set_enabled(true);
+  ref->forward(x).sum().backward();
+  for (const auto& item : ref->named_parameters()) {
+    EXPECT_TRUE(at::equal(item.value().grad(), model->named_parameters()[item.key()].grad()))
+        << item.key();
+  }
+}
