@@ -17,7 +17,9 @@ from torch.testing import assert_close
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXPORT = os.path.join(ROOT, "scripts", "export_models.py")
-sys.path.insert(0, os.path.dirname(EXPORT))
+# Appended, not prepended: scripts/profile.py must not shadow the standard
+# library's profile module (cProfile imports it).
+sys.path.append(os.path.dirname(EXPORT))
 import export_models  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.load/script

@@ -18,7 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+# Appended, not prepended: scripts/profile.py must not shadow the standard
+# library's profile module (cProfile imports it).
+sys.path.append(os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import export_models  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.script
