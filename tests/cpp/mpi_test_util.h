@@ -11,6 +11,13 @@ inline c10::intrusive_ptr<c10d::Backend>& world() {
   return be;
 }
 
+// The launcher's process group (ddpx_mpi under mpirun), one per process:
+// what a trainer gets from init_from_env().
+inline ddpx::comm::ProcessGroupPtr& world_pg() {
+  static auto pg = ddpx::comm::init_from_env();
+  return pg;
+}
+
 // Element i on rank r: 1 + (r + i) % 3 (bool: even or odd), so sums,
 // products and extrema of up to 3 ranks fit even int8 and fp16 exactly.
 inline at::Tensor rank_values(int rank, int64_t n, at::ScalarType dtype) {

@@ -7,16 +7,15 @@
 
 #include <functional>
 
+#include "mpi_test_util.h"
+
 namespace {
 
 using ddpx::GradSync;
 using ddpx::GradSyncOptions;
 using ddpx::Unused;
 
-ddpx::comm::ProcessGroupPtr& world() {
-  static auto pg = ddpx::comm::init_from_env();
-  return pg;
-}
+ddpx::comm::ProcessGroupPtr& world() { return ddpx::test::world_pg(); }
 
 constexpr int kB = 4;  // per-rank batch
 

@@ -11,14 +11,13 @@
 #include <cstdlib>
 #include <map>
 
+#include "mpi_test_util.h"
+
 namespace {
 
 constexpr int64_t kB = 3;  // per-rank batch (odd)
 
-ddpx::comm::ProcessGroupPtr& world() {
-  static auto pg = ddpx::comm::init_from_env();
-  return pg;
-}
+ddpx::comm::ProcessGroupPtr& world() { return ddpx::test::world_pg(); }
 
 torch::jit::Module load_model() {
   const char* path = std::getenv("DDPX_GRAD_SYNC_MODEL");

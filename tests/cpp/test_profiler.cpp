@@ -17,16 +17,15 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "mpi_test_util.h"
+
 namespace {
 
 using ddpx::GradSync;
 using ddpx::GradSyncOptions;
 using nlohmann::json;
 
-ddpx::comm::ProcessGroupPtr& world() {
-  static auto pg = ddpx::comm::init_from_env();
-  return pg;
-}
+ddpx::comm::ProcessGroupPtr& world() { return ddpx::test::world_pg(); }
 
 // Same path on every rank (rank 0 writes it); one per world size, since the
 // 2- and 3-rank runs may run at once.
