@@ -1,0 +1,199 @@
+// GradSync: construction (verify, broadcast, plan, hooks) and the public
+// methods. The step protocol is in grad_sync.h.
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/jit/api/module.h>
+
+#include <exception>
+#include <unordered_set>
+
+#include "hooks/grad_sync_impl.h"
+#include "hooks/grad_sync_setup.h"
+
+namespace ddpx {
+
+using hooks::Clock;
+using hooks::us_since;
+
+GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_parameters,
+                   comm::ProcessGroupPtr pg, GradSyncOptions options,
+                   const torch::OrderedDict<std::string, at::Tensor>& named_buffers) {
+  TORCH_CHECK(pg, "GradSync: pg is null");
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::unordered_set<c10::TensorImpl*> seen;  // tied weights appear once
+  for (const auto& item : named_parameters) {
+    const at::Tensor& t = item.value();
+    if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    TORCH_CHECK(t.is_leaf(), "GradSync: parameter '", item.key(), "' is not a leaf tensor");
+    names.push_back(item.key());
+    params.push_back(t);
+  }
+  TORCH_CHECK(options.bucket_cap_mb_ > 0 && options.first_bucket_mb_ > 0,
+              "GradSync: bucket_cap_mb and first_bucket_mb must be positive");
+  impl_ = std::make_unique<Impl>(options, static_cast<int>(params.size()));
+  auto& I = *impl_;
+  I.names = names;
+  I.params = params;
+  I.world = pg->getSize();
+  I.reduce = hooks::make_reduce_fn(options.codec_, &I.wire_stats);
+  I.profiler = std::make_unique<hooks::Profiler>(hooks::TraceConfig::from(options), pg->getRank(),
+                                                 pg->getSize(), static_cast<int64_t>(params.size()));
+  I.channels.push_back(std::make_unique<hooks::Channel>(pg));
+  for (auto& c : options.channels) {
+    TORCH_CHECK(c && c->getSize() == pg->getSize() && c->getRank() == pg->getRank(),
+                "GradSync: every channel must span the same ranks as pg");
+    I.channels.push_back(std::make_unique<hooks::Channel>(c));
+  }
+  hooks::verify_same_parameters(*pg, names, params);
+  I.profiler->agree(*pg);
+  if (options.broadcast_on_init_) {
+    std::vector<at::Tensor> state = params;
+    for (const auto& b : named_buffers) state.push_back(b.value());
+    hooks::broadcast_from_rank0(*pg, state);
+  }
+  for (const auto& p : params) I.info.push_back({p.numel(), p.scalar_type(), p.device()});
+  I.replan(I.predictor.predicted_order());
+  // The hooks outlive GradSync on the parameters' accumulators (autograd has
+  // no way to remove one); they reach it through a pointer the destructor
+  // clears, so a backward after GradSync is gone is a plain local backward.
+  I.alive = std::make_shared<std::atomic<Impl*>>(impl_.get());
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+    const int idx = static_cast<int>(i);
+    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [alive = I.alive, idx](const torch::autograd::variable_list& outputs,
+                               const torch::autograd::variable_list&) {
+          if (Impl* self = alive->load(std::memory_order_acquire)) self->on_grad(idx);
+          return outputs;
+        }));
+    I.accumulators.push_back(std::move(acc));
+  }
+}
+
+namespace {
+torch::OrderedDict<std::string, at::Tensor> jit_named(const torch::jit::Module& m, bool params) {
+  torch::OrderedDict<std::string, at::Tensor> out;
+  if (params) {
+    for (const auto& p : m.named_parameters(/*recurse=*/true)) out.insert(p.name, p.value);
+  } else {
+    for (const auto& b : m.named_buffers(/*recurse=*/true)) out.insert(b.name, b.value);
+  }
+  return out;
+}
+}  // namespace
+
+GradSync::GradSync(const torch::jit::Module& module, comm::ProcessGroupPtr pg,
+                   GradSyncOptions options)
+    : GradSync(jit_named(module, true), std::move(pg), std::move(options),
+               jit_named(module, false)) {}
+
+GradSync::~GradSync() {
+  impl_->alive->store(nullptr, std::memory_order_release);
+  auto& P = *impl_->profiler;
+  if (!P.needs_flush()) return;
+  try {
+    // The gather needs every peer here too: not after a failed step or while
+    // an exception unwinds (a peer may be gone); rank 0 then writes its own.
+    if (!P.step_failed() && std::uncaught_exceptions() == 0) {
+      impl_->flush_trace();
+    } else {
+      P.flush(nullptr);
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("GradSync: the trace was not written: ", e.what());
+  }
+}
+
+void GradSync::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  auto& I = *impl_;
+  if (I.opts.unused_ != Unused::Exact) return;
+  // Walk the graph from the outputs; accumulators not reached are unused.
+  std::unordered_set<torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& o : outputs) {
+    if (o.defined() && o.grad_fn()) stack.push_back(o.grad_fn().get());
+  }
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    for (const auto& e : node->next_edges()) {
+      if (e.function) stack.push_back(e.function.get());
+    }
+  }
+  std::lock_guard<std::mutex> lock(I.mu);
+  I.expected_unused.assign(I.params.size(), 0);
+  for (size_t p = 0; p < I.params.size(); ++p) {
+    I.expected_unused[p] = seen.count(I.accumulators[p].get()) ? 0 : 1;
+  }
+}
+
+GradSync::NoSyncGuard::NoSyncGuard(GradSync& s) : s_(s) { s_.impl_->no_sync = true; }
+GradSync::NoSyncGuard::~NoSyncGuard() { s_.impl_->no_sync = false; }
+
+GradSync::State GradSync::state() const {
+  const auto& I = *impl_;
+  State s;
+  for (const auto& b : I.plan) s.plan_order.insert(s.plan_order.end(), b.params.begin(), b.params.end());
+  s.predictor = I.predictor.state();
+  s.steps = I.predictor.steps_observed();
+  return s;
+}
+
+void GradSync::load_state(const State& s) {
+  auto& I = *impl_;
+  const size_t n = I.params.size();
+  std::vector<int> order(s.plan_order.begin(), s.plan_order.end());
+  std::vector<char> seen(n, 0);
+  bool permutation = order.size() == n;
+  for (int p : order) {
+    permutation = permutation && p >= 0 && static_cast<size_t>(p) < n && !seen[p];
+    if (permutation) seen[p] = 1;
+  }
+  TORCH_CHECK(permutation, "GradSync::load_state: plan_order must be a permutation of the ", n,
+              " parameters, got ", s.plan_order.size(), " entries");
+  std::lock_guard<std::mutex> lock(I.mu);
+  TORCH_CHECK(!I.active, "GradSync::load_state: called during backward");
+  I.predictor.load_state(s.predictor, static_cast<int>(s.steps));
+  I.replan(order);
+}
+
+const StepStats& GradSync::last_step() const { return impl_->last; }
+
+ProfileSummary GradSync::profile() const { return impl_->profiler->summary(); }
+std::string GradSync::profile_summary() const { return impl_->profiler->summary_table(); }
+void GradSync::flush_trace() {
+  if (impl_->profiler->needs_flush()) impl_->flush_trace();
+}
+
+struct GradSync::PhaseGuard::State {
+  hooks::Profiler& profiler;
+  std::string name;
+  at::RecordFunction range{at::RecordScope::USER_SCOPE};
+  Clock::time_point begin = Clock::now();
+};
+GradSync::PhaseGuard::PhaseGuard(std::unique_ptr<State> s) : s_(std::move(s)) {}
+GradSync::PhaseGuard::PhaseGuard(PhaseGuard&&) noexcept = default;
+GradSync::PhaseGuard::~PhaseGuard() {
+  if (s_) s_->profiler.phase(s_->name, s_->begin, Clock::now());
+}
+
+GradSync::PhaseGuard GradSync::phase(const std::string& name) {
+  TORCH_CHECK(!name.empty(), "GradSync::phase: name must not be empty");
+  auto s = std::make_unique<PhaseGuard::State>(*impl_->profiler, name);
+  if (s->range.isActive()) s->range.before("ddpx::" + name);
+  s->begin = Clock::now();
+  return PhaseGuard(std::move(s));
+}
+int64_t GradSync::replans() const { return impl_->replans; }
+
+std::vector<std::vector<std::string>> GradSync::bucket_plan() const {
+  std::vector<std::vector<std::string>> out;
+  for (const auto& b : impl_->plan) {
+    out.emplace_back();
+    for (int p : b.params) out.back().push_back(impl_->names[p]);
+  }
+  return out;
+}
+
+}  // namespace ddpx
