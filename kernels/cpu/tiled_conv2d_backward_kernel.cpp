@@ -152,7 +152,6 @@ void gemm_backward(const CpuConv& p, const at::Tensor& x, const at::Tensor& go,
   auto run = [&](int64_t t, T* col, T* colg, T* gbuf, at::Tensor& gw_acc) {
     const int64_t grp = t % p.groups, chunk = t / p.groups;
     const int64_t n0 = chunk * tl.images, n1 = std::min(p.n, n0 + tl.images);
-    auto x_g = [&](int64_t nn) { return xp + (nn * p.c + grp * p.cig) * p.h * p.w; };
     auto gx_g = [&](int64_t nn) { return gxp + (nn * p.c + grp * p.cig) * p.h * p.w; };
     auto w_g = view2d(wp + grp * p.cog * p.kc, p.cog, p.kc, p.kc, opts);
     for (int64_t y0 = 0; y0 < p.oh; y0 += tl.rows) {
@@ -172,22 +171,8 @@ void gemm_backward(const CpuConv& p, const at::Tensor& x, const at::Tensor& go,
         go_t = view2d(gbuf, p.cog, cols, cols, opts);
       }
       if (need_gw) {
-        at::Tensor panel;
-        if (direct_panel) {
-          panel = view2d(x_g(n0) + y0 * p.ow, p.kc, pix, p.h * p.w, opts);
-        } else {
-          for (int64_t nn = n0; nn < n1; ++nn) {
-            T* dst = col + (nn - n0) * pix;
-            if (outer) {
-              im2col_tile(p, x_g(nn), y0, y1, dst, cols, 0, p.cig);
-            } else {
-              at::parallel_for(0, p.cig, 1, [&](int64_t c0, int64_t c1) {
-                im2col_tile(p, x_g(nn), y0, y1, dst, cols, c0, c1);
-              });
-            }
-          }
-          panel = view2d(col, p.kc, cols, cols, opts);
-        }
+          const at::Tensor panel =
+              input_panel(p, xp, grp, n0, n1, y0, y1, direct_panel, outer, col, opts);
         gw_acc.narrow(0, grp * p.cog, p.cog).addmm_(go_t, panel.t());
       }
       if (need_gx) {

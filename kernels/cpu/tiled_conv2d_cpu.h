@@ -223,6 +223,30 @@ inline at::Tensor view2d(void* data, int64_t rows, int64_t cols, int64_t ld,
   return at::from_blob(data, {rows, cols}, {ld, 1}, opts);
 }
 
+// The GEMM's [kc, cols] input panel for images [n0, n1) and output rows
+// [y0, y1) of group `grp` (forward and weight gradient share it): the input
+// itself when `direct` (panel_is_input and one image), else im2col into `col`
+// ([kc, cols]), channels in parallel unless tasks already are (`outer`).
+template <typename T>
+at::Tensor input_panel(const CpuConv& p, T* x, int64_t grp, int64_t n0, int64_t n1, int64_t y0,
+                       int64_t y1, bool direct, bool outer, T* col,
+                       const at::TensorOptions& opts) {
+  auto x_g = [&](int64_t nn) { return x + (nn * p.c + grp * p.cig) * p.h * p.w; };
+  const int64_t pix = (y1 - y0) * p.ow, cols = (n1 - n0) * pix;
+  if (direct) return view2d(x_g(n0) + y0 * p.ow, p.kc, pix, p.h * p.w, opts);
+  for (int64_t nn = n0; nn < n1; ++nn) {
+    T* dst = col + (nn - n0) * pix;
+    if (outer) {
+      im2col_tile(p, x_g(nn), y0, y1, dst, cols, 0, p.cig);
+    } else {
+      at::parallel_for(0, p.cig, 1, [&](int64_t c0, int64_t c1) {
+        im2col_tile(p, x_g(nn), y0, y1, dst, cols, c0, c1);
+      });
+    }
+  }
+  return view2d(col, p.kc, cols, cols, opts);
+}
+
 // Whether the batch alone keeps every thread busy; otherwise one task runs at
 // a time with the GEMM and the gathers parallel inside.
 bool batch_parallel(int64_t tasks);

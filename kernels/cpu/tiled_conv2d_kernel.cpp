@@ -99,23 +99,8 @@ void gemm_forward(const CpuConv& p, const at::Tensor& x, const at::Tensor& wt, a
     const int64_t n0 = chunk * tl.images, n1 = std::min(p.n, n0 + tl.images);
     const int64_t y0 = rt * tl.rows, y1 = std::min(p.oh, y0 + tl.rows);
     const int64_t pix = (y1 - y0) * p.ow, cols = (n1 - n0) * pix;
-    auto x_g = [&](int64_t nn) { return xp + (nn * p.c + grp * p.cig) * p.h * p.w; };
-    at::Tensor panel;
-    if (direct_panel) {
-      panel = view2d(x_g(n0) + y0 * p.ow, p.kc, pix, p.h * p.w, opts);
-    } else {
-      for (int64_t nn = n0; nn < n1; ++nn) {
-        T* dst = col + (nn - n0) * pix;
-        if (outer) {
-          im2col_tile(p, x_g(nn), y0, y1, dst, cols, 0, p.cig);
-        } else {
-          at::parallel_for(0, p.cig, 1, [&](int64_t c0, int64_t c1) {
-            im2col_tile(p, x_g(nn), y0, y1, dst, cols, c0, c1);
-          });
-        }
-      }
-      panel = view2d(col, p.kc, cols, cols, opts);
-    }
+    const at::Tensor panel =
+        input_panel(p, xp, grp, n0, n1, y0, y1, direct_panel, outer, col, opts);
     auto w_g = view2d(wp + grp * p.cog * p.kc, p.cog, p.kc, p.kc, opts);
     T* o_g = op + grp * p.cog * plane + y0 * p.ow;  // add nn * cout * plane per image
     if (n1 - n0 == 1) {
