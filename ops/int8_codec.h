@@ -7,7 +7,15 @@ namespace ddpx::detail {
 
 // input [numel] float32 -> [packed_bytes] uint8 (layout: kernels/common/int8_codec.h)
 at::Tensor int8_pack(const at::Tensor& input, int64_t chunk);
-// packed [R, packed_bytes] uint8 -> [numel] float32, the sum of the R decoded rows
-at::Tensor int8_unpack_sum(const at::Tensor& packed, int64_t numel, int64_t chunk);
+// The same message for input + residual; residual [numel] float32 becomes
+// (input + residual) - decode(message): error feedback in the packing pass.
+at::Tensor int8_pack_ef(const at::Tensor& input, at::Tensor& residual, int64_t chunk);
+// packed [R, packed_bytes] uint8 -> [numel] float32: alpha times the sum of
+// the R decoded rows, summed in row order (alpha folded into each scale).
+at::Tensor int8_unpack_sum(const at::Tensor& packed, int64_t numel, int64_t chunk,
+                           double alpha = 1.0);
+// The same, written into out [numel] float32.
+at::Tensor& int8_unpack_sum_out(const at::Tensor& packed, int64_t numel, int64_t chunk,
+                                double alpha, at::Tensor& out);
 
 }  // namespace ddpx::detail

@@ -1,10 +1,11 @@
-// CPU kernels of ddpx::_int8_pack / _int8_unpack_sum (layout and element math
-// in kernels/common/int8_codec.h).
+// CPU kernels of the int8 codec's private ops (schemas in ops/int8_codec.cpp;
+// layout and element math in kernels/common/int8_codec.h). The inner loops
+// are branch-free over a chunk so the compiler vectorizes them at -O3.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
+#include <cstring>
 
 #include "kernels/common/int8_codec.h"
 
@@ -18,17 +19,34 @@ constexpr int64_t kGrainElements = 1 << 14;
 
 void check_args(const at::Tensor& t, at::ScalarType st, int64_t dim, const char* arg,
                 int64_t chunk) {
-  TORCH_CHECK(t.scalar_type() == st && t.dim() == dim && t.is_contiguous(), arg, " must be a ", dim,
-              "-D contiguous ", st, " tensor, got ", t.dim(), "-D ", t.scalar_type(),
-              t.is_contiguous() ? "" : " (non-contiguous)");
+  TORCH_CHECK(t.scalar_type() == st && t.dim() == dim && t.is_contiguous() && t.is_cpu(), arg,
+              " must be a ", dim, "-D contiguous CPU ", st, " tensor, got ", t.dim(), "-D ",
+              t.scalar_type(), " on ", t.device(), t.is_contiguous() ? "" : " (non-contiguous)");
   TORCH_CHECK(chunk > 0, "chunk must be positive, got ", chunk);
 }
 
-at::Tensor int8_pack_cpu(const at::Tensor& input, int64_t chunk) {
-  check_args(input, at::kFloat, 1, "input", chunk);
+// |v| of the chunk's largest element, or NaN if it holds one. The maximum is
+// taken over the bit patterns of |v|: for non-negative floats they order like
+// the values, and every NaN pattern lies above +inf, so a plain unsigned max
+// (which vectorizes, unlike a NaN-aware float max) propagates NaN.
+float absmax(const float* v, int64_t len) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    uint32_t b;
+    std::memcpy(&b, v + i, sizeof b);
+    b &= 0x7fffffffu;
+    m = b > m ? b : m;
+  }
+  float a;
+  std::memcpy(&a, &m, sizeof a);
+  return a;
+}
+
+// Packs x (+ residual) into `out`. With a residual e, e becomes m = x + e
+// first and then m - decode(code): what this message did not carry.
+void pack(const at::Tensor& input, float* residual, int64_t chunk, at::Tensor& out) {
   const int64_t n = input.numel();
   const int64_t chunks = ic::num_chunks(n, chunk);
-  auto out = at::empty({ic::packed_bytes(n, chunk)}, input.options().dtype(at::kByte));
   const float* x = input.data_ptr<float>();
   uint8_t* base = out.data_ptr<uint8_t>();
   auto* codes = reinterpret_cast<int8_t*>(base);
@@ -37,29 +55,54 @@ at::Tensor int8_pack_cpu(const at::Tensor& input, int64_t chunk) {
   const int64_t grain = std::max<int64_t>(1, kGrainElements / chunk);
   at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t b = ic::chunk_begin(c, chunk), e = ic::chunk_end(c, chunk, n);
-      float absmax = 0.0f;
-      for (int64_t i = b; i < e; ++i) {
-        const float a = std::fabs(x[i]);
-        absmax = (a > absmax || a != a) ? a : absmax;  // keep a NaN once seen
-        if (absmax != absmax) break;
+      const int64_t b = ic::chunk_begin(c, chunk), len = ic::chunk_end(c, chunk, n) - b;
+      const float* m = x + b;
+      float* e = residual ? residual + b : nullptr;
+      if (e) {
+        for (int64_t i = 0; i < len; ++i) e[i] += m[i];
+        m = e;
       }
-      const float s = ic::scale_of(absmax);
+      const float s = ic::scale_of(absmax(m, len));
       scales[c] = s;
-      for (int64_t i = b; i < e; ++i) codes[i] = ic::encode(x[i], s);
+      int8_t* q = codes + b;
+      for (int64_t i = 0; i < len; ++i) q[i] = ic::encode(m[i], s);
+      if (e) {
+        for (int64_t i = 0; i < len; ++i) e[i] -= ic::decode(q[i], s);
+      }
     }
   });
+}
+
+at::Tensor int8_pack_cpu(const at::Tensor& input, int64_t chunk) {
+  check_args(input, at::kFloat, 1, "input", chunk);
+  auto out = at::empty({ic::packed_bytes(input.numel(), chunk)}, input.options().dtype(at::kByte));
+  pack(input, nullptr, chunk, out);
   return out;
 }
 
-at::Tensor int8_unpack_sum_cpu(const at::Tensor& packed, int64_t numel, int64_t chunk) {
+at::Tensor int8_pack_ef_cpu(const at::Tensor& input, at::Tensor& residual, int64_t chunk) {
+  check_args(input, at::kFloat, 1, "input", chunk);
+  check_args(residual, at::kFloat, 1, "residual", chunk);
+  TORCH_CHECK(residual.numel() == input.numel(), "residual must have input's ", input.numel(),
+              " elements, got ", residual.numel());
+  auto out = at::empty({ic::packed_bytes(input.numel(), chunk)}, input.options().dtype(at::kByte));
+  pack(input, residual.data_ptr<float>(), chunk, out);
+  return out;
+}
+
+at::Tensor& int8_unpack_sum_out_cpu(const at::Tensor& packed, int64_t numel, int64_t chunk,
+                                    double alpha, at::Tensor& out) {
   check_args(packed, at::kByte, 2, "packed", chunk);
   TORCH_CHECK(numel >= 0 && packed.size(1) == ic::packed_bytes(numel, chunk),
               "packed must have packed_bytes(numel=", numel, ", chunk=", chunk,
               ") = ", ic::packed_bytes(numel, chunk), " bytes per row, got ", packed.size(1));
+  TORCH_CHECK(packed.size(0) >= 1, "packed must hold at least one row");
+  check_args(out, at::kFloat, 1, "out", chunk);
+  TORCH_CHECK(out.numel() == numel, "out must have numel = ", numel, " elements, got ",
+              out.numel());
   const int64_t rows = packed.size(0), len = packed.size(1);
   const int64_t chunks = ic::num_chunks(numel, chunk);
-  auto out = at::zeros({numel}, packed.options().dtype(at::kFloat));
+  const auto a = static_cast<float>(alpha);
   float* y = out.data_ptr<float>();
   const uint8_t* base = packed.data_ptr<uint8_t>();
   const int64_t grain = std::max<int64_t>(1, kGrainElements / chunk);
@@ -69,18 +112,30 @@ at::Tensor int8_unpack_sum_cpu(const at::Tensor& packed, int64_t numel, int64_t 
       const auto* codes = reinterpret_cast<const int8_t*>(row);
       const auto* scales = reinterpret_cast<const float*>(row + ic::scales_offset(numel));
       for (int64_t c = c0; c < c1; ++c) {
-        const float s = scales[c];
-        const int64_t e = ic::chunk_end(c, chunk, numel);
-        for (int64_t i = ic::chunk_begin(c, chunk); i < e; ++i) y[i] += ic::decode(codes[i], s);
+        const float s = scales[c] * a;
+        const int64_t b = ic::chunk_begin(c, chunk), e = ic::chunk_end(c, chunk, numel);
+        if (r == 0) {
+          for (int64_t i = b; i < e; ++i) y[i] = ic::decode(codes[i], s);
+        } else {
+          for (int64_t i = b; i < e; ++i) y[i] += ic::decode(codes[i], s);
+        }
       }
     }
   });
   return out;
 }
 
+at::Tensor int8_unpack_sum_cpu(const at::Tensor& packed, int64_t numel, int64_t chunk,
+                               double alpha) {
+  auto out = at::empty({std::max<int64_t>(numel, 0)}, packed.options().dtype(at::kFloat));
+  return int8_unpack_sum_out_cpu(packed, numel, chunk, alpha, out);
+}
+
 TORCH_LIBRARY_IMPL(ddpx, CPU, m) {
   m.impl("_int8_pack", &int8_pack_cpu);
+  m.impl("_int8_pack_ef", &int8_pack_ef_cpu);
   m.impl("_int8_unpack_sum", &int8_unpack_sum_cpu);
+  m.impl("_int8_unpack_sum.out", &int8_unpack_sum_out_cpu);
 }
 
 }  // namespace

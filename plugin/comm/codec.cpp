@@ -130,51 +130,61 @@ int64_t check_agreement(c10d::ProcessGroup& pg, const at::Tensor& input, const s
   return fp.nbytes();
 }
 
-int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t) {
+c10::intrusive_ptr<c10d::Work> start_allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t,
+                                                   int64_t* bytes) {
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
   std::vector<at::Tensor> v{t};
-  WireScope wire;
-  pg.allreduce(v, c10d::AllreduceOptions{})->wait();
-  return t.nbytes();
+  *bytes += t.nbytes();
+  return pg.allreduce(v, c10d::AllreduceOptions{});
 }
 
-at::Tensor allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes) {
+int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t) {
+  int64_t bytes = 0;
+  WireScope wire;
+  start_allreduce_sum(pg, t, &bytes)->wait();
+  return bytes;
+}
+
+c10::intrusive_ptr<c10d::Work> start_allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat,
+                                                    at::Tensor* rows, int64_t* bytes) {
   TORCH_INTERNAL_ASSERT(flat.dim() == 1 && flat.is_contiguous());
   const int64_t n = pg.getSize();
-  auto out = at::empty({n, flat.numel()}, flat.options());
+  *rows = at::empty({n, flat.numel()}, flat.options());
   // The list form: every backend has it (Gloo lacks _allgather_base). Rows of
   // one buffer, so decoding reads a single [world, L] tensor.
   std::vector<std::vector<at::Tensor>> outs(1);
-  for (int64_t r = 0; r < n; ++r) outs[0].push_back(out[r]);
+  for (int64_t r = 0; r < n; ++r) outs[0].push_back((*rows)[r]);
   std::vector<at::Tensor> ins{flat};
-  {
-    WireScope wire;
-    pg.allgather(outs, ins, c10d::AllgatherOptions{})->wait();
-  }
   *bytes += flat.nbytes();
+  return pg.allgather(outs, ins, c10d::AllgatherOptions{});
+}
+
+at::Tensor allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes) {
+  at::Tensor out;
+  WireScope wire;
+  start_allgather_rows(pg, flat, &out, bytes)->wait();
   return out;
 }
 
-at::Tensor LossyCodec::compensated(const at::Tensor& input, const std::string& key) const {
-  at::Tensor m =
-      input.reshape(-1).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
-  if (key.empty()) return m;
-  at::Tensor e = state(key, "residual");
-  if (e.defined()) {
-    // Same history on every rank (agreement passed), so this fails everywhere.
-    TORCH_CHECK(e.numel() == m.numel() && e.device() == m.device(), "ddpx codec '", spec(),
-                "': key '", key, "' holds a residual of ", e.numel(), " elements on ", e.device(),
-                " but the input has ", m.numel(), " on ", m.device(),
-                "; use one key per tensor or reset_state(key)");
-    m.add_(e);
-  }
-  return m;
+at::Tensor flat_float(const at::Tensor& input) {
+  at::Tensor flat = input.reshape(-1);
+  if (flat.scalar_type() == at::kFloat && flat.is_contiguous()) return flat;
+  return flat.to(at::kFloat).contiguous();
 }
 
-void LossyCodec::keep_residual(const std::string& key, const at::Tensor& m,
-                               const at::Tensor& contribution) {
-  if (key.empty()) return;
-  set_state(key, "residual", m - contribution.reshape(-1));
+at::Tensor LossyCodec::residual(const std::string& key, const at::Tensor& x) {
+  if (key.empty()) return {};
+  at::Tensor e = state(key, "residual");
+  if (!e.defined()) {
+    e = at::zeros({x.numel()}, x.options().dtype(at::kFloat));
+    set_state(key, "residual", e);
+  }
+  // Same history on every rank (agreement passed), so this fails everywhere.
+  TORCH_CHECK(e.numel() == x.numel() && e.device() == x.device(), "ddpx codec '", spec(),
+              "': key '", key, "' holds a residual of ", e.numel(), " elements on ", e.device(),
+              " but the input has ", x.numel(), " on ", x.device(),
+              "; use one key per tensor or reset_state(key)");
+  return e;
 }
 
 at::Tensor to_output(const at::Tensor& flat, const at::Tensor& input) {

@@ -1,6 +1,8 @@
 // fp16 / bf16: each rank sends x/world in 16 bits; the SUM allreduce of those
 // is the mean. Dividing first keeps the sum of `world` fp16 values inside
-// fp16's range (65504) whenever each input is.
+// fp16's range (65504) whenever each input is. Large inputs go in pieces
+// (pipelined in codec_util.h): piece k+1 is encoded while piece k is on the
+// wire.
 #include <ATen/ATen.h>
 
 #include "plugin/comm/codec_util.h"
@@ -22,14 +24,36 @@ class HalfCodec final : public LossyCodec {
       count_call(bytes, 0);
       return input.contiguous().clone();
     }
+    const int64_t n = input.numel();
     const int64_t world = pg.getSize();
-    at::Tensor m = compensated(input, key);  // [numel] float32
-    at::Tensor q = m.div(world).to(wire_);
-    // This rank's contribution to the mean is q * world: the rest is residual.
-    if (!key.empty()) keep_residual(key, m, q.to(at::kFloat).mul_(world));
-    bytes += allreduce_sum(pg, q);
-    count_call(bytes, input.numel());
-    return to_output(q.to(at::kFloat), input);
+    const at::Tensor x = flat_float(input);
+    at::Tensor e = residual(key, x);
+    at::Tensor out = at::empty({n}, input.options());
+    struct Piece {
+      int64_t begin, len;
+      at::Tensor q;
+      c10::intrusive_ptr<c10d::Work> work;
+    };
+    pipelined(
+        n, kPieceElements,
+        [&](int64_t b, int64_t len) {
+          at::Tensor m = x.narrow(0, b, len);
+          if (e.defined()) m = m + e.narrow(0, b, len);
+          at::Tensor q = m.div(world).to(wire_);
+          // This rank's contribution to the mean is q * world: the rest is residual.
+          if (e.defined()) {
+            at::Tensor e_piece = e.narrow(0, b, len);
+            at::sub_out(e_piece, m, q.to(at::kFloat), world);
+          }
+          auto work = start_allreduce_sum(pg, q, &bytes);
+          return Piece{b, len, q, std::move(work)};
+        },
+        [&](Piece& p) {
+          p.work->wait();
+          out.narrow(0, p.begin, p.len).copy_(p.q);
+        });
+    count_call(bytes, n);
+    return out.view(input.sizes());
   }
 
  private:

@@ -10,8 +10,11 @@
 // benchmark's case) but with two quantisations and two round trips.
 // It wins from w = 3 on; that variant is not built yet.
 //
-// Messages are packed by ddpx::_int8_pack / _int8_unpack_sum (CPU and CUDA
-// kernels; layout in kernels/common/int8_codec.h).
+// Messages are packed by ddpx::_int8_pack_ef / _int8_unpack_sum (CPU and
+// CUDA kernels; layout in kernels/common/int8_codec.h); packing updates the
+// error-feedback residual in the same pass. Large inputs go in pieces, each
+// its own message (pipelined in codec_util.h): piece k+1 is packed and piece
+// k-1 decoded while piece k is on the wire.
 #include <ATen/ATen.h>
 
 #include "plugin/comm/codec_util.h"
@@ -21,7 +24,8 @@ namespace ddpx::comm::detail {
 namespace {
 
 using ddpx::detail::int8_pack;
-using ddpx::detail::int8_unpack_sum;
+using ddpx::detail::int8_pack_ef;
+using ddpx::detail::int8_unpack_sum_out;
 
 constexpr int64_t kDefaultChunk = 256;
 
@@ -41,13 +45,39 @@ class Int8Codec final : public LossyCodec {
       count_call(bytes, 0);
       return input.contiguous().clone();
     }
-    at::Tensor m = compensated(input, key);               // [numel] float32
-    at::Tensor msg = int8_pack(m, chunk_);                     // [L] uint8
-    at::Tensor all = allgather_rows(pg, msg, &bytes);     // [world, L]
-    at::Tensor sum = int8_unpack_sum(all, m.numel(), chunk_);  // [numel] float32
-    if (!key.empty()) keep_residual(key, m, int8_unpack_sum(msg.view({1, -1}), m.numel(), chunk_));
-    count_call(bytes, input.numel());
-    return to_output(sum.div_(pg.getSize()), input);
+    const int64_t n = input.numel();
+    const double inv_world = 1.0 / static_cast<double>(pg.getSize());
+    const at::Tensor x = flat_float(input);
+    at::Tensor e = residual(key, x);
+    at::Tensor sum = at::empty({n}, input.options().dtype(at::kFloat));  // the mean, decoded
+    struct Piece {
+      int64_t begin, len;
+      at::Tensor msg, rows;
+      c10::intrusive_ptr<c10d::Work> work;
+    };
+    // Whole chunks per piece, so pieces quantise exactly as one message would.
+    const int64_t piece = std::max<int64_t>(1, kPieceElements / chunk_) * chunk_;
+    pipelined(
+        n, piece,
+        [&](int64_t b, int64_t len) {
+          Piece p{b, len, {}, {}, {}};
+          const at::Tensor xp = x.narrow(0, b, len);
+          if (e.defined()) {
+            at::Tensor ep = e.narrow(0, b, len);
+            p.msg = int8_pack_ef(xp, ep, chunk_);
+          } else {
+            p.msg = int8_pack(xp, chunk_);
+          }
+          p.work = start_allgather_rows(pg, p.msg, &p.rows, &bytes);
+          return p;
+        },
+        [&](Piece& p) {
+          p.work->wait();
+          at::Tensor dst = sum.narrow(0, p.begin, p.len);
+          int8_unpack_sum_out(p.rows, p.len, chunk_, inv_world, dst);
+        });
+    count_call(bytes, n);
+    return to_output(sum, input);
   }
 
  private:

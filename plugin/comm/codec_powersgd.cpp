@@ -1,7 +1,7 @@
 // powersgd:<rank>: one step of subspace iteration per call (Vogels, Karimireddy
 // and Jaggi, "PowerSGD", NeurIPS 2019), on the input viewed as a matrix
 // M [rows = size(0), cols = numel / rows]:
-//   1. M = input + residual (error feedback, per key)
+//   1. M = input + residual (error feedback, per key; built in place)
 //   2. P = M Q                       [rows, r]   SUM-allreduce
 //   3. P = orthonormal basis of P    (Householder QR: identical on every rank,
 //                                     all hold the same P)
@@ -45,7 +45,10 @@ class PowerSgdCodec final : public LossyCodec {
       count_call(bytes, n);
       return to_output(flat.div_(world), input);
     }
-    at::Tensor m = compensated(input, key).view({rows, cols});
+    const at::Tensor x = flat_float(input);
+    at::Tensor e = residual(key, x);
+    // M = input + residual, built in the residual's storage.
+    at::Tensor m = (e.defined() ? e.add_(x) : x).view({rows, cols});
     at::Tensor q = key.empty() ? at::Tensor() : state(key, "q");
     if (!q.defined() || q.size(0) != cols || q.size(1) != r || q.device() != m.device()) {
       q = initial_q(cols, r).to(m.device());
@@ -58,10 +61,10 @@ class PowerSgdCodec final : public LossyCodec {
     bytes += allreduce_sum(pg, q_mean);
     q_mean.div_(world);
     at::Tensor out = p.mm(q_mean.t());  // [rows, cols]
-    if (!key.empty()) {
+    if (e.defined()) {
       set_state(key, "q", q_mean);
-      // residual = M - P Q_local^T in one fused pass.
-      set_state(key, "residual", at::addmm(m, p, q_local.t(), /*beta=*/1, /*alpha=*/-1).view(-1));
+      // residual = M - P Q_local^T, in place (m is the residual's storage).
+      m.addmm_(p, q_local.t(), /*beta=*/1, /*alpha=*/-1);
     }
     count_call(bytes, n);
     return to_output(out.reshape(-1), input);

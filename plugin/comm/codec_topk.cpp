@@ -35,7 +35,9 @@ class TopKCodec final : public LossyCodec {
     const int64_t k = std::min<int64_t>(
         n, std::max<int64_t>(
                1, static_cast<int64_t>(std::ceil(ratio_ * static_cast<double>(n) * (1 - 1e-12)))));
-    at::Tensor m = compensated(input, key);  // [n] float32
+    const at::Tensor x = flat_float(input);
+    at::Tensor e = residual(key, x);
+    const at::Tensor m = e.defined() ? e.add_(x) : x;  // [n] float32, in the residual's storage
     at::Tensor idx = std::get<1>(m.abs().topk(k, /*dim=*/0, /*largest=*/true, /*sorted=*/false));
     at::Tensor vals = m.index_select(0, idx);
     // [k int32 indices | k float32 values viewed as int32]: one collective.
@@ -44,7 +46,7 @@ class TopKCodec final : public LossyCodec {
     at::Tensor all_idx = all.narrow(1, 0, k).reshape(-1).to(at::kLong);
     at::Tensor all_vals = all.narrow(1, k, k).contiguous().view(at::kFloat).reshape(-1);
     at::Tensor sum = at::zeros({n}, m.options()).index_add_(0, all_idx, all_vals);
-    if (!key.empty()) set_state(key, "residual", m.index_fill_(0, idx, 0.0));
+    if (e.defined()) e.index_fill_(0, idx, 0.0);  // the residual: what was not sent
     count_call(bytes, n);
     return to_output(sum.div_(pg.getSize()), input);
   }

@@ -5,8 +5,11 @@
 // error-feedback base of the lossy codecs.
 #include <ddpx/codec.h>
 
+#include "plugin/comm/wire_span.h"
+
 #include <functional>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -39,15 +42,54 @@ int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t);
 // rank r's tensor), waited on. Adds this rank's payload bytes to *bytes.
 at::Tensor allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes);
 
+// Asynchronous forms for pipelining: start the collective and return its
+// Work; the caller keeps the tensors alive and waits before reading them.
+c10::intrusive_ptr<c10d::Work> start_allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t,
+                                                   int64_t* bytes);
+// *rows becomes the [world, L] result buffer.
+c10::intrusive_ptr<c10d::Work> start_allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat,
+                                                    at::Tensor* rows, int64_t* bytes);
+
+// Elements per piece of a pipelined call: 0.25-1 MiB on the wire, a few ms at
+// 1 Gbit/s. Long enough that a collective's fixed cost (tens of us) stays
+// small, short enough that encoding the next piece and decoding the previous
+// one hide behind this one's transfer, and that the per-piece temporaries stay
+// in cache and are reused by the allocator instead of being mapped afresh.
+constexpr int64_t kPieceElements = int64_t{1} << 18;
+
+// Runs a codec over [0, n) in pieces of `piece` elements with one piece's
+// collective in flight while the next is encoded:
+//   start(begin, len) -> P   encode the piece and start its collective
+//   finish(P&)               wait for it and decode it into the result
+// The whole pipeline is one WireScope (first launch to last wait).
+template <class Start, class Finish>
+void pipelined(int64_t n, int64_t piece, Start&& start, Finish&& finish) {
+  using P = decltype(start(int64_t{0}, int64_t{0}));
+  std::optional<P> prev;
+  std::optional<WireScope> wire;
+  for (int64_t b = 0; b < n; b += piece) {
+    P cur = start(b, std::min(piece, n - b));
+    if (!wire) wire.emplace();
+    if (prev) finish(*prev);
+    prev.emplace(std::move(cur));
+  }
+  if (prev) finish(*prev);
+}
+
+// input as a flat float32 contiguous tensor: a view when it already is one,
+// else a converted copy.
+at::Tensor flat_float(const at::Tensor& input);
+
 // Error feedback: a lossy codec encodes m = input + residual (float32, flat);
 // what its own contribution c did not carry, m - c, is the next residual.
+// Codecs update the residual in place (m is built in its storage), so a step
+// allocates no input-sized state.
 // Since the result is mean_i(c_i), sum_t result_t = sum_t mean(x_t) - mean(e_T).
 class LossyCodec : public Codec {
  protected:
-  // [numel] float32 contiguous: input (+ the key's residual), a new tensor.
-  at::Tensor compensated(const at::Tensor& input, const std::string& key) const;
-  // Stores m - contribution as the key's residual (no-op for key "").
-  void keep_residual(const std::string& key, const at::Tensor& m, const at::Tensor& contribution);
+  // The key's persistent residual, [numel] float32 on x's device, zero on its
+  // first use, updated in place by the codec; undefined for key "".
+  at::Tensor residual(const std::string& key, const at::Tensor& x);
 };
 
 // Result in the caller's dtype and shape from a float32 [numel] tensor.

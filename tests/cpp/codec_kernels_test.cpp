@@ -16,7 +16,9 @@ namespace ic = ddpx::kernels::int8_codec;
 namespace {
 
 using ddpx::detail::int8_pack;
+using ddpx::detail::int8_pack_ef;
 using ddpx::detail::int8_unpack_sum;
+using ddpx::detail::int8_unpack_sum_out;
 
 // ATen reference of pack: per-chunk absmax scale, rint(x / scale) clamped.
 std::pair<at::Tensor, at::Tensor> reference(const at::Tensor& x, int64_t chunk) {
@@ -99,6 +101,25 @@ TEST_P(Int8Kernel, PackMatchesReferenceAndUnpackSums) {
   auto err = (int8_unpack_sum(msg.view({1, -1}), n, chunk) - x).abs();
   auto bound = scales.repeat_interleave(chunk).narrow(0, 0, n) / 2 * (1 + 1e-5) + 1e-7;
   EXPECT_TRUE((err <= bound).all().item<bool>());
+
+  // alpha scales the sum; the out form writes the same into a given buffer.
+  auto out = at::full({n}, 7.0f);
+  int8_unpack_sum_out(all, n, chunk, 0.25, out);
+  EXPECT_TRUE(at::allclose(out, want * 0.25, 1e-6, 1e-6));
+  EXPECT_TRUE(at::equal(int8_unpack_sum(all, n, chunk, 0.25), out));
+}
+
+TEST_P(Int8Kernel, ErrorFeedbackPackIsPackOfTheSumAndKeepsWhatItDropped) {
+  const auto [n, chunk] = GetParam();
+  auto g = at::make_generator<at::CPUGeneratorImpl>(n * 17 + chunk);
+  auto x = at::randn({n}, g, at::kFloat);
+  auto e = at::randn({n}, g, at::kFloat) * 0.1;
+  const auto m = x + e;
+  const auto want = int8_pack(m, chunk);
+  auto residual = e.clone();
+  EXPECT_TRUE(at::equal(int8_pack_ef(x, residual, chunk), want));
+  // What the message did not carry, to the bit.
+  EXPECT_TRUE(at::equal(residual, m - int8_unpack_sum(want.view({1, -1}), n, chunk)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Int8Kernel,
@@ -114,6 +135,12 @@ TEST(Int8Kernel, RejectsBadArguments) {
   EXPECT_THROW(int8_pack(at::zeros({2, 2}, at::kFloat), 4), c10::Error);
   EXPECT_THROW(int8_pack(at::zeros({4}, at::kFloat), 0), c10::Error);
   EXPECT_THROW(int8_unpack_sum(at::zeros({1, 7}, at::kByte), 4, 4), c10::Error);
+  auto residual = at::zeros({3}, at::kFloat);
+  EXPECT_THROW(int8_pack_ef(at::zeros({4}, at::kFloat), residual, 4), c10::Error);
+  auto out = at::zeros({3}, at::kFloat);
+  EXPECT_THROW(int8_unpack_sum_out(int8_pack(at::zeros({4}, at::kFloat), 4).view({1, -1}), 4, 4,
+                                   1.0, out),
+               c10::Error);
 }
 
 int main(int argc, char** argv) {

@@ -195,6 +195,40 @@ TEST_P(CodecTest, PowerSgdExactOnLowRankInputs) {
 // repeated input). Feedback compensates each rank's cast, but the rounding of
 // the 16-bit sum on the wire belongs to no rank and is not compensated: the
 // deviation may grow by at most (w - 1) roundings of the sum per call.
+// More than two pipelined pieces (kPieceElements = 2^18) and a ragged last
+// one: the pieces join seamlessly, and error feedback covers every piece.
+TEST_P(CodecTest, LargeInputsGoInPiecesSeamlessly) {
+  const int64_t n = 600011;
+  auto x = input_of(rank(), 800, {n});
+  for (const std::string spec : {"fp16", "bf16", "int8", "int8:7"}) {
+    // int8 pieces hold whole chunks: 2^18 rounded down to a multiple of 7 for int8:7.
+    const int64_t piece = spec == "int8:7" ? (int64_t{1} << 18) / 7 * 7 : int64_t{1} << 18;
+    auto c = make_codec(spec);
+    auto whole = c->allreduce_mean(x, "", pg());
+    ASSERT_EQ(whole.sizes(), x.sizes());
+    for (int64_t b = 0; b < n; b += piece) {
+      const int64_t len = std::min(piece, n - b);
+      auto part = c->allreduce_mean(x.narrow(0, b, len), "", pg());
+      // Equal up to the order a backend sums 16-bit values in (int8 sums locally).
+      EXPECT_TRUE(at::allclose(whole.narrow(0, b, len), part, 1e-2, 1e-3))
+          << spec << " piece at " << b;
+    }
+  }
+  // int8 with feedback on a constant input: sum of T results = T mean(x) -
+  // mean(residual_T), so the deviation stays within one quantisation step.
+  auto c = make_codec("int8");
+  auto want = true_mean(world(), 800, {n});
+  auto sum = at::zeros({n}, at::kDouble);
+  const int steps = 4;
+  for (int t = 0; t < steps; ++t) sum += c->allreduce_mean(x, "big", pg()).to(at::kDouble);
+  double absmax = 0;
+  for (int r = 0; r < world(); ++r) {
+    absmax = std::max(absmax, input_of(r, 800, {n}).abs().max().item<double>());
+  }
+  const double dev = (sum - want * steps).abs().max().item<double>();
+  EXPECT_LE(dev, 1.5 * absmax / 254 + 1e-5) << "a piece's residual was not carried";
+}
+
 TEST_P(CodecTest, ErrorFeedbackTracksRunningSum) {
   for (const std::string spec : {"topk:0.05", "int8", "powersgd:1", "fp16", "bf16"}) {
     auto c = make_codec(spec);
