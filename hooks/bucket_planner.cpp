@@ -8,8 +8,10 @@ namespace ddpx::hooks {
 
 std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
                                      const std::vector<ParamInfo>& params,
-                                     int64_t first_cap_bytes, int64_t cap_bytes) {
+                                     int64_t first_cap_bytes, int64_t cap_bytes,
+                                     const std::vector<char>& late) {
   std::vector<BucketPlan> out;
+  bool late_section = false;
   // One open bucket per (dtype, device); index into `out`. Integer keys: this
   // runs every step (GradSync's re-plan check), so no strings.
   std::map<std::tuple<int, int, int>, size_t> open;
@@ -18,6 +20,11 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
     const auto key = std::make_tuple(static_cast<int>(info.dtype), static_cast<int>(info.device.type()),
                                      static_cast<int>(info.device.index()));
     const int64_t bytes = info.numel * static_cast<int64_t>(c10::elementSize(info.dtype));
+    const bool is_late = !late.empty() && late[p];
+    if (is_late != late_section) {  // a late parameter never shares a bucket with a reliable one
+      open.clear();
+      late_section = is_late;
+    }
     auto it = open.find(key);
     if (it != open.end()) {
       auto& b = out[it->second];
@@ -32,6 +39,7 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
       BucketPlan b;
       b.dtype = info.dtype;
       b.device = info.device;
+      b.late = is_late;
       out.push_back(b);
       it = open.emplace(key, out.size() - 1).first;
     }
@@ -50,7 +58,7 @@ double launch_delay(const std::vector<BucketPlan>& plan, const std::vector<int>&
   double total = 0;
   int launch = -1;
   for (const auto& b : plan) {
-    int ready = -1;
+    int ready = b.late ? static_cast<int>(arrival.size()) : -1;
     for (int p : b.params) ready = std::max(ready, pos[p]);
     launch = std::max(launch, ready);
     total += launch - ready;

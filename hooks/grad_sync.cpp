@@ -37,8 +37,9 @@ void GradSync::Impl::finish_step() {
                   "Unused::Exact. The other ranks will time out waiting for this one.");
     }
   }
-  // Step-end agreement on channel 0, after every bucket: which parameters
-  // were used anywhere (MAX of local flags), and rank 0's re-plan proposal.
+  // Step-end agreement on channel 0, after every reliable bucket (a late one
+  // goes after it): which parameters were used anywhere (MAX of local
+  // flags), and rank 0's re-plan proposal.
   const int n = static_cast<int>(params.size());
   const bool propose = should_replan();
   auto flags = at::zeros({n + 1}, at::kInt);
@@ -56,22 +57,56 @@ void GradSync::Impl::finish_step() {
     pg.allreduce(t, o)->wait();
     agree_t1 = Clock::now();
   });
-  const auto wait0 = Clock::now();
-  const double cpu_before_wait = us_since(f0, wait0);
   std::exception_ptr error;
-  hooks::Range wait_range("ddpx::final_wait");
-  for (auto& f : futures) {
+  auto take = [&error](std::future<void>& f) {
     try {
       if (f.valid()) f.get();
     } catch (...) {
       if (!error) error = std::current_exception();
     }
+  };
+  // Late buckets go after the agreement, without the slots of parameters
+  // that no rank used: every rank launches the same runs in the same order.
+  const int n_buckets = static_cast<int>(plan.size());
+  bool agreed = false;
+  double agree_wait_us = 0;  // not our CPU: waiting for the wire
+  if (next_launch < n_buckets) {
+    const auto a0 = Clock::now();
+    take(agree);
+    agree_wait_us = us_since(a0, Clock::now());
+    agreed = true;
+    if (!error) {
+      std::vector<char> anywhere(n);
+      const int* fl = flags.data_ptr<int>();
+      for (int p = 0; p < n; ++p) anywhere[p] = fl[p] != 0;
+      std::lock_guard<std::mutex> lock(mu);
+      // Used elsewhere, not here: this rank's contribution is zeros. (.grad,
+      // if it is the slot, becomes the average at write-back anyway.)
+      for (int p : idle_late) {
+        if (anywhere[p]) views[p].zero_();
+      }
+      for (int b = next_launch; b < n_buckets; ++b) {
+        if (!plan[b].late) {
+          launch_locked(b);
+          continue;
+        }
+        auto runs = used_runs(b, anywhere);
+        if (!runs.empty()) {
+          launch_locked(b, std::move(runs));
+        } else {  // unused everywhere: nothing to send
+          auto& bs = stats.buckets[b];
+          bs.launch_us = bs.complete_us = us_since(t0, Clock::now());
+          bs.bytes = 0;
+        }
+      }
+      next_launch = n_buckets;
+    }
   }
-  try {
-    agree.get();
-  } catch (...) {
-    if (!error) error = std::current_exception();
-  }
+  const auto wait0 = Clock::now();
+  const double cpu_before_wait = us_since(f0, wait0) - agree_wait_us;
+  hooks::Range wait_range("ddpx::final_wait");
+  for (auto& f : futures) take(f);
+  if (!agreed) take(agree);
   wait_range.end();
   if (error) {
     std::lock_guard<std::mutex> lock(mu);
@@ -123,17 +158,23 @@ void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
 }
 
 void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
-  // Every rank adopts rank 0's predicted order.
-  auto order_t = at::empty({static_cast<int64_t>(params.size())}, at::kLong);
-  int64_t* o = order_t.data_ptr<int64_t>();
+  // Every rank adopts rank 0's predicted order and late set: [order | late].
+  const int64_t n = static_cast<int64_t>(params.size());
+  auto msg = at::empty({2 * n}, at::kLong);
+  int64_t* o = msg.data_ptr<int64_t>();
   if (pg.getRank() == 0) {
-    auto order = predictor.predicted_order();
-    for (size_t i = 0; i < order.size(); ++i) o[i] = order[i];
+    const auto order = predictor.predicted_order();
+    const auto late = late_for(predictor);
+    for (int64_t i = 0; i < n; ++i) {
+      o[i] = order[i];
+      o[n + i] = late[i];
+    }
   }
-  std::vector<at::Tensor> t{order_t};
+  std::vector<at::Tensor> t{msg};
   pg.broadcast(t)->wait();
-  std::vector<int> order(o, o + params.size());
-  replan(order);
+  std::vector<int> order(o, o + n);
+  std::vector<char> late(o + n, o + 2 * n);
+  replan(order, std::move(late));
   ++replans;
 }
 

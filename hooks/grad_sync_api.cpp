@@ -52,7 +52,7 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     hooks::broadcast_from_rank0(*pg, state);
   }
   for (const auto& p : params) I.info.push_back({p.numel(), p.scalar_type(), p.device()});
-  I.replan(I.predictor.predicted_order());
+  I.replan(I.predictor.predicted_order(), I.late_for(I.predictor));
   // The hooks outlive GradSync on the parameters' accumulators (autograd has
   // no way to remove one); they reach it through a pointer the destructor
   // clears, so a backward after GradSync is gone is a plain local backward.
@@ -155,7 +155,7 @@ void GradSync::load_state(const State& s) {
   std::lock_guard<std::mutex> lock(I.mu);
   TORCH_CHECK(!I.active, "GradSync::load_state: called during backward");
   I.predictor.load_state(s.predictor, static_cast<int>(s.steps));
-  I.replan(order);
+  I.replan(order, I.late_for(I.predictor));
 }
 
 const StepStats& GradSync::last_step() const { return impl_->last; }

@@ -48,6 +48,7 @@ struct GradSync::Impl {
   std::vector<int> bucket_of, offset_of;  // per parameter
   std::vector<at::Tensor> views;          // per parameter: its slot, shaped like it
   std::vector<std::string> keys;          // per bucket: the codec's state key
+  std::vector<char> plan_late;            // per parameter: late when the plan was made
   hooks::OrderPredictor predictor;
   int64_t replans = 0;
 
@@ -59,6 +60,7 @@ struct GradSync::Impl {
   std::vector<int> pending;  // per bucket: gradients still missing
   int next_launch = 0;
   std::vector<int> arrival;
+  std::vector<int> idle_late;  // locally unused parameters of late buckets
   std::vector<std::future<void>> futures;
   std::vector<char> expected_unused;  // Exact: from prepare_for_backward
   StepStats stats, last;
@@ -68,10 +70,14 @@ struct GradSync::Impl {
 
   Impl(GradSyncOptions o, int n) : opts(std::move(o)), predictor(n) {}
 
-  void replan(const std::vector<int>& order) {
+  // late[p]: plan p into a late bucket (empty: none). Only Predict and Exact
+  // have late buckets; under Off an unused parameter is an error anyway.
+  void replan(const std::vector<int>& order, std::vector<char> late) {
+    if (opts.unused_ == Unused::Off) late.clear();
     plan = hooks::plan_buckets(order, info,
                                static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
-                               static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)));
+                               static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)), late);
+    plan_late = late.empty() ? std::vector<char>(params.size(), 0) : std::move(late);
     storage.clear();
     keys.clear();
     bucket_of.assign(params.size(), -1);
@@ -108,6 +114,7 @@ struct GradSync::Impl {
     stats.step = last.step + 1;
     ready.assign(params.size(), 0);
     arrival.clear();
+    idle_late.clear();
     pending.assign(plan.size(), 0);
     for (size_t b = 0; b < plan.size(); ++b) pending[b] = static_cast<int>(plan[b].params.size());
     next_launch = 0;
@@ -134,6 +141,10 @@ struct GradSync::Impl {
     ready[p] = 1;
     if (used) {
       arrival.push_back(p);
+    } else if (plan[bucket_of[p]].late) {
+      // Its bucket goes after the agreement: zeroed then only if some rank
+      // used it (finish_step), else neither sent nor touched, so no copy.
+      idle_late.push_back(p);
     } else {
       // A locally unused parameter contributes zeros. If its .grad is the
       // slot, zeroing would clobber it (and a globally unused .grad must stay
@@ -144,28 +155,72 @@ struct GradSync::Impl {
     }
     const int b = bucket_of[p];
     if (--pending[b] == 0) stats.buckets[b].ready_us = hooks::us_since(t0, Clock::now());
-    while (next_launch < static_cast<int>(plan.size()) && pending[next_launch] == 0) {
+    // Late buckets wait for the final callback (finish_step launches them);
+    // they come after every reliable bucket in the plan.
+    while (next_launch < static_cast<int>(plan.size()) && pending[next_launch] == 0 &&
+           !plan[next_launch].late) {
       launch_locked(next_launch++);
     }
   }
 
-  void launch_locked(int b) {
+  // A contiguous range of a bucket's storage: [offset, offset + numel).
+  struct Run {
+    int64_t offset, numel;
+  };
+
+  // Launches bucket b's reduction on its channel: the whole bucket, or (a
+  // late bucket) only the runs of slots of parameters used on some rank
+  // (`runs` empty: the whole bucket).
+  void launch_locked(int b, std::vector<Run> runs = {}) {
     hooks::Range range("ddpx::bucket_launch");
     auto& bs = stats.buckets[b];
     bs.launch_us = hooks::us_since(t0, Clock::now());
+    if (runs.empty()) runs.push_back({0, plan[b].numel});
+    const bool whole = runs.size() == 1 && runs[0].numel == plan[b].numel;
+    int64_t numel = 0;
+    std::vector<std::string> run_keys;
+    for (const auto& r : runs) {
+      numel += r.numel;
+      // A codec keeps state per key: a run has its own (one per layout seen).
+      run_keys.push_back(whole ? keys[b]
+                               : keys[b] + "@" + std::to_string(r.offset) + "+" +
+                                     std::to_string(r.numel));
+    }
+    bs.bytes = numel * static_cast<int64_t>(c10::elementSize(plan[b].dtype));
     at::Tensor flat = storage[b];
-    const std::string* key = &keys[b];  // keys change only at a re-plan, after every future
     auto* complete = &bs.complete_us;
     const auto start = t0;
     futures[b] = channels[b % channels.size()]->submit(
-        [this, flat, key, complete, start, ctx = profiler->launch_context(b)](
-            c10d::ProcessGroup& pg) mutable {
+        [this, flat, runs = std::move(runs), run_keys = std::move(run_keys), complete, start,
+         ctx = profiler->launch_context(b)](c10d::ProcessGroup& pg) mutable {
           {
             hooks::ReduceScope scope(ctx);
-            reduce(flat, *key, pg);
+            for (size_t i = 0; i < runs.size(); ++i) {
+              if (runs[i].numel == 0) continue;
+              at::Tensor part = runs[i].numel == flat.numel()
+                                    ? flat
+                                    : flat.narrow(0, runs[i].offset, runs[i].numel);
+              reduce(part, run_keys[i], pg);
+            }
           }
           *complete = hooks::us_since(start, Clock::now());
         });
+  }
+
+  // The runs of late bucket b's slots whose parameters some rank used
+  // (globally_used from the step-end agreement); empty when none was.
+  std::vector<Run> used_runs(int b, const std::vector<char>& globally_used) const {
+    std::vector<Run> runs;
+    for (int p : plan[b].params) {
+      if (!globally_used[p]) continue;
+      const int64_t off = offset_of[p], n = info[p].numel;
+      if (!runs.empty() && runs.back().offset + runs.back().numel == off) {
+        runs.back().numel += n;
+      } else {
+        runs.push_back({off, n});
+      }
+    }
+    return runs;
   }
 
   void on_grad(int p) {
@@ -187,16 +242,23 @@ struct GradSync::Impl {
 
   // Would a plan from the updated prediction launch buckets materially
   // earlier under this step's arrival order than the current plan does?
+  // Or has the set of late parameters changed, and held for two steps?
   bool should_replan() const {
     if (!opts.replan_) return false;
     hooks::OrderPredictor next = predictor;
     next.observe(arrival);
+    const auto late = late_for(next);
+    if (late != plan_late && next.late_stable_steps() >= 1) return true;
     if (next.stable_steps() < 1) return false;  // this order must have repeated
     const int n = static_cast<int>(params.size());
     const auto candidate = hooks::plan_buckets(
         next.predicted_order(), info, static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
-        static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)));
+        static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)), late);
     return hooks::launch_delay(plan, arrival, n) > hooks::launch_delay(candidate, arrival, n) + 0.02;
+  }
+
+  std::vector<char> late_for(const hooks::OrderPredictor& p) const {
+    return opts.unused_ == Unused::Off ? std::vector<char>(params.size(), 0) : p.late_set();
   }
 
   void finish_step();

@@ -8,7 +8,7 @@
 namespace ddpx::hooks {
 
 OrderPredictor::OrderPredictor(int n, double alpha)
-    : alpha_(alpha), position_ema_(n), used_ema_(n, 1.0) {
+    : alpha_(alpha), position_ema_(n), used_ema_(n, 1.0), miss_ema_(n, 0.0) {
   for (int i = 0; i < n; ++i) position_ema_[i] = n > 1 ? 1.0 - double(i) / (n - 1) : 0.0;
 }
 
@@ -22,29 +22,49 @@ void OrderPredictor::observe(const std::vector<int>& arrival) {
   }
   // The first observation replaces the guess outright; later ones blend in.
   const double a = steps_ == 0 ? 1.0 : alpha_;
+  const double am = steps_ == 0 ? 1.0 : kMissAlpha;
+  const auto late_before = late_set();
   for (int i = 0; i < n; ++i) {
     const bool used = pos[i] >= 0;
     used_ema_[i] = (1 - a) * used_ema_[i] + a * (used ? 1.0 : 0.0);
+    miss_ema_[i] = (1 - am) * miss_ema_[i] + am * (used ? 0.0 : 1.0);
     if (used) position_ema_[i] = (1 - a) * position_ema_[i] + a * pos[i];
   }
   stable_steps_ = arrival == last_order_ ? stable_steps_ + 1 : 0;
+  late_stable_steps_ = late_set() == late_before ? late_stable_steps_ + 1 : 0;
   last_order_ = arrival;
   ++steps_;
 }
 
+std::vector<char> OrderPredictor::late_set() const {
+  std::vector<char> out(miss_ema_.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = late(static_cast<int>(i)) ? 1 : 0;
+  return out;
+}
+
 std::vector<int> OrderPredictor::predicted_order() const {
-  std::vector<int> order = last_order_;
+  // Reliable parameters were all used last step: in that step's order.
+  std::vector<int> order;
   std::vector<char> placed(position_ema_.size(), 0);
-  for (int p : order) placed[p] = 1;
+  for (int p : last_order_) {
+    if (!late(p)) {
+      order.push_back(p);
+      placed[p] = 1;
+    }
+  }
   std::vector<int> rest;
   for (int i = 0; i < static_cast<int>(position_ema_.size()); ++i) {
     if (!placed[i]) rest.push_back(i);
   }
-  // Stable: ties keep reverse registration order's tie-break (index), so
-  // equal scores never reorder between calls.
+  // Then the rest (before any observation: everything, in reverse
+  // registration order), reliable before late, by average position. Within
+  // the late buckets, which launch together at the end, whether a parameter
+  // was used last step does not matter, and leaving it out keeps an
+  // alternating pattern's prediction fixed. Stable: ties keep reverse
+  // registration order (index), so equal scores never reorder between calls.
   std::stable_sort(rest.begin(), rest.end(), [this](int a, int b) {
-    const bool ua = predicted_unused(a), ub = predicted_unused(b);
-    if (ua != ub) return ub;  // used before unused
+    const bool la = late(a), lb = late(b);
+    if (la != lb) return lb;
     if (position_ema_[a] != position_ema_[b]) return position_ema_[a] < position_ema_[b];
     return a > b;
   });
@@ -55,18 +75,25 @@ std::vector<int> OrderPredictor::predicted_order() const {
 std::vector<double> OrderPredictor::state() const {
   std::vector<double> s = position_ema_;
   s.insert(s.end(), used_ema_.begin(), used_ema_.end());
+  s.insert(s.end(), miss_ema_.begin(), miss_ema_.end());
   return s;
 }
 
 void OrderPredictor::load_state(const std::vector<double>& s, int steps) {
-  TORCH_CHECK(s.size() == 2 * position_ema_.size(), "order predictor state has ", s.size(),
-              " values, expected ", 2 * position_ema_.size());
   const auto n = position_ema_.size();
+  TORCH_CHECK(s.size() == 3 * n || s.size() == 2 * n, "order predictor state has ", s.size(),
+              " values, expected ", 3 * n);
   std::copy(s.begin(), s.begin() + n, position_ema_.begin());
-  std::copy(s.begin() + n, s.end(), used_ema_.begin());
+  std::copy(s.begin() + n, s.begin() + 2 * n, used_ema_.begin());
+  if (s.size() == 3 * n) {
+    std::copy(s.begin() + 2 * n, s.end(), miss_ema_.begin());
+  } else {
+    std::fill(miss_ema_.begin(), miss_ema_.end(), 0.0);
+  }
   steps_ = steps;
   last_order_.clear();  // the next step's order is taken as it comes
   stable_steps_ = 0;
+  late_stable_steps_ = 0;
 }
 
 }  // namespace ddpx::hooks

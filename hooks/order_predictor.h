@@ -2,13 +2,18 @@
 // Predicts the order in which parameter gradients arrive in backward, and
 // which parameters go unused, from the steps seen so far.
 //
-// The prediction is the last observed order of the used parameters, then the
-// parameters that were not used, by their average position, those usually
-// unused last (their buckets launch at the end, which is when an unused
-// parameter is known). stable_steps() counts how many consecutive steps
-// repeated the same order: the planner re-plans only on an order seen twice
-// in a row, so a one-off permutation or a noisy order never churns the plan,
-// and a real change re-plans once.
+// The prediction is the last observed order of the reliably used parameters,
+// then the late ones -- parameters whose gradient was missing in some recent
+// step -- by their average position. Late parameters get late buckets, which
+// launch at the end of backward once the ranks have agreed which parameters
+// were used anywhere, so the bytes of a parameter unused on every rank are
+// never sent (DDP sends its zeros). Lateness is a slow average of misses: one
+// miss keeps a parameter late for about 30 steps of use, so intermittent use
+// (an expert picked every other step) does not flip the plan back and forth.
+// stable_steps() counts how many consecutive steps repeated the same order,
+// late_stable_steps() the same late set: the planner re-plans only on what
+// was seen twice in a row, so a one-off permutation or a noisy order never
+// churns the plan, and a real change re-plans once.
 #include <vector>
 
 namespace ddpx::hooks {
@@ -25,20 +30,29 @@ class OrderPredictor {
 
   std::vector<int> predicted_order() const;
   bool predicted_unused(int param) const { return used_ema_[param] < 0.5; }
+  bool late(int param) const { return miss_ema_[param] > kLateMiss; }
+  std::vector<char> late_set() const;  // late(p) for every p
   int steps_observed() const { return steps_; }
   int stable_steps() const { return stable_steps_; }
+  int late_stable_steps() const { return late_stable_steps_; }
 
-  // For checkpoints: [position_ema..., used_ema...] and back.
+  // For checkpoints: [position_ema..., used_ema..., miss_ema...] and back
+  // (a state without miss_ema, from before late buckets, loads as no misses).
   std::vector<double> state() const;
   void load_state(const std::vector<double>& s, int steps);
 
  private:
+  static constexpr double kMissAlpha = 0.05;
+  static constexpr double kLateMiss = 0.01;  // 0.05 * 0.95^31 < 0.01
+
   double alpha_;
   int steps_ = 0;
   int stable_steps_ = 0;
+  int late_stable_steps_ = 0;
   std::vector<int> last_order_;
   std::vector<double> position_ema_;
   std::vector<double> used_ema_;
+  std::vector<double> miss_ema_;
 };
 
 }  // namespace ddpx::hooks

@@ -3,6 +3,8 @@
 // N ranks x batch B must give the gradients of 1 process x batch N*B.
 #include <ddpx/grad_sync.h>
 #include <gtest/gtest.h>
+
+#include <algorithm>
 #include <torch/torch.h>
 
 #include <functional>
@@ -209,6 +211,78 @@ TEST(GradSync, GloballyUnusedViewGradStaysUntouched) {
     EXPECT_TRUE(at::equal(m->right->weight.grad(), ref->right->weight.grad()));
     EXPECT_GT(left.abs().sum().item<double>(), 0.0) << "left.grad was zeroed";
     EXPECT_FALSE(m->never->weight.grad().defined());
+  }
+}
+
+struct ExpertsImpl : torch::nn::Module {
+  torch::nn::Linear trunk{nullptr}, a{nullptr}, b{nullptr}, head{nullptr};
+  int step = 0;
+  ExpertsImpl() {
+    trunk = register_module("trunk", torch::nn::Linear(6, 6));
+    a = register_module("a", torch::nn::Linear(6, 6));
+    b = register_module("b", torch::nn::Linear(6, 6));
+    head = register_module("head", torch::nn::Linear(6, 2));
+    to(at::kDouble);
+  }
+  // Every rank picks the same expert: a on even steps, b on odd ones.
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::relu(trunk(x));
+    return head(torch::relu(step % 2 == 0 ? a(h) : b(h))).pow(2).mean();
+  }
+};
+TORCH_MODULE(Experts);
+
+// Once the late set has settled (both experts late after two steps), the
+// idle expert's bytes stay off the wire -- DDP would send its zeros -- the
+// plan does not churn with the alternation, and gradients stay exact.
+TEST(GradSync, AlternatingExpertsSkipTheIdleOneAndStayExact) {
+  auto& pg = world();
+  const int n = pg->getSize();
+  for (const auto& [u, in_place] : std::vector<std::pair<Unused, bool>>{
+           {Unused::Predict, false}, {Unused::Exact, false}, {Unused::Predict, true}}) {
+    // In place: .grad is the slot, and the idle expert's must keep its value.
+    SCOPED_TRACE(std::string(u == Unused::Predict ? "Predict" : "Exact") +
+                 (in_place ? ", zero_grad in place" : ""));
+    torch::manual_seed(21);
+    Experts ref;
+    torch::manual_seed(21);
+    Experts m;
+    GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(u));
+    int64_t all_bytes = 0;
+    for (const auto& p : m->parameters()) all_bytes += p.numel() * 8;
+    const int64_t expert_bytes = (6 * 6 + 6) * 8;
+    for (int step = 0; step < 9; ++step) {
+      ref->step = m->step = step;
+      auto g = global_batch(6, 700 + step);
+      ref->zero_grad(/*set_to_none=*/!in_place);
+      at::Tensor total;
+      for (int k = 0; k < n; ++k) {
+        auto l = ref(shard(g, k)) / n;
+        total = total.defined() ? total + l : l;
+      }
+      total.backward();
+      m->zero_grad(/*set_to_none=*/!in_place);
+      auto loss = m(shard(g, pg->getRank()));
+      if (u == Unused::Exact) sync.prepare_for_backward({loss});
+      loss.backward();
+      auto rp = ref->named_parameters();
+      for (const auto& item : m->named_parameters()) {
+        const auto& want = rp[item.key()].grad();
+        ASSERT_EQ(item.value().grad().defined(), want.defined()) << item.key() << " step " << step;
+        if (want.defined()) {
+          EXPECT_TRUE(at::allclose(item.value().grad(), want, 1e-5, 1e-8))
+              << item.key() << " step " << step;
+        }
+      }
+      if (step >= 3) {
+        EXPECT_EQ(sync.last_step().bytes_reduced, all_bytes - expert_bytes) << "step " << step;
+      }
+    }
+    EXPECT_EQ(sync.replans(), 1);
+    // The experts share the last (late) bucket; no reliable tensor is with them.
+    auto last = sync.bucket_plan().back();
+    std::sort(last.begin(), last.end());
+    EXPECT_EQ(last, (std::vector<std::string>{"a.bias", "a.weight", "b.bias", "b.weight"}));
   }
 }
 
