@@ -42,11 +42,12 @@ void GradSync::Impl::finish_step() {
   // flags), and rank 0's re-plan proposal.
   const int n = static_cast<int>(params.size());
   const bool propose = should_replan();
-  auto flags = at::zeros({n + 1}, at::kInt);
+  auto flags = at::zeros({n + 2}, at::kInt);
   {
     auto* f = flags.data_ptr<int>();
     for (int p : arrival) f[p] = 1;
     f[n] = propose && channels[0]->pg().getRank() == 0 ? 1 : 0;  // only rank 0's counts
+    f[n + 1] = surprises.empty() ? 0 : 1;
   }
   auto agree = channels[0]->submit([this, flags](c10d::ProcessGroup& pg) mutable {
     hooks::Range range("ddpx::step_agreement");
@@ -85,21 +86,7 @@ void GradSync::Impl::finish_step() {
       for (int p : idle_late) {
         if (anywhere[p]) views[p].zero_();
       }
-      for (int b = next_launch; b < n_buckets; ++b) {
-        if (!plan[b].late) {
-          launch_locked(b);
-          continue;
-        }
-        auto runs = used_runs(b, anywhere);
-        if (!runs.empty()) {
-          launch_locked(b, std::move(runs));
-        } else {  // unused everywhere: nothing to send
-          auto& bs = stats.buckets[b];
-          bs.launch_us = bs.complete_us = us_since(t0, Clock::now());
-          bs.bytes = 0;
-        }
-      }
-      next_launch = n_buckets;
+      for (; next_launch < n_buckets; ++next_launch) launch_bucket_locked(next_launch, anywhere);
     }
   }
   const auto wait0 = Clock::now();
@@ -117,6 +104,23 @@ void GradSync::Impl::finish_step() {
   std::vector<char> used(n);
   const int* fl = flags.data_ptr<int>();
   for (int p = 0; p < n; ++p) used[p] = fl[p] != 0;
+  // Exact: a gradient for a parameter the outputs given to
+  // prepare_for_backward do not reach was left out of the reduction (and, in
+  // a late bucket, of the early agreement). Flagged in the agreement, so
+  // every rank fails alike.
+  if (fl[n + 1] != 0) {
+    std::string here;
+    for (size_t i = 0; i < surprises.size() && i < 8; ++i) {
+      here += (i ? ", '" : "'") + names[surprises[i]] + "'";
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    active = false;
+    early_used.clear();
+    TORCH_CHECK(false, "GradSync: a parameter received a gradient, but the outputs given to "
+                "prepare_for_backward do not reach it (on this rank: ",
+                here.empty() ? std::string("none; on another rank") : here,
+                "); pass every output that backward starts from");
+  }
   write_back(used);
   predictor.observe(arrival);
   if (fl[n] != 0) replan_agreed(channels[0]->pg());
@@ -130,11 +134,13 @@ void GradSync::Impl::finish_step() {
   }
   // Our CPU: the hooks, the final callback up to its wait, and the write-back.
   stats.hook_cpu_us = hook_cpu_us + cpu_before_wait + us_since(w0, f1);
+  stats.per_param_hooks_us = hook_cpu_us;
   stats.replans = replans;
   last = stats;
   profiler->end_step(stats, {t0, f0, wait0, w0, f1, agree_t0, agree_t1}, hook_cpu_us,
                      wire_stats());
   expected_unused.clear();
+  early_used.clear();
   active = false;
   if (profiler->flush_due()) flush_trace();  // the first step after the window
 }

@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/jit/api/module.h>
 
+#include <algorithm>
 #include <exception>
 #include <unordered_set>
 
@@ -121,11 +122,35 @@ void GradSync::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
       if (e.function) stack.push_back(e.function.get());
     }
   }
-  std::lock_guard<std::mutex> lock(I.mu);
-  I.expected_unused.assign(I.params.size(), 0);
-  for (size_t p = 0; p < I.params.size(); ++p) {
-    I.expected_unused[p] = seen.count(I.accumulators[p].get()) ? 0 : 1;
+  const int n = static_cast<int>(I.params.size());
+  std::vector<char> expected(n);
+  for (int p = 0; p < n; ++p) expected[p] = seen.count(I.accumulators[p].get()) ? 0 : 1;
+  // With late buckets, agree now on which parameters some rank will use, so
+  // that late buckets launch during backward, like the rest (a MAX-allreduce
+  // of n flags on channel 0, idle between steps). Every rank calls this
+  // alike, and under no_sync alike, so the collective matches.
+  std::vector<char> early;
+  const bool has_late =
+      std::any_of(I.plan.begin(), I.plan.end(), [](const hooks::BucketPlan& b) { return b.late; });
+  if (has_late && !I.no_sync.load()) {
+    auto flags = at::empty({n}, at::kInt);
+    int* f = flags.data_ptr<int>();
+    for (int p = 0; p < n; ++p) f[p] = expected[p] ? 0 : 1;
+    I.channels[0]
+        ->submit([flags](c10d::ProcessGroup& pg) mutable {
+          hooks::Range range("ddpx::used_agreement");
+          std::vector<at::Tensor> t{flags};
+          c10d::AllreduceOptions o;
+          o.reduceOp = c10d::ReduceOp::MAX;
+          pg.allreduce(t, o)->wait();
+        })
+        .get();
+    early.assign(f, f + n);
   }
+  std::lock_guard<std::mutex> lock(I.mu);
+  TORCH_CHECK(!I.active, "GradSync::prepare_for_backward: called during backward");
+  I.expected_unused = std::move(expected);
+  I.early_used = std::move(early);
 }
 
 GradSync::NoSyncGuard::NoSyncGuard(GradSync& s) : s_(s) { s_.impl_->no_sync = true; }

@@ -61,8 +61,13 @@ struct GradSync::Impl {
   int next_launch = 0;
   std::vector<int> arrival;
   std::vector<int> idle_late;  // locally unused parameters of late buckets
+  std::vector<int> surprises;  // Exact: gradients for parameters expected unused
   std::vector<std::future<void>> futures;
   std::vector<char> expected_unused;  // Exact: from prepare_for_backward
+  // Exact with late buckets: which parameters some rank will use this step,
+  // agreed in prepare_for_backward, so late buckets need not wait for the
+  // end of backward. Empty when not known.
+  std::vector<char> early_used;
   StepStats stats, last;
   Clock::time_point t0;
   Clock::time_point agree_t0, agree_t1;  // the step-end agreement, on channel 0
@@ -115,6 +120,7 @@ struct GradSync::Impl {
     ready.assign(params.size(), 0);
     arrival.clear();
     idle_late.clear();
+    surprises.clear();
     pending.assign(plan.size(), 0);
     for (size_t b = 0; b < plan.size(); ++b) pending[b] = static_cast<int>(plan[b].params.size());
     next_launch = 0;
@@ -142,9 +148,14 @@ struct GradSync::Impl {
     if (used) {
       arrival.push_back(p);
     } else if (plan[bucket_of[p]].late) {
-      // Its bucket goes after the agreement: zeroed then only if some rank
-      // used it (finish_step), else neither sent nor touched, so no copy.
-      idle_late.push_back(p);
+      // Its slot goes on the wire only if some rank used it: zeroed then
+      // (now if that is known, else in finish_step after the agreement),
+      // else neither sent nor touched, so no copy.
+      if (early_used.empty()) {
+        idle_late.push_back(p);
+      } else if (early_used[p]) {
+        views[p].zero_();
+      }
     } else {
       // A locally unused parameter contributes zeros. If its .grad is the
       // slot, zeroing would clobber it (and a globally unused .grad must stay
@@ -155,12 +166,30 @@ struct GradSync::Impl {
     }
     const int b = bucket_of[p];
     if (--pending[b] == 0) stats.buckets[b].ready_us = hooks::us_since(t0, Clock::now());
-    // Late buckets wait for the final callback (finish_step launches them);
-    // they come after every reliable bucket in the plan.
+    // Late buckets wait for the used-parameter agreement: from
+    // prepare_for_backward (Exact), else finish_step's. They come after every
+    // reliable bucket in the plan.
     while (next_launch < static_cast<int>(plan.size()) && pending[next_launch] == 0 &&
-           !plan[next_launch].late) {
-      launch_locked(next_launch++);
+           (!plan[next_launch].late || !early_used.empty())) {
+      launch_bucket_locked(next_launch++, early_used);
     }
+  }
+
+  // Launches bucket b; a late one without the slots that no rank used
+  // (`anywhere`: the agreed used flags), or not at all if none was.
+  void launch_bucket_locked(int b, const std::vector<char>& anywhere) {
+    if (!plan[b].late) {
+      launch_locked(b);
+      return;
+    }
+    auto runs = used_runs(b, anywhere);
+    if (!runs.empty()) {
+      launch_locked(b, std::move(runs));
+      return;
+    }
+    auto& bs = stats.buckets[b];
+    bs.launch_us = bs.complete_us = hooks::us_since(t0, Clock::now());
+    bs.bytes = 0;
   }
 
   // A contiguous range of a bucket's storage: [offset, offset + numel).
@@ -233,6 +262,9 @@ struct GradSync::Impl {
     if (g.defined() && !is_slot(p, g)) views[p].copy_(g);
     std::lock_guard<std::mutex> lock(mu);
     if (!active) begin_step_locked();
+    if (g.defined() && ready[p] && !expected_unused.empty() && expected_unused[p]) {
+      surprises.push_back(p);  // an error at the step's end, on every rank
+    }
     if (g.defined()) mark_ready_locked(p, /*used=*/true);
     ++stats.hook_calls;
     const auto h1 = Clock::now();

@@ -18,6 +18,10 @@
 //                  no communication thread competes with the hooks for the
 //                  core; its hook time is the hook's own cost
 //
+// Models listed in --exact (those DDP runs with find_unused_parameters=True)
+// use Unused::Exact: prepare_for_backward walks the graph from the loss, as
+// DDP's find_unused_parameters does; the others use the default, Predict.
+//
 // The graph executor's optimisations are off here and in the DDP job (both
 // run the scripted module as written, op by op, like eager): the profiling
 // executor would otherwise re-compile differentiable graphs during the first
@@ -52,6 +56,7 @@ struct Args {
   int warmup = 3, steps = 5, threads = 1;
   double bucket_cap_mb = 25.0;
   bool zero_in_place = false;  // zero_grad(set_to_none=false)
+  std::vector<std::string> exact;  // models run with Unused::Exact
 };
 
 double median(std::vector<double> v) {
@@ -79,9 +84,13 @@ void zero_grad(const std::vector<at::Tensor>& params, bool in_place) {
   }
 }
 
-void forward_backward(torch::jit::Module& m, int64_t step, int64_t rank) {
+// exact: a GradSync in Unused::Exact mode, told the loss before backward.
+void forward_backward(torch::jit::Module& m, int64_t step, int64_t rank,
+                      ddpx::GradSync* exact = nullptr) {
   at::Tensor x = m.run_method("inputs", step, rank).toTensor();
-  m.forward({x, step}).toTensor().backward();
+  at::Tensor loss = m.forward({x, step}).toTensor();
+  if (exact) exact->prepare_for_backward({loss});
+  loss.backward();
 }
 
 // The flat buffers comm-only reduces: the model's bytes in bucket-sized parts.
@@ -108,17 +117,21 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   for (const auto& p : params) numel += p.numel();
 
   std::optional<ddpx::GradSync> sync;
+  const bool exact = std::find(a.exact.begin(), a.exact.end(), model) != a.exact.end();
   if (variant.rfind("gradsync_", 0) == 0) {
     sync.emplace(m, variant == "gradsync_mpi" ? g.mpi : variant == "gradsync_solo" ? g.solo : g.gloo,
-                 ddpx::GradSyncOptions().bucket_cap_mb(a.bucket_cap_mb).gradient_as_bucket_view(
-                     variant != "gradsync_copy"));
+                 ddpx::GradSyncOptions()
+                     .bucket_cap_mb(a.bucket_cap_mb)
+                     .gradient_as_bucket_view(variant != "gradsync_copy")
+                     .unused(exact ? ddpx::Unused::Exact : ddpx::Unused::Predict));
   }
+  ddpx::GradSync* exact_sync = sync && exact ? &*sync : nullptr;
   std::vector<at::Tensor> bufs;
   if (variant == "comm_gloo" || variant == "comm_mpi") bufs = comm_buffers(params, a.bucket_cap_mb);
 
   std::function<void(int64_t)> step_fn;
   if (variant == "compute" || sync) {
-    step_fn = [&](int64_t s) { forward_backward(m, s, rank); };
+    step_fn = [&](int64_t s) { forward_backward(m, s, rank, exact_sync); };
   } else if (variant == "naive") {
     step_fn = [&](int64_t s) {
       forward_backward(m, s, rank);
@@ -144,7 +157,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     TORCH_CHECK(false, "ddpx-bench-ddp: unknown variant '", variant, "'");
   }
 
-  std::vector<double> ms, hook_us, calls, exposed_us, backward_us, comm_us;
+  std::vector<double> ms, hook_us, param_hook_us, calls, exposed_us, backward_us, comm_us;
   int64_t replans = 0, buckets = 0;
   g.mpi->barrier()->wait();
   for (int s = 0; s < a.warmup + a.steps; ++s) {
@@ -157,6 +170,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     if (sync) {
       const auto& st = sync->last_step();
       hook_us.push_back(st.hook_cpu_us);
+      param_hook_us.push_back(st.per_param_hooks_us);
       calls.push_back(static_cast<double>(st.hook_calls));
       exposed_us.push_back(st.exposed_comm_us);
       backward_us.push_back(st.backward_us);
@@ -170,7 +184,8 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
                       {"step_ms", median(ms)}, {"min_ms", *std::min_element(ms.begin(), ms.end())},
                       {"steps", a.steps}, {"warmup", a.warmup}};
   if (sync) {
-    j.update({{"hook_cpu_us", median(hook_us)}, {"hook_calls", median(calls)},
+    j.update({{"hook_cpu_us", median(hook_us)}, {"param_hooks_us", median(param_hook_us)},
+              {"hook_calls", median(calls)},
               {"exposed_comm_us", median(exposed_us)}, {"backward_us", median(backward_us)},
               {"comm_us", median(comm_us)}, {"replans", replans}, {"buckets", buckets}});
   }
@@ -190,6 +205,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", a.threads, "intra-op threads per rank");
   app.add_option("--bucket-cap-mb", a.bucket_cap_mb, "GradSync bucket cap and comm-only part size");
   app.add_flag("--zero-in-place", a.zero_in_place, "zero_grad(set_to_none=false)");
+  app.add_option("--exact", a.exact, "models whose GradSync uses Unused::Exact");
   CLI11_PARSE(app, argc, argv);
   TORCH_CHECK(a.steps > 0, "--steps must be positive, got ", a.steps);
 

@@ -286,6 +286,36 @@ TEST(GradSync, AlternatingExpertsSkipTheIdleOneAndStayExact) {
   }
 }
 
+// Exact agrees early on the used set; a gradient for a late parameter that
+// the outputs given to prepare_for_backward do not reach is an error on every
+// rank, not a silently unreduced gradient.
+TEST(GradSync, ExactRejectsAGradientItWasNotToldAbout) {
+  auto& pg = world();
+  torch::manual_seed(22);
+  Experts m;
+  GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(Unused::Exact));
+  auto x = at::randn({kB, 6}, at::kDouble);
+  for (int step = 0; step < 3; ++step) {  // settles the late set: both experts late
+    m->step = step;
+    auto loss = m(x);
+    sync.prepare_for_backward({loss});
+    loss.backward();
+  }
+  ASSERT_EQ(sync.replans(), 1);
+  m->step = 0;  // uses expert a ...
+  auto loss = m(x);
+  sync.prepare_for_backward({m->b(x).sum()});  // ... but announces b
+  try {
+    loss.backward();
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("do not reach it (on this rank: "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("'a.weight'"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("'b.weight'"), std::string::npos) << msg;
+  }
+}
+
 TEST(GradSync, UnusedOffNamesTheParameter) {
   auto& pg = world();
   if (pg->getSize() < 1) GTEST_SKIP();
