@@ -6,9 +6,11 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/core/StreamGuard.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 
+#include "plugin/comm/mpi_diagnose.h"
 #include "plugin/comm/mpi_env.h"
 #include "plugin/comm/mpi_types.h"
 #include "plugin/comm/mpi_util.h"
@@ -51,6 +53,7 @@ c10::intrusive_ptr<MpiBackend> MpiBackend::create(const std::vector<int>& world_
   for (int r : world_ranks) check_rank(r, env.world_size(), "global_ranks_in_group entry");
   auto worker = worker_for_new_backend();
   MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm diag = MPI_COMM_NULL;
   worker->run_sync([&] {
     if (world_ranks.empty() || static_cast<int>(world_ranks.size()) == env.world_size()) {
       DDPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
@@ -68,14 +71,17 @@ c10::intrusive_ptr<MpiBackend> MpiBackend::create(const std::vector<int>& world_
                   " is not a member of the requested group");
     }
     DDPX_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+    DDPX_MPI_CHECK(MPI_Comm_dup(comm, &diag));
+    DDPX_MPI_CHECK(MPI_Comm_set_errhandler(diag, MPI_ERRORS_RETURN));
   });
-  return c10::make_intrusive<MpiBackend>(comm, std::move(worker), timeout);
+  return c10::make_intrusive<MpiBackend>(comm, std::move(worker), timeout, diag);
 }
 
 MpiBackend::MpiBackend(MPI_Comm comm, std::shared_ptr<MpiWorker> worker,
-                       std::chrono::milliseconds timeout)
+                       std::chrono::milliseconds timeout, MPI_Comm diag)
     : c10d::Backend(comm_rank(comm), comm_size(comm)),
       comm_(comm),
+      diag_(diag),
       worker_(std::move(worker)),
       timeout_(timeout) {
   void* ub = nullptr;
@@ -94,8 +100,13 @@ void MpiBackend::shutdown() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized || MpiEnv::get().broken()) return;  // a stuck peer: leave the comm alone
+  MPI_Comm diag = diag_;
+  diag_ = MPI_COMM_NULL;
   try {
-    worker_->run_sync([comm]() mutable { MPI_Comm_free(&comm); });
+    worker_->run_sync([comm, diag]() mutable {
+      MPI_Comm_free(&comm);
+      if (diag != MPI_COMM_NULL) MPI_Comm_free(&diag);
+    });
   } catch (const std::exception&) {
     // The worker is already stopped (process exit): MPI_Finalize frees it.
   }
@@ -126,6 +137,18 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
   auto work = c10::make_intrusive<MpiWork>(
       rank_, type, what(type, seq), outputs, timeout_, profiling_title(type),
       std::optional<std::vector<at::Tensor>>(inputs));
+  // Peers that also timed out answer within about the same time; give them
+  // half the timeout, between 1 and 10 s.
+  const auto grace = std::clamp(timeout_ / 2, std::chrono::milliseconds(1000),
+                                std::chrono::milliseconds(10000));
+  // Collectives are numbered apart from send/recv, whose counts may differ
+  // between ranks that are in step.
+  const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
+                   type == c10d::OpType::RECVANYSOURCE;
+  const uint64_t call = p2p ? kPointToPoint : collective_seq_++;
+  work->set_diagnosis([diag = diag_, rank = rank_, size = size_, call, grace] {
+    return describe_peers(diag, rank, size, call, grace);
+  });
   // Device tensors are staged on the worker under the caller's current stream
   // so the copies are ordered after whatever produced the data.
   std::optional<c10::Stream> stream;

@@ -29,7 +29,9 @@ class MpiBackend final : public c10d::Backend {
   static c10::intrusive_ptr<MpiBackend> create(const std::vector<int>& world_ranks,
                                                std::chrono::milliseconds timeout);
 
-  MpiBackend(MPI_Comm comm, std::shared_ptr<MpiWorker> worker, std::chrono::milliseconds timeout);
+  // diag: a duplicate of comm for naming peers after a timeout (may be null).
+  MpiBackend(MPI_Comm comm, std::shared_ptr<MpiWorker> worker, std::chrono::milliseconds timeout,
+             MPI_Comm diag = MPI_COMM_NULL);
   ~MpiBackend() override;
 
   const std::string getBackendName() const override { return "ddpx_mpi"; }
@@ -88,9 +90,11 @@ class MpiBackend final : public c10d::Backend {
   void check_tag(int tag) const;
 
   MPI_Comm comm_;
+  MPI_Comm diag_ = MPI_COMM_NULL;  // a duplicate used only to name peers after a timeout
   std::shared_ptr<MpiWorker> worker_;
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> seq_{0};
+  std::atomic<uint64_t> collective_seq_{0};
   int tag_ub_ = 32767;
 };
 

@@ -37,9 +37,16 @@ bool MpiWork::wait(std::chrono::milliseconds timeout) {
   const auto limit = timeout == kNoTimeout ? timeout_ : timeout;
   std::unique_lock<std::mutex> lock(mutex_);
   if (!cv_.wait_for(lock, limit, [this] { return completed_; })) {
-    const std::string msg = "ddpx_mpi: rank " + std::to_string(rank_) + " timed out after " +
-                            std::to_string(limit.count()) + " ms waiting for " + what_ +
-                            ": a peer rank died, is stopped, or did not make the same call";
+    lock.unlock();  // the worker may still complete this Work meanwhile
+    // Only the process's first timeout asks the peers: after it, MPI is
+    // broken and the job is ending.
+    static std::atomic<bool> asked{false};
+    std::string who;
+    if (diagnose_ && !MpiEnv::get().broken() && !asked.exchange(true)) who = diagnose_();
+    const std::string msg =
+        "ddpx_mpi: rank " + std::to_string(rank_) + " timed out after " +
+        std::to_string(limit.count()) + " ms waiting for " + what_ + ": " +
+        (who.empty() ? "a peer rank died, is stopped, or did not make the same call" : who);
     MpiEnv::get().mark_broken(msg);
     C10_THROW_ERROR(DistBackendError, msg);
   }

@@ -15,8 +15,10 @@
 //      send-then-recv on both ranks cannot deadlock).
 //   4. Completion finishes the Work and its Future (value: the output tensors)
 //      or stores the exception. Work::wait(timeout) throws DistBackendError on
-//      expiry and marks MPI broken, so the process aborts the job at exit
-//      instead of hanging in MPI_Finalize.
+//      expiry, naming the peers behind it where it can (the first timeout of
+//      the process asks the others, see mpi_diagnose.h), and marks MPI
+//      broken, so the process aborts the job at exit instead of hanging in
+//      MPI_Finalize.
 #include <mpi.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -53,6 +55,10 @@ class MpiWork : public c10d::Work {
   int sourceRank() const override;
   std::chrono::milliseconds getTimeout() const override { return timeout_; }
 
+  // Called on a timeout to name the peers behind it (mpi_diagnose.h); the
+  // sentence ends the error message.
+  void set_diagnosis(std::function<std::string()> fn) { diagnose_ = std::move(fn); }
+
   // Worker side.
   void complete(std::exception_ptr error);
   void set_source_rank(int rank) { source_rank_ = rank; }
@@ -64,6 +70,7 @@ class MpiWork : public c10d::Work {
   std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<int> source_rank_{-1};
+  std::function<std::string()> diagnose_;
 };
 
 class MpiWorker {

@@ -1,0 +1,27 @@
+#pragma once
+// Naming the rank behind a ddpx_mpi timeout. MPI cannot tell which peer is
+// missing from a collective, so the ranks whose wait timed out ask each other
+// on a communicator kept for this alone.
+#include <mpi.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace ddpx::comm::detail {
+
+// `seq` of a send or receive: not compared (ranks in step may have made
+// different numbers of them).
+constexpr uint64_t kPointToPoint = ~uint64_t{0};
+
+// Called by every rank whose wait timed out (while its worker may still sit
+// inside the stuck call: MPI runs at THREAD_MULTIPLE). It sends its
+// collective number `seq` to every other rank of `diag` and listens for
+// theirs for `grace`. Returns a sentence naming the ranks that never answered
+// (stopped, dead, or not waiting at all) and those that answered from a
+// different collective; when every rank answered alike, they are all alive
+// and waiting: the transfer stalled, or a send has no matching receive.
+std::string describe_peers(MPI_Comm diag, int rank, int size, uint64_t seq,
+                           std::chrono::milliseconds grace);
+
+}  // namespace ddpx::comm::detail
