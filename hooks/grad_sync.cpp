@@ -134,7 +134,7 @@ void GradSync::Impl::finish_step() {
   }
   // Our CPU: the hooks, the final callback up to its wait, and the write-back.
   stats.hook_cpu_us = hook_cpu_us + cpu_before_wait + us_since(w0, f1);
-  stats.per_param_hooks_us = hook_cpu_us;
+  stats.per_param_hooks_us = hook_cpu_us - begin_us;
   stats.replans = replans;
   last = stats;
   profiler->end_step(stats, {t0, f0, wait0, w0, f1, agree_t0, agree_t1}, hook_cpu_us,

@@ -72,6 +72,7 @@ struct GradSync::Impl {
   Clock::time_point t0;
   Clock::time_point agree_t0, agree_t1;  // the step-end agreement, on channel 0
   std::atomic<double> hook_cpu_us{0};
+  double begin_us = 0;  // of hook_cpu_us: the step's start, in its first hook
 
   Impl(GradSyncOptions o, int n) : opts(std::move(o)), predictor(n) {}
 
@@ -261,7 +262,10 @@ struct GradSync::Impl {
     // the step boundary, after every hook of the step has run.
     if (g.defined() && !is_slot(p, g)) views[p].copy_(g);
     std::lock_guard<std::mutex> lock(mu);
-    if (!active) begin_step_locked();
+    if (!active) {
+      begin_step_locked();
+      begin_us = hooks::us_since(h0, Clock::now());  // per step, not per parameter
+    }
     if (g.defined() && ready[p] && !expected_unused.empty() && expected_unused[p]) {
       surprises.push_back(p);  // an error at the step's end, on every rank
     }

@@ -90,7 +90,8 @@ struct StepStats {
   double exposed_comm_us = 0;  // final callback entry -> all reductions written back
   double comm_us = 0;          // sum over buckets of launch -> complete
   double hook_cpu_us = 0;      // time spent inside our hooks and final callback
-  double per_param_hooks_us = 0;  // of which in the per-parameter hooks (the rest is per step)
+  double per_param_hooks_us = 0;  // of which the per-parameter work of the hooks (the rest,
+                                  // the step's start and end, is paid once per step)
   int64_t hook_calls = 0;
   int64_t bytes_reduced = 0;
   int64_t replans = 0;         // total so far
