@@ -46,6 +46,7 @@ void GradSync::Impl::finish_step() {
   {
     auto* f = flags.data_ptr<int>();
     for (int p : arrival) f[p] = 1;
+    for (int p : carried) f[p] = 1;
     f[n] = propose && channels[0]->pg().getRank() == 0 ? 1 : 0;  // only rank 0's counts
     f[n + 1] = surprises.empty() ? 0 : 1;
   }
@@ -141,6 +142,7 @@ void GradSync::Impl::finish_step() {
                      wire_stats());
   expected_unused.clear();
   early_used.clear();
+  for (int p = 0; p < n; ++p) accumulated[p].store(false, std::memory_order_relaxed);
   active = false;
   if (profiler->flush_due()) flush_trace();  // the first step after the window
 }

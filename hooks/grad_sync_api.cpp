@@ -135,7 +135,8 @@ void GradSync::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   if (has_late && !I.no_sync.load()) {
     auto flags = at::empty({n}, at::kInt);
     int* f = flags.data_ptr<int>();
-    for (int p = 0; p < n; ++p) f[p] = expected[p] ? 0 : 1;
+    // A parameter with no_sync gradients contributes them even if unused now.
+    for (int p = 0; p < n; ++p) f[p] = expected[p] && !I.accumulated[p].load() ? 0 : 1;
     I.channels[0]
         ->submit([flags](c10d::ProcessGroup& pg) mutable {
           hooks::Range range("ddpx::used_agreement");

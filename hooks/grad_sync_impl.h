@@ -56,11 +56,16 @@ struct GradSync::Impl {
   std::mutex mu;
   bool active = false;
   std::atomic<bool> no_sync{false};
+  // Per parameter: a gradient arrived under no_sync since the last synced
+  // step. Such a parameter contributes its .grad even if the synced backward
+  // does not touch it, so accumulation equals one large batch.
+  std::unique_ptr<std::atomic<bool>[]> accumulated;
   std::vector<char> ready;
   std::vector<int> pending;  // per bucket: gradients still missing
   int next_launch = 0;
   std::vector<int> arrival;
   std::vector<int> idle_late;  // locally unused parameters of late buckets
+  std::vector<int> carried;    // unused in this backward, accumulated under no_sync
   std::vector<int> surprises;  // Exact: gradients for parameters expected unused
   std::vector<std::future<void>> futures;
   std::vector<char> expected_unused;  // Exact: from prepare_for_backward
@@ -74,7 +79,8 @@ struct GradSync::Impl {
   std::atomic<double> hook_cpu_us{0};
   double begin_us = 0;  // of hook_cpu_us: the step's start, in its first hook
 
-  Impl(GradSyncOptions o, int n) : opts(std::move(o)), predictor(n) {}
+  Impl(GradSyncOptions o, int n)
+      : opts(std::move(o)), predictor(n), accumulated(new std::atomic<bool>[n]()) {}
 
   // late[p]: plan p into a late bucket (empty: none). Only Predict and Exact
   // have late buckets; under Off an unused parameter is an error anyway.
@@ -121,6 +127,7 @@ struct GradSync::Impl {
     ready.assign(params.size(), 0);
     arrival.clear();
     idle_late.clear();
+    carried.clear();
     surprises.clear();
     pending.assign(plan.size(), 0);
     for (size_t b = 0; b < plan.size(); ++b) pending[b] = static_cast<int>(plan[b].params.size());
@@ -148,6 +155,12 @@ struct GradSync::Impl {
     ready[p] = 1;
     if (used) {
       arrival.push_back(p);
+    } else if (accumulated[p].load(std::memory_order_relaxed) && params[p].grad().defined()) {
+      // Not in this backward, but its no_sync micro-batches left a gradient:
+      // that is this rank's contribution (and it counts as used).
+      const at::Tensor& g = params[p].grad();
+      if (!is_slot(p, g)) views[p].copy_(g);
+      carried.push_back(p);
     } else if (plan[bucket_of[p]].late) {
       // Its slot goes on the wire only if some rank used it: zeroed then
       // (now if that is known, else in finish_step after the agreement),
@@ -254,7 +267,10 @@ struct GradSync::Impl {
   }
 
   void on_grad(int p) {
-    if (no_sync.load(std::memory_order_relaxed)) return;
+    if (no_sync.load(std::memory_order_relaxed)) {
+      accumulated[p].store(true, std::memory_order_relaxed);
+      return;
+    }
     const auto h0 = Clock::now();
     hooks::Range range("ddpx::hook");
     const at::Tensor& g = params[p].grad();
