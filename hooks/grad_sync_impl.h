@@ -39,6 +39,7 @@ struct GradSync::Impl {
   std::vector<std::unique_ptr<hooks::Channel>> channels;
   hooks::ReduceFn reduce;
   hooks::WireStatsFn wire_stats;
+  std::function<void()> reset_codec;  // drops the codec's per-key state
   std::unique_ptr<hooks::Profiler> profiler;
   int world = 1;
 
@@ -92,6 +93,9 @@ struct GradSync::Impl {
     plan_late = late.empty() ? std::vector<char>(params.size(), 0) : std::move(late);
     storage.clear();
     keys.clear();
+    // Keys name buckets by index: after a re-plan a key holds other slots, so
+    // the codec's state (error-feedback residuals, PowerSGD's Q) starts over.
+    if (reset_codec) reset_codec();
     bucket_of.assign(params.size(), -1);
     offset_of.assign(params.size(), 0);
     views.assign(params.size(), at::Tensor());

@@ -9,11 +9,14 @@
 
 namespace ddpx::hooks {
 
-ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats) {
+ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats,
+                        std::function<void()>* reset) {
+  if (reset) *reset = [] {};
   if (codec != "none") {
     // Lossy codecs keep error-feedback state per bucket key inside the codec.
     std::shared_ptr<comm::Codec> c = comm::make_codec(codec);
     if (stats) *stats = [c] { return c->stats(); };
+    if (reset) *reset = [c] { c->reset_state(); };
     return [c](at::Tensor& flat, const std::string& key, c10d::ProcessGroup& pg) {
       flat.copy_(c->allreduce_mean(flat, key, pg));
     };

@@ -20,6 +20,9 @@ using ReduceFn = std::function<void(at::Tensor& flat, const std::string& key, c1
 // is one step's traffic.
 using WireStatsFn = std::function<comm::CodecStats()>;
 
-ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats = nullptr);
+// *reset (if given) becomes a function that drops every key's codec state
+// (residuals, PowerSGD's Q): a re-plan changes what a bucket key holds.
+ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats = nullptr,
+                        std::function<void()>* reset = nullptr);
 
 }  // namespace ddpx::hooks
