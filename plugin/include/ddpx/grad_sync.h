@@ -20,19 +20,25 @@
 //     order is the plan's order on every rank.
 //  3. End of backward (autograd final callback): parameters that never
 //     produced a gradient are resolved: Unused::Off -> error naming them;
-//     otherwise they contribute zeros, the remaining buckets launch, and a
-//     used-bitmap MAX-reduction tells which are unused on every rank (their
-//     .grad is left untouched, as under DDP). All reductions are awaited and
+//     otherwise they contribute zeros (or, if no_sync micro-batches left a
+//     .grad since the last synced step, that .grad), the remaining buckets
+//     launch, and a used-bitmap MAX-reduction tells which are unused on every
+//     rank (their .grad is left untouched, as under DDP). Late buckets --
+//     those of parameters that went unused in recent steps -- launch only
+//     after that agreement (under Exact: after the one prepare_for_backward
+//     makes, so during backward), and send only the slots some rank used.
+//     All reductions are awaited and
 //     the averages written to .grad before backward returns: with
 //     gradient_as_bucket_view, .grad is made a view of its bucket slot (the
 //     average is already there, and the next backward accumulates straight
 //     into the bucket); a locally unused parameter whose .grad is its slot
 //     gets a private copy of it before the slot is zeroed.
 //  4. Between steps: the order predictor learns from this step's arrival
-//     order (and Predict mode learns which parameters go unused). When the
-//     predicted order would launch buckets materially later than a re-plan
-//     would, rank 0's proposal is broadcast and every rank adopts the same
-//     plan at the step boundary. Re-planning changes timing, never results.
+//     order and which parameters go unused. When the predicted order would
+//     launch buckets materially later than a re-plan would, or the set of
+//     late parameters has changed, rank 0's proposal is broadcast and every
+//     rank adopts the same plan at the step boundary. Re-planning changes
+//     timing, never results (a lossy codec's per-bucket state starts over).
 #include <ddpx/comm.h>
 #include <torch/ordered_dict.h>
 
