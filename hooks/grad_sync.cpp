@@ -42,13 +42,15 @@ void GradSync::Impl::finish_step() {
   // flags), and rank 0's re-plan proposal.
   const int n = static_cast<int>(params.size());
   const bool propose = should_replan();
-  auto flags = at::zeros({n + 2}, at::kInt);
+  // [used here (n) | rank 0's proposal | a surprise gradient | unused here (n)]
+  auto flags = at::zeros({2 * n + 2}, at::kInt);
   {
     auto* f = flags.data_ptr<int>();
     for (int p : arrival) f[p] = 1;
     for (int p : carried) f[p] = 1;
     f[n] = propose && channels[0]->pg().getRank() == 0 ? 1 : 0;  // only rank 0's counts
     f[n + 1] = surprises.empty() ? 0 : 1;
+    for (int p = 0; p < n; ++p) f[n + 2 + p] = f[p] ? 0 : 1;
   }
   auto agree = channels[0]->submit([this, flags](c10d::ProcessGroup& pg) mutable {
     hooks::Range range("ddpx::step_agreement");
@@ -123,8 +125,13 @@ void GradSync::Impl::finish_step() {
                 "); pass every output that backward starts from");
   }
   write_back(used);
-  predictor.observe(arrival);
-  if (fl[n] != 0) replan_agreed(channels[0]->pg());
+  // Lateness follows "unused on some rank", the same on every rank, so each
+  // rank decides alike whether the late set changed (no vote needed).
+  const std::vector<char> missed(fl + n + 2, fl + 2 * n + 2);
+  predictor.observe(arrival, &missed);
+  const bool late_changed =
+      opts.replan_ && late_for(predictor) != plan_late && predictor.late_stable_steps() >= 1;
+  if (fl[n] != 0 || late_changed) replan_agreed(channels[0]->pg());
 
   std::lock_guard<std::mutex> lock(mu);
   const auto f1 = Clock::now();

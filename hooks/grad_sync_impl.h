@@ -298,13 +298,13 @@ struct GradSync::Impl {
 
   // Would a plan from the updated prediction launch buckets materially
   // earlier under this step's arrival order than the current plan does?
-  // Or has the set of late parameters changed, and held for two steps?
+  // (Rank 0's view decides; a change of the late set is decided apart, from
+  // agreed data, in finish_step.)
   bool should_replan() const {
     if (!opts.replan_) return false;
     hooks::OrderPredictor next = predictor;
     next.observe(arrival);
     const auto late = late_for(next);
-    if (late != plan_late && next.late_stable_steps() >= 1) return true;
     if (next.stable_steps() < 1) return false;  // this order must have repeated
     const int n = static_cast<int>(params.size());
     const auto candidate = hooks::plan_buckets(

@@ -12,8 +12,9 @@ OrderPredictor::OrderPredictor(int n, double alpha)
   for (int i = 0; i < n; ++i) position_ema_[i] = n > 1 ? 1.0 - double(i) / (n - 1) : 0.0;
 }
 
-void OrderPredictor::observe(const std::vector<int>& arrival) {
+void OrderPredictor::observe(const std::vector<int>& arrival, const std::vector<char>* missed) {
   const int n = static_cast<int>(position_ema_.size());
+  TORCH_INTERNAL_ASSERT(!missed || static_cast<int>(missed->size()) == n);
   std::vector<double> pos(n, -1.0);
   const int m = static_cast<int>(arrival.size());
   for (int k = 0; k < m; ++k) {
@@ -27,7 +28,8 @@ void OrderPredictor::observe(const std::vector<int>& arrival) {
   for (int i = 0; i < n; ++i) {
     const bool used = pos[i] >= 0;
     used_ema_[i] = (1 - a) * used_ema_[i] + a * (used ? 1.0 : 0.0);
-    miss_ema_[i] = (1 - am) * miss_ema_[i] + am * (used ? 0.0 : 1.0);
+    const bool miss = missed ? (*missed)[i] != 0 : !used;
+    miss_ema_[i] = (1 - am) * miss_ema_[i] + am * (miss ? 1.0 : 0.0);
     if (used) position_ema_[i] = (1 - a) * position_ema_[i] + a * pos[i];
   }
   stable_steps_ = arrival == last_order_ ? stable_steps_ + 1 : 0;

@@ -25,8 +25,10 @@ class OrderPredictor {
   explicit OrderPredictor(int num_params, double alpha = 0.5);
 
   // `arrival`: parameter indices in the order their gradients arrived this
-  // step; the ones missing were unused.
-  void observe(const std::vector<int>& arrival);
+  // step; the ones missing were unused. `missed` (optional): per parameter,
+  // unused on some rank (agreed across ranks); lateness then follows it
+  // instead of this rank's arrival, so every rank holds the same late set.
+  void observe(const std::vector<int>& arrival, const std::vector<char>* missed = nullptr);
 
   std::vector<int> predicted_order() const;
   bool predicted_unused(int param) const { return used_ema_[param] < 0.5; }

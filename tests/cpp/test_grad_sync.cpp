@@ -154,11 +154,37 @@ struct BranchyImpl : torch::nn::Module {
 };
 TORCH_MODULE(Branchy);
 
+// Six steps: from step 3 on, left and right (each unused on some rank) are in
+// a late bucket on every rank, and never (unused everywhere) is not sent.
 TEST(GradSync, UnusedAndRankDependentBranchesPredict) {
   expect_matches_reference<Branchy>(
       [] { return Branchy(); },
       [](Branchy& m, const at::Tensor& x, int rank) { return m(x, rank); }, 6,
-      GradSyncOptions().unused(Unused::Predict), 4);
+      GradSyncOptions().unused(Unused::Predict), 6);
+}
+
+// Lateness is "unused on some rank", agreed, so every rank plans left and
+// right (each unused on half the ranks) and never into the late bucket, with
+// no per-rank copy of a slot; never's bytes stay off the wire.
+TEST(GradSync, RankDependentBranchesShareOneLatePlan) {
+  auto& pg = world();
+  if (pg->getSize() < 2) GTEST_SKIP();
+  torch::manual_seed(25);
+  Branchy m;
+  GradSync sync(m->named_parameters(), pg);
+  auto x = at::randn({kB, 6}, at::kDouble);
+  for (int step = 0; step < 4; ++step) {
+    m->zero_grad(/*set_to_none=*/false);
+    m(x, pg->getRank()).backward();
+  }
+  EXPECT_EQ(sync.replans(), 1);
+  auto last = sync.bucket_plan().back();
+  std::sort(last.begin(), last.end());
+  EXPECT_EQ(last, (std::vector<std::string>{"left.bias", "left.weight", "never.bias",
+                                            "never.weight", "right.bias", "right.weight"}));
+  int64_t all = 0;
+  for (const auto& p : m->parameters()) all += p.numel() * 8;
+  EXPECT_EQ(sync.last_step().bytes_reduced, all - (6 * 2 + 2) * 8);
 }
 
 TEST(GradSync, UnusedAndRankDependentBranchesExact) {

@@ -75,6 +75,16 @@ TEST(OrderPredictor, IntermittentlyUsedParametersStayLateWithoutChurn) {
   EXPECT_FALSE(once.late(0));
 }
 
+TEST(OrderPredictor, LatenessCanFollowAgreedMisses) {
+  // This rank used everything; another rank missed parameter 1.
+  OrderPredictor p(3);
+  const std::vector<char> missed{0, 1, 0};
+  p.observe({2, 1, 0}, &missed);
+  EXPECT_EQ(p.late_set(), (std::vector<char>{0, 1, 0}));
+  EXPECT_FALSE(p.predicted_unused(1));  // the order and use still follow this rank
+  EXPECT_EQ(p.predicted_order(), (std::vector<int>{2, 0, 1}));
+}
+
 TEST(OrderPredictor, StateRoundTrips) {
   OrderPredictor a(5), b(5);
   a.observe({4, 0, 2});
