@@ -160,6 +160,23 @@ TEST_P(CodecTest, TopKExactOnKSparseInputs) {
   }
 }
 
+// Large inputs take the sampled-threshold selection: the same entries as a
+// full topk, so the mean of every rank's top k, exactly.
+TEST_P(CodecTest, TopKOnLargeInputsSelectsTheTrueTopK) {
+  const int64_t n = 300007, k = 3001;  // topk:0.01 -> ceil(3000.07)
+  auto c = make_codec("topk:0.01");
+  auto want = at::zeros({n}, at::kFloat);
+  for (int r = 0; r < world(); ++r) {
+    auto xr = input_of(r, 1200, {n});
+    auto idx = std::get<1>(xr.abs().topk(k));
+    want.index_add_(0, idx, xr.index_select(0, idx));
+  }
+  want.div_(world());
+  auto got = c->allreduce_mean(input_of(rank(), 1200, {n}), "", pg());
+  EXPECT_EQ((got != 0).sum().item<int64_t>(), (want != 0).sum().item<int64_t>());
+  EXPECT_TRUE(at::allclose(got, want, 1e-6, 1e-7));
+}
+
 TEST_P(CodecTest, PowerSgdExactOnLowRankInputs) {
   for (int64_t r : {1, 2, 4}) {
     auto c = make_codec("powersgd:" + std::to_string(r));
