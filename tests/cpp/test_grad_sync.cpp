@@ -258,6 +258,31 @@ struct ExpertsImpl : torch::nn::Module {
 };
 TORCH_MODULE(Experts);
 
+// One process's gradients for the global batch g at ref's step: the shards'
+// losses / n summed (equal shards: the mean over the batch), then backward.
+void backward_global(Experts& ref, const at::Tensor& g, int n) {
+  at::Tensor total;
+  for (int k = 0; k < n; ++k) {
+    auto l = ref(shard(g, k)) / n;
+    total = total.defined() ? total + l : l;
+  }
+  total.backward();
+}
+
+// m's gradients against ref's: defined alike, and within atol + rtol |want|.
+void expect_grads_match(Experts& m, Experts& ref, double rtol, double atol,
+                        const std::string& where) {
+  auto rp = ref->named_parameters();
+  for (const auto& item : m->named_parameters()) {
+    const auto& want = rp[item.key()].grad();
+    const auto& got = item.value().grad();
+    ASSERT_EQ(got.defined(), want.defined()) << item.key() << " " << where;
+    if (!want.defined()) continue;
+    EXPECT_TRUE(at::allclose(got, want, rtol, atol))
+        << item.key() << " " << where << ": max diff " << (got - want).abs().max().item<double>();
+  }
+}
+
 // Once the late set has settled (both experts late after two steps), the
 // idle expert's bytes stay off the wire -- DDP would send its zeros -- the
 // plan does not churn with the alternation, and gradients stay exact.
@@ -281,25 +306,12 @@ TEST(GradSync, AlternatingExpertsSkipTheIdleOneAndStayExact) {
       ref->step = m->step = step;
       auto g = global_batch(6, 700 + step);
       ref->zero_grad(/*set_to_none=*/!in_place);
-      at::Tensor total;
-      for (int k = 0; k < n; ++k) {
-        auto l = ref(shard(g, k)) / n;
-        total = total.defined() ? total + l : l;
-      }
-      total.backward();
+      backward_global(ref, g, n);
       m->zero_grad(/*set_to_none=*/!in_place);
       auto loss = m(shard(g, pg->getRank()));
       if (u == Unused::Exact) sync.prepare_for_backward({loss});
       loss.backward();
-      auto rp = ref->named_parameters();
-      for (const auto& item : m->named_parameters()) {
-        const auto& want = rp[item.key()].grad();
-        ASSERT_EQ(item.value().grad().defined(), want.defined()) << item.key() << " step " << step;
-        if (want.defined()) {
-          EXPECT_TRUE(at::allclose(item.value().grad(), want, 1e-5, 1e-8))
-              << item.key() << " step " << step;
-        }
-      }
+      expect_grads_match(m, ref, 1e-5, 1e-8, "step " + std::to_string(step));
       if (step >= 3) {
         EXPECT_EQ(sync.last_step().bytes_reduced, all_bytes - expert_bytes) << "step " << step;
       }
@@ -353,13 +365,7 @@ TEST(GradSync, NoSyncGradientOfAParameterUnusedInTheSyncedStep) {
       auto loss = m(shard(gs[2], pg->getRank()));
       if (u == Unused::Exact) sync.prepare_for_backward({loss});
       loss.backward();
-      auto rp = ref->named_parameters();
-      for (const auto& item : m->named_parameters()) {
-        const auto& want = rp[item.key()].grad();
-        ASSERT_EQ(item.value().grad().defined(), want.defined()) << item.key();
-        EXPECT_TRUE(at::allclose(item.value().grad(), want, 1e-5, 1e-8))
-            << item.key() << " round " << round;
-      }
+      expect_grads_match(m, ref, 1e-5, 1e-8, "round " + std::to_string(round));
     }
   }
 }
@@ -381,33 +387,18 @@ TEST(GradSync, LossyCodecsOnLateBuckets) {
       ref->step = m->step = step;
       auto g = global_batch(6, 1100 + step);
       ref->zero_grad();
-      at::Tensor total;
-      for (int k = 0; k < n; ++k) {
-        auto l = ref(shard(g, k)) / n;
-        total = total.defined() ? total + l : l;
-      }
-      total.backward();
+      backward_global(ref, g, n);
       m->zero_grad();
       m(shard(g, pg->getRank())).backward();
-      auto rp = ref->named_parameters();
       // int8 quantises a whole chunk (here: a bucket) by its largest value,
       // and error feedback adds back the last step's residual: allow a few
       // steps of absmax/127 over all gradients; fp16: its relative precision.
       double absmax = 0;
-      for (const auto& item : rp) {
-        if (item.value().grad().defined()) {
-          absmax = std::max(absmax, item.value().grad().abs().max().item<double>());
-        }
+      for (const auto& p : ref->parameters()) {
+        if (p.grad().defined()) absmax = std::max(absmax, p.grad().abs().max().item<double>());
       }
-      for (const auto& item : m->named_parameters()) {
-        const auto& want = rp[item.key()].grad();
-        ASSERT_EQ(item.value().grad().defined(), want.defined()) << item.key() << " step " << step;
-        if (!want.defined()) continue;
-        const double tol = codec == "int8" ? 4 * absmax / 127 : 4e-3 * absmax;
-        EXPECT_TRUE(at::allclose(item.value().grad(), want, 0, tol))
-            << item.key() << " step " << step << ": max diff "
-            << (item.value().grad() - want).abs().max().item<double>() << ", allowed " << tol;
-      }
+      const double tol = codec == "int8" ? 4 * absmax / 127 : 4e-3 * absmax;
+      expect_grads_match(m, ref, 0, tol, "step " + std::to_string(step));
     }
     EXPECT_EQ(sync.replans(), 1);
   }
