@@ -223,31 +223,34 @@ struct GradSync::Impl {
     auto& bs = stats.buckets[b];
     bs.launch_us = hooks::us_since(t0, Clock::now());
     if (runs.empty()) runs.push_back({0, plan[b].numel});
-    const bool whole = runs.size() == 1 && runs[0].numel == plan[b].numel;
     int64_t numel = 0;
-    std::vector<std::string> run_keys;
-    for (const auto& r : runs) {
-      numel += r.numel;
-      // A codec keeps state per key: a run has its own (one per layout seen).
-      run_keys.push_back(whole ? keys[b]
-                               : keys[b] + "@" + std::to_string(r.offset) + "+" +
-                                     std::to_string(r.numel));
-    }
+    for (const auto& r : runs) numel += r.numel;
     bs.bytes = numel * static_cast<int64_t>(c10::elementSize(plan[b].dtype));
+    // A codec keeps state per key: a partial run has its own (one per layout
+    // seen). The whole bucket uses the bucket's key, which only changes at a
+    // re-plan, after every future.
+    std::vector<std::string> run_keys;
+    if (numel != plan[b].numel) {
+      for (const auto& r : runs) {
+        run_keys.push_back(keys[b] + "@" + std::to_string(r.offset) + "+" + std::to_string(r.numel));
+      }
+    }
     at::Tensor flat = storage[b];
+    const std::string* key = &keys[b];
     auto* complete = &bs.complete_us;
     const auto start = t0;
     futures[b] = channels[b % channels.size()]->submit(
-        [this, flat, runs = std::move(runs), run_keys = std::move(run_keys), complete, start,
+        [this, flat, key, runs = std::move(runs), run_keys = std::move(run_keys), complete, start,
          ctx = profiler->launch_context(b)](c10d::ProcessGroup& pg) mutable {
           {
             hooks::ReduceScope scope(ctx);
-            for (size_t i = 0; i < runs.size(); ++i) {
-              if (runs[i].numel == 0) continue;
-              at::Tensor part = runs[i].numel == flat.numel()
-                                    ? flat
-                                    : flat.narrow(0, runs[i].offset, runs[i].numel);
-              reduce(part, run_keys[i], pg);
+            if (run_keys.empty()) {
+              reduce(flat, *key, pg);
+            } else {
+              for (size_t i = 0; i < runs.size(); ++i) {
+                at::Tensor part = flat.narrow(0, runs[i].offset, runs[i].numel);
+                reduce(part, run_keys[i], pg);
+              }
             }
           }
           *complete = hooks::us_since(start, Clock::now());
@@ -304,8 +307,8 @@ struct GradSync::Impl {
     if (!opts.replan_) return false;
     hooks::OrderPredictor next = predictor;
     next.observe(arrival);
-    const auto late = late_for(next);
     if (next.stable_steps() < 1) return false;  // this order must have repeated
+    const auto late = late_for(predictor);  // the agreed late set so far
     const int n = static_cast<int>(params.size());
     const auto candidate = hooks::plan_buckets(
         next.predicted_order(), info, static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
