@@ -52,15 +52,7 @@ void GradSync::Impl::finish_step() {
     f[n + 1] = surprises.empty() ? 0 : 1;
     for (int p = 0; p < n; ++p) f[n + 2 + p] = f[p] ? 0 : 1;
   }
-  auto agree = channels[0]->submit([this, flags](c10d::ProcessGroup& pg) mutable {
-    hooks::Range range("ddpx::step_agreement");
-    agree_t0 = Clock::now();
-    std::vector<at::Tensor> t{flags};
-    c10d::AllreduceOptions o;
-    o.reduceOp = c10d::ReduceOp::MAX;
-    pg.allreduce(t, o)->wait();
-    agree_t1 = Clock::now();
-  });
+  auto agree = agree_max(flags, "ddpx::step_agreement", &agree_t0, &agree_t1);
   std::exception_ptr error;
   auto take = [&error](std::future<void>& f) {
     try {

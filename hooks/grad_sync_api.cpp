@@ -137,15 +137,7 @@ void GradSync::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
     int* f = flags.data_ptr<int>();
     // A parameter with no_sync gradients contributes them even if unused now.
     for (int p = 0; p < n; ++p) f[p] = expected[p] && !I.accumulated[p].load() ? 0 : 1;
-    I.channels[0]
-        ->submit([flags](c10d::ProcessGroup& pg) mutable {
-          hooks::Range range("ddpx::used_agreement");
-          std::vector<at::Tensor> t{flags};
-          c10d::AllreduceOptions o;
-          o.reduceOp = c10d::ReduceOp::MAX;
-          pg.allreduce(t, o)->wait();
-        })
-        .get();
+    I.agree_max(flags, "ddpx::used_agreement").get();
     early.assign(f, f + n);
   }
   std::lock_guard<std::mutex> lock(I.mu);

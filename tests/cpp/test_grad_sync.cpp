@@ -283,21 +283,35 @@ void expect_grads_match(Experts& m, Experts& ref, double rtol, double atol,
   }
 }
 
+// The modes the Experts tests run: (unused mode, zero_grad in place). In
+// place, .grad is the bucket slot, and an idle expert's must keep its value.
+const std::vector<std::pair<Unused, bool>> kExpertModes{
+    {Unused::Predict, false}, {Unused::Exact, false}, {Unused::Predict, true}};
+
+std::string mode_name(Unused u, bool in_place) {
+  return std::string(u == Unused::Predict ? "Predict" : "Exact") +
+         (in_place ? ", zero_grad in place" : "");
+}
+
+// Two models with the same initial weights: the one-process reference and
+// the one under GradSync.
+std::pair<Experts, Experts> twin_experts(uint64_t seed) {
+  torch::manual_seed(seed);
+  Experts ref;
+  torch::manual_seed(seed);
+  Experts m;
+  return {ref, m};
+}
+
 // Once the late set has settled (both experts late after two steps), the
 // idle expert's bytes stay off the wire -- DDP would send its zeros -- the
 // plan does not churn with the alternation, and gradients stay exact.
 TEST(GradSync, AlternatingExpertsSkipTheIdleOneAndStayExact) {
   auto& pg = world();
   const int n = pg->getSize();
-  for (const auto& [u, in_place] : std::vector<std::pair<Unused, bool>>{
-           {Unused::Predict, false}, {Unused::Exact, false}, {Unused::Predict, true}}) {
-    // In place: .grad is the slot, and the idle expert's must keep its value.
-    SCOPED_TRACE(std::string(u == Unused::Predict ? "Predict" : "Exact") +
-                 (in_place ? ", zero_grad in place" : ""));
-    torch::manual_seed(21);
-    Experts ref;
-    torch::manual_seed(21);
-    Experts m;
+  for (const auto& [u, in_place] : kExpertModes) {
+    SCOPED_TRACE(mode_name(u, in_place));
+    auto [ref, m] = twin_experts(21);
     GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(u));
     int64_t all_bytes = 0;
     for (const auto& p : m->parameters()) all_bytes += p.numel() * 8;
@@ -329,14 +343,9 @@ TEST(GradSync, AlternatingExpertsSkipTheIdleOneAndStayExact) {
 TEST(GradSync, NoSyncGradientOfAParameterUnusedInTheSyncedStep) {
   auto& pg = world();
   const int n = pg->getSize();
-  for (const auto& [u, in_place] : std::vector<std::pair<Unused, bool>>{
-           {Unused::Predict, false}, {Unused::Exact, false}, {Unused::Predict, true}}) {
-    SCOPED_TRACE(std::string(u == Unused::Predict ? "Predict" : "Exact") +
-                 (in_place ? ", zero_grad in place" : ""));
-    torch::manual_seed(23);
-    Experts ref;
-    torch::manual_seed(23);
-    Experts m;
+  for (const auto& [u, in_place] : kExpertModes) {
+    SCOPED_TRACE(mode_name(u, in_place));
+    auto [ref, m] = twin_experts(23);
     GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(u));
     for (int round = 0; round < 5; ++round) {  // later rounds run on a re-planned (late) layout
       std::vector<at::Tensor> gs;
@@ -378,10 +387,7 @@ TEST(GradSync, LossyCodecsOnLateBuckets) {
   const int n = pg->getSize();
   for (const std::string codec : {"fp16", "int8"}) {
     SCOPED_TRACE(codec);
-    torch::manual_seed(24);
-    Experts ref;
-    torch::manual_seed(24);
-    Experts m;
+    auto [ref, m] = twin_experts(24);
     GradSync sync(m->named_parameters(), pg, GradSyncOptions().codec(codec));
     for (int step = 0; step < 8; ++step) {
       ref->step = m->step = step;
