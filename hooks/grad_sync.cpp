@@ -149,8 +149,15 @@ void GradSync::Impl::finish_step() {
 void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
   at::NoGradGuard no_grad;
   for (size_t p = 0; p < params.size(); ++p) {
-    if (!globally_used[p]) continue;  // unused everywhere: .grad untouched, as under DDP
     const int i = static_cast<int>(p);
+    if (!globally_used[p]) {
+      // Unused everywhere: .grad untouched, as under DDP. In a reliable
+      // bucket its slot was sent all the same, carrying the codec's residual
+      // for it; the mean of what the ranks sent is owed again, so error
+      // feedback loses nothing (over the ranks, the sum is conserved).
+      if (take_residuals && !plan[bucket_of[p]].late) owe(i, views[p]);
+      continue;
+    }
     auto& g = params[p].mutable_grad();
     if (opts.gradient_as_bucket_view_) {
       // .grad becomes the slot (DDP's gradient_as_bucket_view): the average

@@ -36,7 +36,7 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
   I.names = names;
   I.params = params;
   I.world = pg->getSize();
-  I.reduce = hooks::make_reduce_fn(options.codec_, &I.wire_stats, &I.reset_codec);
+  I.reduce = hooks::make_reduce_fn(options.codec_, &I.wire_stats, &I.take_residuals);
   I.profiler = std::make_unique<hooks::Profiler>(hooks::TraceConfig::from(options), pg->getRank(),
                                                  pg->getSize(), static_cast<int64_t>(params.size()));
   I.channels.push_back(std::make_unique<hooks::Channel>(pg));

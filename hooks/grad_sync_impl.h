@@ -9,7 +9,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <mutex>
+#include <tuple>
 
 #include "hooks/bucket_planner.h"
 #include "hooks/channel.h"
@@ -39,7 +41,7 @@ struct GradSync::Impl {
   std::vector<std::unique_ptr<hooks::Channel>> channels;
   hooks::ReduceFn reduce;
   hooks::WireStatsFn wire_stats;
-  std::function<void()> reset_codec;  // drops the codec's per-key state
+  hooks::TakeResidualsFn take_residuals;  // drops the codec's per-key state; empty: no state
   std::unique_ptr<hooks::Profiler> profiler;
   int world = 1;
 
@@ -50,6 +52,13 @@ struct GradSync::Impl {
   std::vector<at::Tensor> views;          // per parameter: its slot, shaped like it
   std::vector<std::string> keys;          // per bucket: the codec's state key
   std::vector<char> plan_late;            // per parameter: late when the plan was made
+  // Partial-run codec keys of late buckets (bucketB@off+len) -> (bucket,
+  // offset), for carrying their residuals over a re-plan.
+  std::map<std::string, std::pair<int, int64_t>> run_origin;
+  // Per parameter: error-feedback residual (flat float32) owed from before
+  // the last re-plan, added to its slot when the slot is next sent.
+  std::vector<at::Tensor> carry;
+  int carries = 0;  // defined entries of carry
   hooks::OrderPredictor predictor;
   int64_t replans = 0;
 
@@ -87,15 +96,15 @@ struct GradSync::Impl {
   // have late buckets; under Off an unused parameter is an error anyway.
   void replan(const std::vector<int>& order, std::vector<char> late) {
     if (opts.unused_ == Unused::Off) late.clear();
+    // Keys name buckets by index: after a re-plan a key holds other slots, so
+    // the codec's state starts over; its residuals move to the parameters.
+    carry_residuals();
     plan = hooks::plan_buckets(order, info,
                                static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
                                static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)), late);
     plan_late = late.empty() ? std::vector<char>(params.size(), 0) : std::move(late);
     storage.clear();
     keys.clear();
-    // Keys name buckets by index: after a re-plan a key holds other slots, so
-    // the codec's state (error-feedback residuals, PowerSGD's Q) starts over.
-    if (reset_codec) reset_codec();
     bucket_of.assign(params.size(), -1);
     offset_of.assign(params.size(), 0);
     views.assign(params.size(), at::Tensor());
@@ -112,6 +121,43 @@ struct GradSync::Impl {
         views[p] = storage[b].narrow(0, off, info[p].numel).view(params[p].sizes()).detach();
         off += info[p].numel;
       }
+    }
+  }
+
+  // The codec's residuals under the current plan's keys become per-parameter
+  // carries (a parameter seen under several run keys owes their sum: each
+  // is a part of its inputs not sent yet). PowerSGD's Q (a warm start, not
+  // owed error) is dropped with the rest of the state.
+  void carry_residuals() {
+    if (!take_residuals) return;
+    for (auto& [key, r] : take_residuals()) {
+      int b = -1;
+      int64_t off = 0;
+      if (auto it = run_origin.find(key); it != run_origin.end()) {
+        std::tie(b, off) = it->second;
+      } else {
+        for (size_t i = 0; i < keys.size(); ++i) {
+          if (keys[i] == key) b = static_cast<int>(i);
+        }
+      }
+      if (b < 0 || b >= static_cast<int>(plan.size())) continue;
+      for (int p : plan[b].params) {
+        const int64_t rel = offset_of[p] - off;
+        if (rel < 0 || rel + info[p].numel > r.numel()) continue;  // not in this run
+        owe(p, r.narrow(0, rel, info[p].numel));
+      }
+    }
+    run_origin.clear();
+  }
+
+  // Adds `r` (p's numel elements) to what parameter p owes its next send.
+  void owe(int p, const at::Tensor& r) {
+    carry.resize(params.size());
+    if (carry[p].defined()) {
+      carry[p].add_(r.reshape(-1));
+    } else {
+      carry[p] = r.reshape(-1).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      ++carries;
     }
   }
 
@@ -233,17 +279,21 @@ struct GradSync::Impl {
     if (numel != plan[b].numel) {
       for (const auto& r : runs) {
         run_keys.push_back(keys[b] + "@" + std::to_string(r.offset) + "+" + std::to_string(r.numel));
+        run_origin.emplace(run_keys.back(), std::make_pair(b, r.offset));
       }
     }
+    auto owed = take_carries_locked(b, runs);
     at::Tensor flat = storage[b];
     const std::string* key = &keys[b];
     auto* complete = &bs.complete_us;
     const auto start = t0;
     futures[b] = channels[b % channels.size()]->submit(
-        [this, flat, key, runs = std::move(runs), run_keys = std::move(run_keys), complete, start,
+        [this, flat, key, runs = std::move(runs), run_keys = std::move(run_keys),
+         owed = std::move(owed), complete, start,
          ctx = profiler->launch_context(b)](c10d::ProcessGroup& pg) mutable {
           {
             hooks::ReduceScope scope(ctx);
+            for (auto& [slot, r] : owed) slot.add_(r.view(slot.sizes()));
             if (run_keys.empty()) {
               reduce(flat, *key, pg);
             } else {
@@ -255,6 +305,26 @@ struct GradSync::Impl {
           }
           *complete = hooks::us_since(start, Clock::now());
         });
+  }
+
+  // (slot, residual) of the parameters in bucket b's `runs` that owe a
+  // residual from before a re-plan; they owe nothing afterwards.
+  std::vector<std::pair<at::Tensor, at::Tensor>> take_carries_locked(int b,
+                                                                     const std::vector<Run>& runs) {
+    std::vector<std::pair<at::Tensor, at::Tensor>> owed;
+    if (carries == 0) return owed;
+    for (int p : plan[b].params) {
+      if (!carry[p].defined()) continue;
+      for (const auto& r : runs) {
+        if (offset_of[p] >= r.offset && offset_of[p] < r.offset + r.numel) {
+          owed.emplace_back(views[p], std::move(carry[p]));
+          carry[p] = at::Tensor();
+          --carries;
+          break;
+        }
+      }
+    }
+    return owed;
   }
 
   // The runs of late bucket b's slots whose parameters some rank used

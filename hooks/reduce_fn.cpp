@@ -10,13 +10,13 @@
 namespace ddpx::hooks {
 
 ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats,
-                        std::function<void()>* reset) {
-  if (reset) *reset = [] {};
+                        TakeResidualsFn* take_residuals) {
+  if (take_residuals) *take_residuals = nullptr;  // "none" keeps no state
   if (codec != "none") {
     // Lossy codecs keep error-feedback state per bucket key inside the codec.
     std::shared_ptr<comm::Codec> c = comm::make_codec(codec);
     if (stats) *stats = [c] { return c->stats(); };
-    if (reset) *reset = [c] { c->reset_state(); };
+    if (take_residuals) *take_residuals = [c] { return c->take_residuals(); };
     return [c](at::Tensor& flat, const std::string& key, c10d::ProcessGroup& pg) {
       flat.copy_(c->allreduce_mean(flat, key, pg));
     };

@@ -6,6 +6,7 @@
 #include <ddpx/comm.h>
 
 #include <functional>
+#include <map>
 #include <string>
 
 namespace ddpx::hooks {
@@ -20,9 +21,13 @@ using ReduceFn = std::function<void(at::Tensor& flat, const std::string& key, c1
 // is one step's traffic.
 using WireStatsFn = std::function<comm::CodecStats()>;
 
-// *reset (if given) becomes a function that drops every key's codec state
-// (residuals, PowerSGD's Q): a re-plan changes what a bucket key holds.
+// Drops every key's codec state (residuals, PowerSGD's Q) and returns the
+// error-feedback residuals by key (Codec::take_residuals; empty for "none"):
+// a re-plan changes what a bucket key holds, and carries the residuals over
+// per parameter.
+using TakeResidualsFn = std::function<std::map<std::string, at::Tensor>()>;
+
 ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats = nullptr,
-                        std::function<void()>* reset = nullptr);
+                        TakeResidualsFn* take_residuals = nullptr);
 
 }  // namespace ddpx::hooks

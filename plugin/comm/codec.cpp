@@ -207,6 +207,17 @@ void Codec::reset_state(const std::string& key) {
   }
 }
 
+std::map<std::string, at::Tensor> Codec::take_residuals() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, at::Tensor> out;
+  for (auto& [key, slots] : state_) {
+    auto it = slots.find("residual");
+    if (it != slots.end() && it->second.defined()) out.emplace(key, std::move(it->second));
+  }
+  state_.clear();
+  return out;
+}
+
 at::Tensor Codec::state(const std::string& key, const std::string& slot) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = state_.find(key);

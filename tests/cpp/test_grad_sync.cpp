@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
 
 #include "mpi_test_util.h"
 
@@ -578,6 +579,113 @@ TEST(GradSync, OrderChangeReplansOnceAndStaysExact) {
   for (bool in_place : {false, true}) {
     SCOPED_TRACE(in_place ? "zero_grad in place" : "zero_grad set_to_none");
     expect_flip_replans_once(in_place);
+  }
+}
+
+// Per parameter: the sum of its gradients over steps.
+using GradSums = std::map<std::string, at::Tensor>;
+
+// Adds mod's gradients to sum, those `ref` has this step (if given): a
+// globally unused parameter's .grad is left as it was, not a new gradient.
+void add_grads(torch::nn::Module& mod, GradSums& sum, torch::nn::Module* ref = nullptr) {
+  auto rp = (ref ? ref : &mod)->named_parameters();
+  for (const auto& item : mod.named_parameters()) {
+    if (!rp[item.key()].grad().defined()) continue;
+    auto& s = sum[item.key()];
+    s = s.defined() ? s + item.value().grad() : item.value().grad().clone();
+  }
+}
+
+// float32 on the wire, summed over a dozen steps.
+void expect_sums_match(GradSums& got, const GradSums& want) {
+  for (const auto& [name, w] : want) {
+    const double scale = w.abs().max().item<double>();
+    ASSERT_TRUE(got[name].defined()) << name;
+    EXPECT_TRUE(at::allclose(got[name], w, 1e-4, 1e-5 * scale))
+        << name << ": max error " << (got[name] - w).abs().max().item<double>() << " of " << scale;
+  }
+}
+
+// Error feedback across a re-plan: the flip re-plans the buckets (new keys,
+// new layouts), and the residuals the old buckets held must reach the same
+// parameters. With zero gradients afterwards, the codecs send their residuals
+// out (top-k 1/4 of the entries per step, int8 1/127 of the rest), so the sum
+// of the synced gradients over all steps must come to the sum of the true
+// averages: a dropped residual would be missing from it for good.
+TEST(GradSync, ReplanCarriesErrorFeedbackResiduals) {
+  auto& pg = world();
+  const int n = pg->getSize();
+  for (const std::string codec : {"topk:0.25", "int8"}) {
+    SCOPED_TRACE(codec);
+    torch::manual_seed(9);
+    Flip ref;
+    torch::manual_seed(9);
+    Flip m;
+    GradSync sync(m->named_parameters(), pg,
+                  GradSyncOptions().bucket_cap_mb(0.002).first_bucket_mb(0.002).codec(codec));
+    GradSums want, got;
+    constexpr int kLive = 8, kDrain = 6;  // the flip at step 3, its re-plan after step 4
+    int64_t replans_at_drain = -1;
+    for (int step = 0; step < kLive + kDrain; ++step) {
+      const bool live = step < kLive;
+      ref->step = m->step = step;
+      auto g = global_batch(16, 700 + step);
+      if (live) {
+        ref->zero_grad();
+        at::Tensor total;
+        for (int k = 0; k < n; ++k) {
+          auto l = ref(shard(g, k)) / n;
+          total = total.defined() ? total + l : l;
+        }
+        total.backward();
+        add_grads(*ref, want);
+      }
+      m->zero_grad();
+      // Drain steps: zero gradients, but every hook still fires.
+      (m(shard(g, pg->getRank())) * (live ? 1.0 : 0.0)).backward();
+      add_grads(*m, got);
+      if (step == kLive - 1) replans_at_drain = sync.replans();
+    }
+    EXPECT_EQ(replans_at_drain, 1);
+    EXPECT_EQ(sync.replans(), 1);
+    expect_sums_match(got, want);
+  }
+}
+
+// The same across a re-plan of late buckets, whose codec state is kept per
+// run of used slots (one key per layout seen): the alternating experts, with
+// a re-plan forced (load_state) once their late bucket has sent both layouts.
+// Before the late set settles (steps 0-1) the idle expert sits in a reliable
+// bucket, unused everywhere: its slot sends its residual, and that is owed
+// again, not dropped with the result.
+TEST(GradSync, ReplanCarriesTheResidualsOfLateRuns) {
+  auto& pg = world();
+  const int n = pg->getSize();
+  for (const std::string codec : {"topk:0.25", "int8"}) {
+    SCOPED_TRACE(codec);
+    auto [ref, m] = twin_experts(31);
+    GradSync sync(m->named_parameters(), pg, GradSyncOptions().codec(codec));
+    GradSums want, got;
+    constexpr int kLive = 8, kDrain = 10;  // each expert drains on every other step
+    for (int step = 0; step < kLive + kDrain; ++step) {
+      const double live = step < kLive ? 1.0 : 0.0;
+      ref->step = m->step = step;
+      auto g = global_batch(6, 900 + step);
+      ref->zero_grad();
+      at::Tensor total;
+      for (int k = 0; k < n; ++k) {
+        auto l = ref(shard(g, k)) * (live / n);
+        total = total.defined() ? total + l : l;
+      }
+      total.backward();
+      add_grads(*ref, want);
+      m->zero_grad();
+      (m(shard(g, pg->getRank())) * live).backward();
+      add_grads(*m, got, ref.get());
+      if (step == 5) sync.load_state(sync.state());  // re-plans: new keys
+    }
+    EXPECT_EQ(sync.replans(), 1);  // the late set's; load_state's is not counted
+    expect_sums_match(got, want);
   }
 }
 

@@ -63,6 +63,12 @@ class Codec {
   CodecStats stats() const;
   // Drops one key's state ("" = every key's).
   void reset_state(const std::string& key = "");
+  // Drops every key's state and returns each key's error-feedback residual
+  // (flat float32, the key's input numel): the part of this rank's inputs its
+  // contributions have not carried yet. A caller that changes what its keys
+  // hold (GradSync re-planning its buckets) adds these back to the next
+  // inputs of the same elements, so no error is lost.
+  std::map<std::string, at::Tensor> take_residuals();
 
  protected:
   // Per-key named state tensors ("residual", "q"); undefined when absent.
