@@ -285,6 +285,23 @@ TEST_P(CodecTest, ErrorFeedbackTracksRunningSum) {
   }
 }
 
+// take_residuals hands over what the contributions did not carry (top-k: the
+// input without its k largest entries) and leaves the codec stateless.
+TEST_P(CodecTest, TakeResidualsReturnsWhatWasNotSentAndClearsTheState) {
+  auto c = make_codec("topk:0.1");
+  auto x = input_of(rank(), 510, {12, 10});
+  auto first = c->allreduce_mean(x, "a", pg());
+  c->allreduce_mean(x, "", pg());  // stateless: no residual
+  auto taken = c->take_residuals();
+  ASSERT_EQ(taken.size(), 1u);
+  ASSERT_EQ(taken.count("a"), 1u);
+  auto want = x.reshape(-1).to(at::kFloat).clone();
+  want.index_fill_(0, std::get<1>(want.abs().topk(12)), 0.0);
+  EXPECT_TRUE(at::equal(taken["a"], want));
+  EXPECT_TRUE(c->take_residuals().empty());
+  EXPECT_TRUE(at::equal(c->allreduce_mean(x, "a", pg()), first)) << "state left behind";
+}
+
 TEST_P(CodecTest, StatePersistsPerKeyAndIsIsolated) {
   for (const std::string spec : {"topk:0.1", "int8", "powersgd:2", "fp16"}) {
     auto c = make_codec(spec);
