@@ -38,7 +38,9 @@
 //     launch buckets materially later than a re-plan would, or the set of
 //     late parameters has changed, rank 0's proposal is broadcast and every
 //     rank adopts the same plan at the step boundary. Re-planning changes
-//     timing, never results (a lossy codec's per-bucket state starts over).
+//     timing, never exact results; a lossy codec's error-feedback residuals
+//     move with their parameters to the new buckets, so no compression error
+//     is lost (PowerSGD's warm start is dropped).
 #include <ddpx/comm.h>
 #include <torch/ordered_dict.h>
 
