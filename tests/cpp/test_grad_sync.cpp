@@ -8,26 +8,15 @@
 #include <torch/torch.h>
 
 #include <functional>
-#include <map>
 
-#include "mpi_test_util.h"
+#include "grad_sync_test_models.h"
 
 namespace {
 
 using ddpx::GradSync;
 using ddpx::GradSyncOptions;
 using ddpx::Unused;
-
-ddpx::comm::ProcessGroupPtr& world() { return ddpx::test::world_pg(); }
-
-constexpr int kB = 4;  // per-rank batch
-
-// Shard of rank r: rows [r*B, (r+1)*B) of a batch every rank can regenerate.
-at::Tensor global_batch(int64_t features, int64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::randn({world()->getSize() * kB, features}, gen, at::kDouble);
-}
-at::Tensor shard(const at::Tensor& g, int r) { return g.narrow(0, r * kB, kB); }
+using namespace ddpx::test::grad_sync;
 
 // loss_of(model, x, rank) -> scalar loss for a shard. The reference averages
 // the per-shard losses (equal shard sizes: the mean over the whole batch).
@@ -241,69 +230,6 @@ TEST(GradSync, GloballyUnusedViewGradStaysUntouched) {
   }
 }
 
-struct ExpertsImpl : torch::nn::Module {
-  torch::nn::Linear trunk{nullptr}, a{nullptr}, b{nullptr}, head{nullptr};
-  int step = 0;
-  ExpertsImpl() {
-    trunk = register_module("trunk", torch::nn::Linear(6, 6));
-    a = register_module("a", torch::nn::Linear(6, 6));
-    b = register_module("b", torch::nn::Linear(6, 6));
-    head = register_module("head", torch::nn::Linear(6, 2));
-    to(at::kDouble);
-  }
-  // Every rank picks the same expert: a on even steps, b on odd ones.
-  at::Tensor forward(const at::Tensor& x) {
-    auto h = torch::relu(trunk(x));
-    return head(torch::relu(step % 2 == 0 ? a(h) : b(h))).pow(2).mean();
-  }
-};
-TORCH_MODULE(Experts);
-
-// One process's gradients for the global batch g at ref's step: the shards'
-// losses / n summed (equal shards: the mean over the batch), then backward.
-void backward_global(Experts& ref, const at::Tensor& g, int n) {
-  at::Tensor total;
-  for (int k = 0; k < n; ++k) {
-    auto l = ref(shard(g, k)) / n;
-    total = total.defined() ? total + l : l;
-  }
-  total.backward();
-}
-
-// m's gradients against ref's: defined alike, and within atol + rtol |want|.
-void expect_grads_match(Experts& m, Experts& ref, double rtol, double atol,
-                        const std::string& where) {
-  auto rp = ref->named_parameters();
-  for (const auto& item : m->named_parameters()) {
-    const auto& want = rp[item.key()].grad();
-    const auto& got = item.value().grad();
-    ASSERT_EQ(got.defined(), want.defined()) << item.key() << " " << where;
-    if (!want.defined()) continue;
-    EXPECT_TRUE(at::allclose(got, want, rtol, atol))
-        << item.key() << " " << where << ": max diff " << (got - want).abs().max().item<double>();
-  }
-}
-
-// The modes the Experts tests run: (unused mode, zero_grad in place). In
-// place, .grad is the bucket slot, and an idle expert's must keep its value.
-const std::vector<std::pair<Unused, bool>> kExpertModes{
-    {Unused::Predict, false}, {Unused::Exact, false}, {Unused::Predict, true}};
-
-std::string mode_name(Unused u, bool in_place) {
-  return std::string(u == Unused::Predict ? "Predict" : "Exact") +
-         (in_place ? ", zero_grad in place" : "");
-}
-
-// Two models with the same initial weights: the one-process reference and
-// the one under GradSync.
-std::pair<Experts, Experts> twin_experts(uint64_t seed) {
-  torch::manual_seed(seed);
-  Experts ref;
-  torch::manual_seed(seed);
-  Experts m;
-  return {ref, m};
-}
-
 // Once the late set has settled (both experts late after two steps), the
 // idle expert's bytes stay off the wire -- DDP would send its zeros -- the
 // plan does not churn with the alternation, and gradients stay exact.
@@ -377,37 +303,6 @@ TEST(GradSync, NoSyncGradientOfAParameterUnusedInTheSyncedStep) {
       loss.backward();
       expect_grads_match(m, ref, 1e-5, 1e-8, "round " + std::to_string(round));
     }
-  }
-}
-
-// A lossy codec on late buckets: the runs sent change with the expert, and
-// each layout keeps its own error-feedback state (no size clash), while the
-// averages stay within the codec's error of the exact ones.
-TEST(GradSync, LossyCodecsOnLateBuckets) {
-  auto& pg = world();
-  const int n = pg->getSize();
-  for (const std::string codec : {"fp16", "int8"}) {
-    SCOPED_TRACE(codec);
-    auto [ref, m] = twin_experts(24);
-    GradSync sync(m->named_parameters(), pg, GradSyncOptions().codec(codec));
-    for (int step = 0; step < 8; ++step) {
-      ref->step = m->step = step;
-      auto g = global_batch(6, 1100 + step);
-      ref->zero_grad();
-      backward_global(ref, g, n);
-      m->zero_grad();
-      m(shard(g, pg->getRank())).backward();
-      // int8 quantises a whole chunk (here: a bucket) by its largest value,
-      // and error feedback adds back the last step's residual: allow a few
-      // steps of absmax/127 over all gradients; fp16: its relative precision.
-      double absmax = 0;
-      for (const auto& p : ref->parameters()) {
-        if (p.grad().defined()) absmax = std::max(absmax, p.grad().abs().max().item<double>());
-      }
-      const double tol = codec == "int8" ? 4 * absmax / 127 : 4e-3 * absmax;
-      expect_grads_match(m, ref, 0, tol, "step " + std::to_string(step));
-    }
-    EXPECT_EQ(sync.replans(), 1);
   }
 }
 
@@ -520,25 +415,6 @@ TEST(GradSync, HundredSgdStepsStayBitwiseEqual) {
   expect_bitwise_equal_across_ranks(*m);
 }
 
-// Two towers whose execution order flips at step kFlip: backward order changes.
-struct FlipImpl : torch::nn::Module {
-  std::vector<torch::nn::Linear> tower;
-  int step = 0;
-  static constexpr int kFlip = 3;
-  FlipImpl() {
-    for (int i = 0; i < 6; ++i) {
-      tower.push_back(register_module("t" + std::to_string(i), torch::nn::Linear(16, 16)));
-    }
-    to(at::kDouble);
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    auto h = x;
-    for (int i = 0; i < 6; ++i) h = torch::tanh(tower[step < kFlip ? i : 5 - i](h));
-    return h.pow(2).mean();
-  }
-};
-TORCH_MODULE(Flip);
-
 void expect_flip_replans_once(bool zero_in_place) {
   auto& pg = world();
   const int n = pg->getSize();
@@ -579,113 +455,6 @@ TEST(GradSync, OrderChangeReplansOnceAndStaysExact) {
   for (bool in_place : {false, true}) {
     SCOPED_TRACE(in_place ? "zero_grad in place" : "zero_grad set_to_none");
     expect_flip_replans_once(in_place);
-  }
-}
-
-// Per parameter: the sum of its gradients over steps.
-using GradSums = std::map<std::string, at::Tensor>;
-
-// Adds mod's gradients to sum, those `ref` has this step (if given): a
-// globally unused parameter's .grad is left as it was, not a new gradient.
-void add_grads(torch::nn::Module& mod, GradSums& sum, torch::nn::Module* ref = nullptr) {
-  auto rp = (ref ? ref : &mod)->named_parameters();
-  for (const auto& item : mod.named_parameters()) {
-    if (!rp[item.key()].grad().defined()) continue;
-    auto& s = sum[item.key()];
-    s = s.defined() ? s + item.value().grad() : item.value().grad().clone();
-  }
-}
-
-// float32 on the wire, summed over a dozen steps.
-void expect_sums_match(GradSums& got, const GradSums& want) {
-  for (const auto& [name, w] : want) {
-    const double scale = w.abs().max().item<double>();
-    ASSERT_TRUE(got[name].defined()) << name;
-    EXPECT_TRUE(at::allclose(got[name], w, 1e-4, 1e-5 * scale))
-        << name << ": max error " << (got[name] - w).abs().max().item<double>() << " of " << scale;
-  }
-}
-
-// Error feedback across a re-plan: the flip re-plans the buckets (new keys,
-// new layouts), and the residuals the old buckets held must reach the same
-// parameters. With zero gradients afterwards, the codecs send their residuals
-// out (top-k 1/4 of the entries per step, int8 1/127 of the rest), so the sum
-// of the synced gradients over all steps must come to the sum of the true
-// averages: a dropped residual would be missing from it for good.
-TEST(GradSync, ReplanCarriesErrorFeedbackResiduals) {
-  auto& pg = world();
-  const int n = pg->getSize();
-  for (const std::string codec : {"topk:0.25", "int8"}) {
-    SCOPED_TRACE(codec);
-    torch::manual_seed(9);
-    Flip ref;
-    torch::manual_seed(9);
-    Flip m;
-    GradSync sync(m->named_parameters(), pg,
-                  GradSyncOptions().bucket_cap_mb(0.002).first_bucket_mb(0.002).codec(codec));
-    GradSums want, got;
-    constexpr int kLive = 8, kDrain = 6;  // the flip at step 3, its re-plan after step 4
-    int64_t replans_at_drain = -1;
-    for (int step = 0; step < kLive + kDrain; ++step) {
-      const bool live = step < kLive;
-      ref->step = m->step = step;
-      auto g = global_batch(16, 700 + step);
-      if (live) {
-        ref->zero_grad();
-        at::Tensor total;
-        for (int k = 0; k < n; ++k) {
-          auto l = ref(shard(g, k)) / n;
-          total = total.defined() ? total + l : l;
-        }
-        total.backward();
-        add_grads(*ref, want);
-      }
-      m->zero_grad();
-      // Drain steps: zero gradients, but every hook still fires.
-      (m(shard(g, pg->getRank())) * (live ? 1.0 : 0.0)).backward();
-      add_grads(*m, got);
-      if (step == kLive - 1) replans_at_drain = sync.replans();
-    }
-    EXPECT_EQ(replans_at_drain, 1);
-    EXPECT_EQ(sync.replans(), 1);
-    expect_sums_match(got, want);
-  }
-}
-
-// The same across a re-plan of late buckets, whose codec state is kept per
-// run of used slots (one key per layout seen): the alternating experts, with
-// a re-plan forced (load_state) once their late bucket has sent both layouts.
-// Before the late set settles (steps 0-1) the idle expert sits in a reliable
-// bucket, unused everywhere: its slot sends its residual, and that is owed
-// again, not dropped with the result.
-TEST(GradSync, ReplanCarriesTheResidualsOfLateRuns) {
-  auto& pg = world();
-  const int n = pg->getSize();
-  for (const std::string codec : {"topk:0.25", "int8"}) {
-    SCOPED_TRACE(codec);
-    auto [ref, m] = twin_experts(31);
-    GradSync sync(m->named_parameters(), pg, GradSyncOptions().codec(codec));
-    GradSums want, got;
-    constexpr int kLive = 8, kDrain = 10;  // each expert drains on every other step
-    for (int step = 0; step < kLive + kDrain; ++step) {
-      const double live = step < kLive ? 1.0 : 0.0;
-      ref->step = m->step = step;
-      auto g = global_batch(6, 900 + step);
-      ref->zero_grad();
-      at::Tensor total;
-      for (int k = 0; k < n; ++k) {
-        auto l = ref(shard(g, k)) * (live / n);
-        total = total.defined() ? total + l : l;
-      }
-      total.backward();
-      add_grads(*ref, want);
-      m->zero_grad();
-      (m(shard(g, pg->getRank())) * live).backward();
-      add_grads(*m, got, ref.get());
-      if (step == 5) sync.load_state(sync.state());  // re-plans: new keys
-    }
-    EXPECT_EQ(sync.replans(), 1);  // the late set's; load_state's is not counted
-    expect_sums_match(got, want);
   }
 }
 

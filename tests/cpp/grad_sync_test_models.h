@@ -1,0 +1,114 @@
+#pragma once
+// Models and helpers shared by the GradSync test files (test_grad_sync*.cpp,
+// one binary under mpirun with 2 and 3 ranks). The reference for every model
+// is one process computing the gradient of the whole batch (all ranks'
+// shards): N ranks x batch B must give the gradients of 1 process x batch N*B.
+#include <ddpx/grad_sync.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mpi_test_util.h"
+
+namespace ddpx::test::grad_sync {
+
+using ddpx::Unused;
+
+inline ddpx::comm::ProcessGroupPtr& world() { return ddpx::test::world_pg(); }
+
+constexpr int kB = 4;  // per-rank batch
+
+// Shard of rank r: rows [r*B, (r+1)*B) of a batch every rank can regenerate.
+inline at::Tensor global_batch(int64_t features, int64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randn({world()->getSize() * kB, features}, gen, at::kDouble);
+}
+inline at::Tensor shard(const at::Tensor& g, int r) { return g.narrow(0, r * kB, kB); }
+
+// Two experts behind a shared trunk: a on even steps, b on odd ones.
+struct ExpertsImpl : torch::nn::Module {
+  torch::nn::Linear trunk{nullptr}, a{nullptr}, b{nullptr}, head{nullptr};
+  int step = 0;
+  ExpertsImpl() {
+    trunk = register_module("trunk", torch::nn::Linear(6, 6));
+    a = register_module("a", torch::nn::Linear(6, 6));
+    b = register_module("b", torch::nn::Linear(6, 6));
+    head = register_module("head", torch::nn::Linear(6, 2));
+    to(at::kDouble);
+  }
+  // Every rank picks the same expert: a on even steps, b on odd ones.
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::relu(trunk(x));
+    return head(torch::relu(step % 2 == 0 ? a(h) : b(h))).pow(2).mean();
+  }
+};
+TORCH_MODULE(Experts);
+
+// One process's gradients for the global batch g at ref's step: the shards'
+// losses / n summed (equal shards: the mean over the batch), then backward.
+inline void backward_global(Experts& ref, const at::Tensor& g, int n) {
+  at::Tensor total;
+  for (int k = 0; k < n; ++k) {
+    auto l = ref(shard(g, k)) / n;
+    total = total.defined() ? total + l : l;
+  }
+  total.backward();
+}
+
+// m's gradients against ref's: defined alike, and within atol + rtol |want|.
+inline void expect_grads_match(Experts& m, Experts& ref, double rtol, double atol,
+                        const std::string& where) {
+  auto rp = ref->named_parameters();
+  for (const auto& item : m->named_parameters()) {
+    const auto& want = rp[item.key()].grad();
+    const auto& got = item.value().grad();
+    ASSERT_EQ(got.defined(), want.defined()) << item.key() << " " << where;
+    if (!want.defined()) continue;
+    EXPECT_TRUE(at::allclose(got, want, rtol, atol))
+        << item.key() << " " << where << ": max diff " << (got - want).abs().max().item<double>();
+  }
+}
+
+// The modes the Experts tests run: (unused mode, zero_grad in place). In
+// place, .grad is the bucket slot, and an idle expert's must keep its value.
+inline const std::vector<std::pair<Unused, bool>> kExpertModes{
+    {Unused::Predict, false}, {Unused::Exact, false}, {Unused::Predict, true}};
+
+inline std::string mode_name(Unused u, bool in_place) {
+  return std::string(u == Unused::Predict ? "Predict" : "Exact") +
+         (in_place ? ", zero_grad in place" : "");
+}
+
+// Two models with the same initial weights: the one-process reference and
+// the one under GradSync.
+inline std::pair<Experts, Experts> twin_experts(uint64_t seed) {
+  torch::manual_seed(seed);
+  Experts ref;
+  torch::manual_seed(seed);
+  Experts m;
+  return {ref, m};
+}
+
+// Two towers whose execution order flips at step kFlip: backward order changes.
+struct FlipImpl : torch::nn::Module {
+  std::vector<torch::nn::Linear> tower;
+  int step = 0;
+  static constexpr int kFlip = 3;
+  FlipImpl() {
+    for (int i = 0; i < 6; ++i) {
+      tower.push_back(register_module("t" + std::to_string(i), torch::nn::Linear(16, 16)));
+    }
+    to(at::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = x;
+    for (int i = 0; i < 6; ++i) h = torch::tanh(tower[step < kFlip ? i : 5 - i](h));
+    return h.pow(2).mean();
+  }
+};
+TORCH_MODULE(Flip);
+
+}  // namespace ddpx::test::grad_sync
