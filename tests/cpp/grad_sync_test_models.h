@@ -49,10 +49,12 @@ TORCH_MODULE(Experts);
 
 // One process's gradients for the global batch g at ref's step: the shards'
 // losses / n summed (equal shards: the mean over the batch), then backward.
-inline void backward_global(Experts& ref, const at::Tensor& g, int n) {
+// (`scale` multiplies the loss: 0 gives zero gradients, every hook firing.)
+template <class Model>
+void backward_global(Model& ref, const at::Tensor& g, int n, double scale = 1.0) {
   at::Tensor total;
   for (int k = 0; k < n; ++k) {
-    auto l = ref(shard(g, k)) / n;
+    auto l = ref(shard(g, k)) * (scale / n);
     total = total.defined() ? total + l : l;
   }
   total.backward();

@@ -429,12 +429,7 @@ void expect_flip_replans_once(bool zero_in_place) {
     ref->step = m->step = step;
     auto g = global_batch(16, 300 + step);
     ref->zero_grad();
-    at::Tensor total;
-    for (int k = 0; k < n; ++k) {
-      auto l = ref(shard(g, k)) / n;
-      total = total.defined() ? total + l : l;
-    }
-    total.backward();
+    backward_global(ref, g, n);
     m->zero_grad(/*set_to_none=*/!zero_in_place);
     m(shard(g, pg->getRank())).backward();
     auto rp = ref->named_parameters();

@@ -92,12 +92,7 @@ TEST(GradSync, ReplanCarriesErrorFeedbackResiduals) {
       auto g = global_batch(16, 700 + step);
       if (live) {
         ref->zero_grad();
-        at::Tensor total;
-        for (int k = 0; k < n; ++k) {
-          auto l = ref(shard(g, k)) / n;
-          total = total.defined() ? total + l : l;
-        }
-        total.backward();
+        backward_global(ref, g, n);
         add_grads(*ref, want);
       }
       m->zero_grad();
@@ -132,12 +127,7 @@ TEST(GradSync, ReplanCarriesTheResidualsOfLateRuns) {
       ref->step = m->step = step;
       auto g = global_batch(6, 900 + step);
       ref->zero_grad();
-      at::Tensor total;
-      for (int k = 0; k < n; ++k) {
-        auto l = ref(shard(g, k)) * (live / n);
-        total = total.defined() ? total + l : l;
-      }
-      total.backward();
+      backward_global(ref, g, n, live);
       add_grads(*ref, want);
       m->zero_grad();
       (m(shard(g, pg->getRank())) * live).backward();
