@@ -90,7 +90,7 @@ struct GradSync::Impl {
   double begin_us = 0;  // of hook_cpu_us: the step's start, in its first hook
 
   Impl(GradSyncOptions o, int n)
-      : opts(std::move(o)), predictor(n), accumulated(new std::atomic<bool>[n]()) {}
+      : opts(std::move(o)), carry(n), predictor(n), accumulated(new std::atomic<bool>[n]()) {}
 
   // late[p]: plan p into a late bucket (empty: none). Only Predict and Exact
   // have late buckets; under Off an unused parameter is an error anyway.
@@ -152,7 +152,6 @@ struct GradSync::Impl {
 
   // Adds `r` (p's numel elements) to what parameter p owes its next send.
   void owe(int p, const at::Tensor& r) {
-    carry.resize(params.size());
     if (carry[p].defined()) {
       carry[p].add_(r.reshape(-1));
     } else {
