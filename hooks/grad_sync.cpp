@@ -9,6 +9,29 @@ namespace ddpx {
 
 using hooks::us_since;
 
+// A reduction failed. Where the transport could not say which peer is gone
+// (Gloo, NCCL: "timed out", "connection reset"), the ranks that saw the
+// failure ask each other on the group's store, and the answer joins the
+// error. A plain c10::Error (bad input, a codec's check) is rethrown as is:
+// no peer is to blame, and every rank would wait out the roll call for nothing.
+void GradSync::Impl::rethrow_naming_peers(std::exception_ptr error) {
+  std::string what;
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::DistError& e) {
+    what = e.what_without_backtrace();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  const std::string who = comm::roll_call(channels[0]->pg(), stats.step);
+  if (who.empty()) std::rethrow_exception(error);
+  C10_THROW_ERROR(DistBackendError, "GradSync: step " + std::to_string(stats.step) + " of " +
+                                        comm::process_label() + " failed: " + what +
+                                        "\nGradSync: asked on the store: " + who);
+}
+
 void GradSync::Impl::finish_step() {
   hooks::Range range("ddpx::final_callback");
   const auto f0 = Clock::now();
@@ -91,9 +114,11 @@ void GradSync::Impl::finish_step() {
   if (!agreed) take(agree);
   wait_range.end();
   if (error) {
-    std::lock_guard<std::mutex> lock(mu);
-    active = false;
-    std::rethrow_exception(error);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      active = false;
+    }
+    rethrow_naming_peers(error);
   }
   const auto w0 = Clock::now();
   std::vector<char> used(n);

@@ -406,6 +406,7 @@ struct GradSync::Impl {
   }
 
   void finish_step();
+  [[noreturn]] void rethrow_naming_peers(std::exception_ptr error);
   void flush_trace() {
     channels[0]->submit([this](c10d::ProcessGroup& pg) { profiler->flush(&pg); }).get();
   }

@@ -1,5 +1,7 @@
 #include "plugin/comm/mpi_diagnose.h"
 
+#include "plugin/comm/peer_report.h"
+
 #include <thread>
 #include <vector>
 
@@ -7,14 +9,6 @@ namespace ddpx::comm::detail {
 
 namespace {
 constexpr int kAliveTag = 1;  // the only message ever sent on a diagnostic comm
-
-std::string list(const std::vector<int>& ranks) {
-  std::string s;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    s += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") + std::to_string(ranks[i]);
-  }
-  return s;
-}
 }  // namespace
 
 std::string describe_peers(MPI_Comm diag, int rank, int size, uint64_t seq,
@@ -57,20 +51,8 @@ std::string describe_peers(MPI_Comm diag, int rank, int size, uint64_t seq,
       elsewhere.push_back(r);
     }
   }
-  std::string out;
-  if (!silent.empty()) {
-    out = (silent.size() == 1 ? "rank " : "ranks ") + list(silent) + " of this group did not answer within " +
-          std::to_string(grace.count()) + " ms (stopped, dead, or not in any ddpx_mpi call)";
-  }
-  if (!elsewhere.empty()) {
-    out += (out.empty() ? "" : "; ") + std::string(elsewhere.size() == 1 ? "rank " : "ranks ") +
-           list(elsewhere) + " waited in a different collective (the ranks did not make the same calls)";
-  }
-  if (out.empty()) {
-    out = "every rank answered and is waiting too: the transfer itself stalled, or a send has "
-          "no matching receive";
-  }
-  return out;
+  return peer_report(silent, elsewhere, grace, "stopped, dead, or not in any ddpx_mpi call",
+                     "waited in a different collective (the ranks did not make the same calls)");
 }
 
 }  // namespace ddpx::comm::detail

@@ -58,4 +58,34 @@ TEST(Comm, SubGroupOfEvenRanks) {
   EXPECT_TRUE(at::equal(t[0], at::full({2}, float(n))));
 }
 
+
+// roll_call: every rank checks in on the store, so with everyone there, it
+// names no one silent; a rank that checks in from another `seq` is named as
+// such. (The silent case runs end to end in test_gloo_frozen_rank.)
+TEST(Comm, RollCallNamesRanksThatFailedElsewhere) {
+  ddpx::comm::MakeOptions o;
+  o.name = "roll_call_test";
+  auto pg = ddpx::comm::make("gloo", o);
+  const int rank = pg->getRank();
+  const auto grace = std::chrono::milliseconds(3000);
+  const std::string alike = ddpx::comm::roll_call(*pg, 5, grace);
+  EXPECT_NE(alike.find("every rank answered"), std::string::npos) << alike;
+  pg->barrier()->wait();
+  const std::string split = ddpx::comm::roll_call(*pg, rank == 1 ? 7 : 5, grace);
+  EXPECT_EQ(split.find("did not answer"), std::string::npos) << split;
+  if (rank == 1) {  // every other rank is elsewhere from here
+    const std::string others = pg->getSize() == 2 ? "rank 0 failed" : "ranks 0 and 2 failed";
+    EXPECT_NE(split.find(others + " at a different point (7 here)"), std::string::npos) << split;
+  } else {
+    EXPECT_NE(split.find("rank 1 failed at a different point (5 here)"), std::string::npos)
+        << split;
+  }
+}
+
+// A group whose store no other process sees (ddpx_mpi's) has no one to ask.
+TEST(Comm, RollCallOnAProcessLocalStoreSaysNothing) {
+  auto pg = ddpx::comm::init_from_env();
+  EXPECT_EQ(ddpx::comm::roll_call(*pg, 1, std::chrono::milliseconds(100)), "");
+}
+
 }  // namespace

@@ -63,6 +63,18 @@ std::string process_label();
 // without running static destructors (a comm thread may be stuck).
 [[noreturn]] void abort_job(int code);
 
+// Names the ranks behind a failed or timed-out collective of `pg`, for groups
+// whose ranks share a store (Gloo, NCCL: their errors do not say which peer
+// stopped; ddpx_mpi asks its peers itself and says so in its error). Every
+// rank that saw the failure calls it: each checks in on the store with `seq`
+// (where it failed, e.g. its step) and waits up to `grace` (0: half the
+// group's timeout, within 1..10 s) for the others. Returns a sentence naming
+// the ranks that never checked in and those that did from another `seq`; ""
+// when the store is local to this process (nothing to ask). Bounded: if the
+// store stops answering too, says so after grace + 2 s.
+std::string roll_call(c10d::ProcessGroup& pg, int64_t seq,
+                      std::chrono::milliseconds grace = std::chrono::milliseconds(0));
+
 // Names of the backends this build can make.
 std::vector<std::string> available_backends();
 
