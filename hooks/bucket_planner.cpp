@@ -9,13 +9,16 @@ namespace ddpx::hooks {
 std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
                                      const std::vector<ParamInfo>& params,
                                      int64_t first_cap_bytes, int64_t cap_bytes,
-                                     const std::vector<char>& late) {
+                                     const std::vector<char>& late,
+                                     const std::vector<char>& cuts) {
   std::vector<BucketPlan> out;
   bool late_section = false;
   // One open bucket per (dtype, device); index into `out`. Integer keys: this
   // runs every step (GradSync's re-plan check), so no strings.
   std::map<std::tuple<int, int, int>, size_t> open;
-  for (int p : order) {
+  for (size_t k = 0; k < order.size(); ++k) {
+    const int p = order[k];
+    if (!cuts.empty() && cuts[k]) open.clear();
     const auto& info = params[p];
     const auto key = std::make_tuple(static_cast<int>(info.dtype), static_cast<int>(info.device.type()),
                                      static_cast<int>(info.device.index()));
@@ -48,6 +51,35 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
     b.numel += info.numel;
   }
   return out;
+}
+
+std::vector<char> gap_cuts(const std::vector<int>& order, const std::vector<double>& arrival_us,
+                           double gap_us) {
+  std::vector<char> cuts(order.size(), 0);
+  double last = -1;  // the latest arrival so far (arrivals need not be monotone)
+  for (size_t k = 0; k < order.size(); ++k) {
+    const double t = arrival_us.empty() ? -1 : arrival_us[order[k]];
+    if (t < 0) continue;
+    if (last >= 0 && t - last > gap_us) cuts[k] = 1;
+    last = std::max(last, t);
+  }
+  return cuts;
+}
+
+double predicted_finish_us(const std::vector<BucketPlan>& plan,
+                           const std::vector<double>& arrival_us, double bytes_per_us,
+                           double launch_us) {
+  double end_of_backward = 0;
+  for (double t : arrival_us) end_of_backward = std::max(end_of_backward, t);
+  double launch = 0, link_free = 0;
+  for (const auto& b : plan) {
+    double ready = b.late ? end_of_backward : 0;
+    for (int p : b.params) ready = std::max(ready, arrival_us[p] < 0 ? end_of_backward : arrival_us[p]);
+    launch = std::max(launch, ready);  // launches keep plan order
+    const double bytes = static_cast<double>(b.numel) * static_cast<double>(c10::elementSize(b.dtype));
+    link_free = std::max(link_free, launch) + launch_us + bytes / bytes_per_us;
+  }
+  return link_free;
 }
 
 double launch_delay(const std::vector<BucketPlan>& plan, const std::vector<int>& arrival,

@@ -145,7 +145,8 @@ void GradSync::Impl::finish_step() {
   // Lateness follows "unused on some rank", the same on every rank, so each
   // rank decides alike whether the late set changed (no vote needed).
   const std::vector<char> missed(fl + n + 2, fl + 2 * n + 2);
-  predictor.observe(arrival, &missed);
+  predictor.observe(arrival, &missed, &arrival_us);
+  learn_link_rate();
   const bool late_changed =
       opts.replan_ && late_for(predictor) != plan_late && predictor.late_stable_steps() >= 1;
   if (fl[n] != 0 || late_changed) replan_agreed(channels[0]->pg());
@@ -197,23 +198,27 @@ void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
 }
 
 void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
-  // Every rank adopts rank 0's predicted order and late set: [order | late].
+  // Every rank adopts rank 0's predicted order, late set and timing cuts
+  // (its arrival times are its own): [order | late | cuts].
   const int64_t n = static_cast<int64_t>(params.size());
-  auto msg = at::empty({2 * n}, at::kLong);
+  auto msg = at::zeros({3 * n}, at::kLong);
   int64_t* o = msg.data_ptr<int64_t>();
   if (pg.getRank() == 0) {
     const auto order = predictor.predicted_order();
     const auto late = late_for(predictor);
+    const auto cuts = cuts_for(predictor, order);
     for (int64_t i = 0; i < n; ++i) {
       o[i] = order[i];
       o[n + i] = late[i];
+      o[2 * n + i] = cuts.empty() ? 0 : cuts[i];
     }
   }
   std::vector<at::Tensor> t{msg};
   pg.broadcast(t)->wait();
   std::vector<int> order(o, o + n);
   std::vector<char> late(o + n, o + 2 * n);
-  replan(order, std::move(late));
+  std::vector<char> cuts(o + 2 * n, o + 3 * n);
+  replan(order, std::move(late), cuts);
   ++replans;
 }
 

@@ -61,6 +61,9 @@ struct GradSync::Impl {
   int carries = 0;  // defined entries of carry
   hooks::OrderPredictor predictor;
   int64_t replans = 0;
+  // The link's rate as the reductions saw it (bytes per us while busy), for
+  // comparing plans by when their reductions would finish; 0: not known yet.
+  double link_bytes_per_us = 0;
 
   // ---- per-step state, under mu ---------------------------------------------
   std::mutex mu;
@@ -74,6 +77,7 @@ struct GradSync::Impl {
   std::vector<int> pending;  // per bucket: gradients still missing
   int next_launch = 0;
   std::vector<int> arrival;
+  std::vector<double> arrival_us;  // per parameter: us after t0; -1: none yet
   std::vector<int> idle_late;  // locally unused parameters of late buckets
   std::vector<int> carried;    // unused in this backward, accumulated under no_sync
   std::vector<int> surprises;  // Exact: gradients for parameters expected unused
@@ -94,14 +98,17 @@ struct GradSync::Impl {
 
   // late[p]: plan p into a late bucket (empty: none). Only Predict and Exact
   // have late buckets; under Off an unused parameter is an error anyway.
-  void replan(const std::vector<int>& order, std::vector<char> late) {
+  // cuts: hooks::gap_cuts over `order` (empty: sizes alone).
+  void replan(const std::vector<int>& order, std::vector<char> late,
+              const std::vector<char>& cuts = {}) {
     if (opts.unused_ == Unused::Off) late.clear();
     // Keys name buckets by index: after a re-plan a key holds other slots, so
     // the codec's state starts over; its residuals move to the parameters.
     carry_residuals();
     plan = hooks::plan_buckets(order, info,
                                static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
-                               static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)), late);
+                               static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)), late,
+                               cuts);
     plan_late = late.empty() ? std::vector<char>(params.size(), 0) : std::move(late);
     storage.clear();
     keys.clear();
@@ -175,6 +182,7 @@ struct GradSync::Impl {
     stats.step = last.step + 1;
     ready.assign(params.size(), 0);
     arrival.clear();
+    arrival_us.assign(params.size(), -1.0);
     idle_late.clear();
     carried.clear();
     surprises.clear();
@@ -204,6 +212,7 @@ struct GradSync::Impl {
     ready[p] = 1;
     if (used) {
       arrival.push_back(p);
+      arrival_us[p] = hooks::us_since(t0, Clock::now());
     } else if (accumulated[p].load(std::memory_order_relaxed) && params[p].grad().defined()) {
       // Not in this backward, but its no_sync micro-batches left a gradient:
       // that is this rank's contribution (and it counts as used).
@@ -368,21 +377,67 @@ struct GradSync::Impl {
     if (profiler->tracing()) profiler->on_hook(bucket_of[p], h0, h1);
   }
 
+  // Bucket cuts at the gaps in the predicted arrival times (after two timed
+  // steps) longer than 2% of backward, and at least 1 ms: a shorter gap
+  // cannot buy back the extra launch.
+  static std::vector<char> cuts_for(const hooks::OrderPredictor& p, const std::vector<int>& order) {
+    const auto& t = p.predicted_arrival_us();
+    if (t.empty() || p.timed_steps() < 2) return {};
+    const double backward = *std::max_element(t.begin(), t.end());
+    return hooks::gap_cuts(order, t, std::max(1000.0, 0.02 * backward));
+  }
+
+  hooks::OrderPredictor with_this_step() const {
+    hooks::OrderPredictor next = predictor;
+    next.observe(arrival, nullptr, &arrival_us);
+    return next;
+  }
+
   // Would a plan from the updated prediction launch buckets materially
-  // earlier under this step's arrival order than the current plan does?
-  // (Rank 0's view decides; a change of the late set is decided apart, from
-  // agreed data, in finish_step.)
+  // earlier under this step's arrival order than the current plan does, or
+  // (timing) finish its reductions materially earlier under the predicted
+  // arrival times? (Rank 0's view decides; a change of the late set is
+  // decided apart, from agreed data, in finish_step.)
   bool should_replan() const {
     if (!opts.replan_) return false;
-    hooks::OrderPredictor next = predictor;
-    next.observe(arrival);
+    const hooks::OrderPredictor next = with_this_step();
     if (next.stable_steps() < 1) return false;  // this order must have repeated
     const auto late = late_for(predictor);  // the agreed late set so far
     const int n = static_cast<int>(params.size());
+    const auto order = next.predicted_order();
     const auto candidate = hooks::plan_buckets(
-        next.predicted_order(), info, static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
-        static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)), late);
-    return hooks::launch_delay(plan, arrival, n) > hooks::launch_delay(candidate, arrival, n) + 0.02;
+        order, info, static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
+        static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)), late, cuts_for(next, order));
+    if (hooks::launch_delay(plan, arrival, n) > hooks::launch_delay(candidate, arrival, n) + 0.02) {
+      return true;
+    }
+    const auto& t = next.predicted_arrival_us();
+    if (link_bytes_per_us <= 0 || t.empty() || next.timed_steps() < 2) return false;
+    // A reduction's fixed cost beside its bytes (a collective's setup and
+    // round trips on a LAN): what each extra bucket is charged.
+    constexpr double kLaunchUs = 100;
+    const double backward = *std::max_element(t.begin(), t.end());
+    const double now = hooks::predicted_finish_us(plan, t, link_bytes_per_us, kLaunchUs);
+    const double then = hooks::predicted_finish_us(candidate, t, link_bytes_per_us, kLaunchUs);
+    // Hysteresis: a cut at a gap just over the threshold gains less than
+    // this, so timing noise around it never flips the plan back and forth.
+    return then < now - std::max(1000.0, 0.02 * backward);
+  }
+
+  // After a step's reductions: the link's rate, bytes over the time it was
+  // busy (a bucket queued behind another starts when that one completes).
+  void learn_link_rate() {
+    double bytes = 0, busy = 0, free_at = 0;
+    for (const auto& b : stats.buckets) {
+      if (b.bytes == 0) continue;
+      const double start = std::max(b.launch_us, free_at);
+      busy += std::max(0.0, b.complete_us - start);
+      free_at = std::max(free_at, b.complete_us);
+      bytes += static_cast<double>(b.bytes);
+    }
+    if (busy <= 0 || bytes <= 0) return;
+    const double rate = bytes / busy;
+    link_bytes_per_us = link_bytes_per_us <= 0 ? rate : 0.5 * link_bytes_per_us + 0.5 * rate;
   }
 
   // MAX-allreduces int flags in place on channel 0 (after what is queued

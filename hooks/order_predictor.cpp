@@ -12,7 +12,8 @@ OrderPredictor::OrderPredictor(int n, double alpha)
   for (int i = 0; i < n; ++i) position_ema_[i] = n > 1 ? 1.0 - double(i) / (n - 1) : 0.0;
 }
 
-void OrderPredictor::observe(const std::vector<int>& arrival, const std::vector<char>* missed) {
+void OrderPredictor::observe(const std::vector<int>& arrival, const std::vector<char>* missed,
+                             const std::vector<double>* arrival_us) {
   const int n = static_cast<int>(position_ema_.size());
   TORCH_INTERNAL_ASSERT(!missed || static_cast<int>(missed->size()) == n);
   std::vector<double> pos(n, -1.0);
@@ -31,6 +32,16 @@ void OrderPredictor::observe(const std::vector<int>& arrival, const std::vector<
     const bool miss = missed ? (*missed)[i] != 0 : !used;
     miss_ema_[i] = (1 - am) * miss_ema_[i] + am * (miss ? 1.0 : 0.0);
     if (used) position_ema_[i] = (1 - a) * position_ema_[i] + a * pos[i];
+  }
+  if (arrival_us) {
+    TORCH_INTERNAL_ASSERT(static_cast<int>(arrival_us->size()) == n);
+    if (time_ema_.empty()) time_ema_.assign(n, -1.0);
+    for (int i = 0; i < n; ++i) {
+      const double t = (*arrival_us)[i];
+      if (t < 0) continue;  // unused this step: keeps its time
+      time_ema_[i] = time_ema_[i] < 0 ? t : (1 - alpha_) * time_ema_[i] + alpha_ * t;
+    }
+    ++timed_steps_;
   }
   stable_steps_ = arrival == last_order_ ? stable_steps_ + 1 : 0;
   late_stable_steps_ = late_set() == late_before ? late_stable_steps_ + 1 : 0;
@@ -94,6 +105,8 @@ void OrderPredictor::load_state(const std::vector<double>& s, int steps) {
   }
   steps_ = steps;
   last_order_.clear();  // the next step's order is taken as it comes
+  time_ema_.clear();
+  timed_steps_ = 0;
   stable_steps_ = 0;
   late_stable_steps_ = 0;
 }

@@ -28,12 +28,21 @@ class OrderPredictor {
   // step; the ones missing were unused. `missed` (optional): per parameter,
   // unused on some rank (agreed across ranks); lateness then follows it
   // instead of this rank's arrival, so every rank holds the same late set.
-  void observe(const std::vector<int>& arrival, const std::vector<char>* missed = nullptr);
+  // `arrival_us` (optional): per parameter, when its gradient arrived, in us
+  // from the start of backward (negative: it did not); averaged into
+  // predicted_arrival_us().
+  void observe(const std::vector<int>& arrival, const std::vector<char>* missed = nullptr,
+               const std::vector<double>* arrival_us = nullptr);
 
   std::vector<int> predicted_order() const;
   bool predicted_unused(int param) const { return used_ema_[param] < 0.5; }
   bool late(int param) const { return miss_ema_[param] > kLateMiss; }
   std::vector<char> late_set() const;  // late(p) for every p
+  // Per parameter, the average time its gradient arrived (us from the start
+  // of backward; -1 where never seen); empty before any timed observation.
+  // Not part of state(): times belong to the machine, and are re-learnt.
+  const std::vector<double>& predicted_arrival_us() const { return time_ema_; }
+  int timed_steps() const { return timed_steps_; }
   int steps_observed() const { return steps_; }
   int stable_steps() const { return stable_steps_; }
   int late_stable_steps() const { return late_stable_steps_; }
@@ -51,7 +60,9 @@ class OrderPredictor {
   int steps_ = 0;
   int stable_steps_ = 0;
   int late_stable_steps_ = 0;
+  int timed_steps_ = 0;
   std::vector<int> last_order_;
+  std::vector<double> time_ema_;
   std::vector<double> position_ema_;
   std::vector<double> used_ema_;
   std::vector<double> miss_ema_;

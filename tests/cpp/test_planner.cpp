@@ -85,6 +85,22 @@ TEST(OrderPredictor, LatenessCanFollowAgreedMisses) {
   EXPECT_EQ(p.predicted_order(), (std::vector<int>{2, 0, 1}));
 }
 
+TEST(OrderPredictor, AveragesArrivalTimesOfUsedParameters) {
+  OrderPredictor p(3);
+  EXPECT_TRUE(p.predicted_arrival_us().empty());
+  p.observe({2, 1, 0});  // untimed: no times
+  EXPECT_EQ(p.timed_steps(), 0);
+  const std::vector<double> t1{300, 100, 0}, t2{500, -1, 0};  // 1 unused in step 2
+  p.observe({2, 1, 0}, nullptr, &t1);
+  EXPECT_EQ(p.predicted_arrival_us(), t1);  // the first timed step is taken as it is
+  p.observe({2, 0}, nullptr, &t2);
+  EXPECT_EQ(p.predicted_arrival_us(), (std::vector<double>{400, 100, 0}));  // alpha 0.5
+  EXPECT_EQ(p.timed_steps(), 2);
+  p.load_state(p.state(), p.steps_observed());  // times are not state: re-learnt
+  EXPECT_TRUE(p.predicted_arrival_us().empty());
+  EXPECT_EQ(p.timed_steps(), 0);
+}
+
 TEST(OrderPredictor, StateRoundTrips) {
   OrderPredictor a(5), b(5);
   a.observe({4, 0, 2});
@@ -133,6 +149,43 @@ TEST(BucketPlanner, LaunchDelayIsZeroForAMatchingOrder) {
   auto plan = ddpx::hooks::plan_buckets({0, 1, 2, 3}, floats({1, 1, 1, 1}), 4, 4);
   EXPECT_DOUBLE_EQ(ddpx::hooks::launch_delay(plan, {0, 1, 2, 3}, 4), 0.0);
   EXPECT_GT(ddpx::hooks::launch_delay(plan, {3, 2, 1, 0}, 4), 0.3);
+}
+
+TEST(BucketPlanner, GapCutsCloseBucketsWhereArrivalsPause) {
+  // Arrivals (us): 0 and 1 together, a 40 ms pause, 2; 3 just after; then a
+  // pause shorter than the gap. Order need not be monotone in time.
+  const std::vector<double> t{0, 50, 40050, 40100, 40900};
+  auto cuts = ddpx::hooks::gap_cuts({0, 1, 2, 3, 4}, t, 1000);
+  EXPECT_EQ(cuts, (std::vector<char>{0, 0, 1, 0, 0}));
+  EXPECT_EQ(ddpx::hooks::gap_cuts({0, 1, 2, 3, 4}, t, 100000), (std::vector<char>(5, 0)));
+  // Unknown times (-1) never cut; the gap is measured from the latest known.
+  EXPECT_EQ(ddpx::hooks::gap_cuts({0, 2, 1}, {0, -1, 5000}, 1000), (std::vector<char>{0, 1, 0}));
+  EXPECT_EQ(ddpx::hooks::gap_cuts({1, 0}, {0, -1}, 1000), (std::vector<char>{0, 0}));
+  // A cut closes the open bucket even below its cap.
+  auto plan = ddpx::hooks::plan_buckets({0, 1, 2, 3, 4}, floats({1, 1, 1, 1, 1}), 1 << 20, 1 << 20,
+                                        {}, cuts);
+  ASSERT_EQ(plan.size(), 2u);
+  EXPECT_EQ(plan[0].params, (std::vector<int>{0, 1}));
+  EXPECT_EQ(plan[1].params, (std::vector<int>{2, 3, 4}));
+}
+
+TEST(BucketPlanner, PredictedFinishRewardsSendingBeforeAPause) {
+  // A big gradient (0) at t=0, a small one (1) after 50 ms of backward. On a
+  // link of 1000 bytes/us the big one takes 40 ms: sent alone it is done
+  // before the small one arrives; sharing a bucket it waits the whole pause.
+  const auto info = floats({10000000, 10});
+  const std::vector<double> t{0, 50000};
+  auto together = ddpx::hooks::plan_buckets({0, 1}, info, 1LL << 30, 1LL << 30);
+  auto apart = ddpx::hooks::plan_buckets({0, 1}, info, 1LL << 30, 1LL << 30, {},
+                                         ddpx::hooks::gap_cuts({0, 1}, t, 1000));
+  ASSERT_EQ(together.size(), 1u);
+  ASSERT_EQ(apart.size(), 2u);
+  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(together, t, 1000, 100), 50000 + 100 + 40000.04);
+  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(apart, t, 1000, 100), 50000 + 100 + 0.04);
+  // A late bucket is ready at the last arrival whatever its own times.
+  auto late = ddpx::hooks::plan_buckets({0, 1}, info, 1LL << 30, 1LL << 30, {1, 0});
+  ASSERT_EQ(late.size(), 2u);
+  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(late, t, 1000, 0), 50000 + 40000 + 0.04);
 }
 
 }  // namespace

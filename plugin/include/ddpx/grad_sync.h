@@ -34,10 +34,15 @@
 //     into the bucket); a locally unused parameter whose .grad is its slot
 //     gets a private copy of it before the slot is zeroed.
 //  4. Between steps: the order predictor learns from this step's arrival
-//     order and which parameters go unused. When the predicted order would
-//     launch buckets materially later than a re-plan would, or the set of
-//     late parameters has changed, rank 0's proposal is broadcast and every
-//     rank adopts the same plan at the step boundary. Re-planning changes
+//     order and times and which parameters go unused. Buckets close at a cap
+//     and also where backward pauses (a gap in the predicted arrival times
+//     over 2% of backward, at least 1 ms), so gradients that are ready go
+//     out during the pause instead of waiting for the next layer's. When the
+//     predicted order would launch buckets materially later than a re-plan
+//     would, or a model of the link (its rate as measured) says the re-plan's
+//     reductions would finish materially earlier, or the set of late
+//     parameters has changed, rank 0's proposal is broadcast and every rank
+//     adopts the same plan at the step boundary. Re-planning changes
 //     timing, never exact results; a lossy codec's error-feedback residuals
 //     move with their parameters to the new buckets, so no compression error
 //     is lost (PowerSGD's warm start is dropped).
@@ -159,7 +164,8 @@ class GradSync {
 
   // What GradSync has learnt, for checkpoints: the current bucket plan's
   // parameter order and the order predictor's state. load_state re-plans at
-  // once; call it between steps with the same state on every rank (e.g. a
+  // once (by size: arrival times belong to the machine and are re-learnt);
+  // call it between steps with the same state on every rank (e.g. a
   // checkpoint that rank 0 broadcast), so the plans stay identical.
   struct State {
     std::vector<int64_t> plan_order;
