@@ -17,8 +17,7 @@ from torch.testing import assert_close
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXPORT = os.path.join(ROOT, "scripts", "export_models.py")
-# Appended, not prepended: scripts/profile.py must not shadow the standard
-# library's profile module (cProfile imports it).
+# Appended: scripts/ comes after the standard library on sys.path.
 sys.path.append(os.path.dirname(EXPORT))
 import export_models  # noqa: E402
 

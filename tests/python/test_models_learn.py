@@ -18,8 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-# Appended, not prepended: scripts/profile.py must not shadow the standard
-# library's profile module (cProfile imports it).
+# Appended: scripts/ comes after the standard library on sys.path.
 sys.path.append(os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import export_models  # noqa: E402
 

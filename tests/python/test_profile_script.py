@@ -1,4 +1,4 @@
-"""scripts/profile.py on a trace recorded by GradSync (the 2-rank
+"""scripts/trace_report.py on a trace recorded by GradSync (the 2-rank
 test_profiler run writes it: ctest fixture `profiler_trace`)."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "profile.py"
+SCRIPT = ROOT / "scripts" / "trace_report.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Summarise and plot a GradSync trace (DDPX_TRACE=path / GradSyncOptions().trace(path)).
 
-    scripts/profile.py TRACE.json [--steps a:b] [--png out.png] [--plot-steps N]
+    scripts/trace_report.py TRACE.json [--steps a:b] [--png out.png] [--plot-steps N]
 
 Prints the same per-step medians as GradSync::profile_summary(), one column
 per rank, computed from the trace's spans (backward, final callback, bucket
