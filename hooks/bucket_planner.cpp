@@ -6,34 +6,86 @@
 
 namespace ddpx::hooks {
 
+namespace {
+
+double bytes_of(const BucketPlan& b) {
+  return static_cast<double>(b.numel) * static_cast<double>(c10::elementSize(b.dtype));
+}
+
+// The link as plan_buckets imagines it while it plans: buckets go out as
+// they close, one after another.
+struct LinkModel {
+  const PlanTiming* timing;
+  double free_at = 0;  // when the link is done with what was sent so far
+  bool rate_known() const { return timing != nullptr && timing->bytes_per_us > 0; }
+  void send(const BucketPlan& b, double ready) {
+    if (!rate_known()) return;
+    free_at = std::max(free_at, ready) + timing->launch_us + bytes_of(b) / timing->bytes_per_us;
+  }
+};
+
+}  // namespace
+
 std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
                                      const std::vector<ParamInfo>& params,
                                      int64_t first_cap_bytes, int64_t cap_bytes,
                                      const std::vector<char>& late,
-                                     const std::vector<char>& cuts) {
+                                     const std::vector<char>& cuts, const PlanTiming* timing,
+                                     std::vector<char>* timing_cuts) {
   std::vector<BucketPlan> out;
+  // Per bucket: its earliest and latest predicted arrival (-1: none known).
+  std::vector<double> first, ready;
+  LinkModel link{timing};
+  if (timing_cuts) timing_cuts->assign(order.size(), 0);
   bool late_section = false;
   // One open bucket per (dtype, device); index into `out`. Integer keys: this
   // runs every step (GradSync's re-plan check), so no strings.
   std::map<std::tuple<int, int, int>, size_t> open;
+  auto close_all = [&] {
+    std::vector<size_t> closing;
+    for (const auto& [key, b] : open) closing.push_back(b);
+    std::sort(closing.begin(), closing.end());  // they launch in plan order
+    for (size_t b : closing) link.send(out[b], ready[b]);
+    open.clear();
+  };
   for (size_t k = 0; k < order.size(); ++k) {
     const int p = order[k];
-    if (!cuts.empty() && cuts[k]) open.clear();
     const auto& info = params[p];
     const auto key = std::make_tuple(static_cast<int>(info.dtype), static_cast<int>(info.device.type()),
                                      static_cast<int>(info.device.index()));
     const int64_t bytes = info.numel * static_cast<int64_t>(c10::elementSize(info.dtype));
     const bool is_late = !late.empty() && late[p];
+    const double t = timing && !timing->arrival_us.empty() ? timing->arrival_us[p] : -1;
+    if (!cuts.empty() && cuts[k]) close_all();
     if (is_late != late_section) {  // a late parameter never shares a bucket with a reliable one
-      open.clear();
+      close_all();
       late_section = is_late;
     }
     auto it = open.find(key);
+    // Timing: had the open bucket not waited for p, the link would have been
+    // busy sooner. Known rate: the link sat idle, with gradients ready to go,
+    // from when it was free (and the bucket had its first gradient) until p
+    // arrives. (Judging only the wait for p alone, the gap since the last
+    // arrival, would never cut an even stream of small gradients, whose
+    // bucket then waits for the last of them.) Unknown rate: a pause in
+    // backward since the bucket's last arrival. Late buckets launch at the
+    // end of backward anyway: no timing there.
+    double idle = 0;
+    if (it != open.end() && !is_late && t >= 0 && ready[it->second] >= 0) {
+      const size_t b = it->second;
+      idle = link.rate_known() ? t - std::max(link.free_at, first[b]) : t - ready[b];
+    }
+    if (idle > 0 && idle > timing->gap_us) {
+      close_all();
+      it = open.end();
+      if (timing_cuts) (*timing_cuts)[k] = 1;
+    }
     if (it != open.end()) {
       auto& b = out[it->second];
       const int64_t cap = it->second == 0 ? first_cap_bytes : cap_bytes;
       const int64_t have = b.numel * static_cast<int64_t>(c10::elementSize(b.dtype));
       if (have + bytes > cap) {
+        link.send(b, ready[it->second]);
         open.erase(it);
         it = open.end();
       }
@@ -44,26 +96,20 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
       b.device = info.device;
       b.late = is_late;
       out.push_back(b);
+      first.push_back(-1);
+      ready.push_back(-1);
       it = open.emplace(key, out.size() - 1).first;
     }
     auto& b = out[it->second];
     b.params.push_back(p);
     b.numel += info.numel;
+    if (t >= 0) {
+      const size_t i = it->second;
+      first[i] = first[i] < 0 ? t : std::min(first[i], t);
+      ready[i] = std::max(ready[i], t);
+    }
   }
   return out;
-}
-
-std::vector<char> gap_cuts(const std::vector<int>& order, const std::vector<double>& arrival_us,
-                           double gap_us) {
-  std::vector<char> cuts(order.size(), 0);
-  double last = -1;  // the latest arrival so far (arrivals need not be monotone)
-  for (size_t k = 0; k < order.size(); ++k) {
-    const double t = arrival_us.empty() ? -1 : arrival_us[order[k]];
-    if (t < 0) continue;
-    if (last >= 0 && t - last > gap_us) cuts[k] = 1;
-    last = std::max(last, t);
-  }
-  return cuts;
 }
 
 double predicted_finish_us(const std::vector<BucketPlan>& plan,
@@ -76,8 +122,7 @@ double predicted_finish_us(const std::vector<BucketPlan>& plan,
     double ready = b.late ? end_of_backward : 0;
     for (int p : b.params) ready = std::max(ready, arrival_us[p] < 0 ? end_of_backward : arrival_us[p]);
     launch = std::max(launch, ready);  // launches keep plan order
-    const double bytes = static_cast<double>(b.numel) * static_cast<double>(c10::elementSize(b.dtype));
-    link_free = std::max(link_free, launch) + launch_us + bytes / bytes_per_us;
+    link_free = std::max(link_free, launch) + launch_us + bytes_of(b) / bytes_per_us;
   }
   return link_free;
 }

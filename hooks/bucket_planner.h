@@ -26,28 +26,38 @@ struct BucketPlan {
   c10::Device device = c10::Device(c10::DeviceType::CPU);
 };
 
+// Arrival-time planning: when gradients are predicted to arrive and what the
+// link does with them. Size caps alone cannot see that a bucket holding a
+// ready gradient may wait for the next one while the link idles -- a large
+// layer's weight gradient waiting out the next layer's whole backward, or,
+// with gradients arriving evenly, the first half of backward's gradients
+// waiting for the second; DDP's buckets are sized by bytes only.
+struct PlanTiming {
+  std::vector<double> arrival_us;  // per parameter, us from the start of backward; <0: unknown
+  double gap_us = 1000;            // link idle time worth an extra launch
+  double bytes_per_us = 0;         // the link's rate; 0: unknown (never busy)
+  double launch_us = 100;          // a reduction's fixed cost beside its bytes
+};
+
 // Walks `order`; a bucket holds one dtype and device and closes when it would
 // exceed its cap (the first bucket's cap is `first_cap_bytes`, so
 // communication starts early). late[p] (empty: none) marks late parameters:
 // they never share a bucket with the others. cuts[k] (empty: none) closes
-// every open bucket before order[k] (see gap_cuts). Buckets are listed in
-// launch order.
+// every open bucket before order[k]. With `timing`, every open bucket also
+// closes before order[k] when, by the time order[k] arrives, the link would
+// have sat idle with gradients ready to send for more than timing->gap_us:
+// since the later of the link being free (buckets sent as they close, at the
+// link's rate) and the open bucket's first arrival. An unknown rate: since
+// the open bucket's last arrival, i.e. a pause in backward. `timing_cuts` (optional) gets those cuts, so that
+// `cuts` reproduces the plan without the timing (another rank's). Buckets
+// are listed in launch order.
 std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
                                      const std::vector<ParamInfo>& params,
                                      int64_t first_cap_bytes, int64_t cap_bytes,
                                      const std::vector<char>& late = {},
-                                     const std::vector<char>& cuts = {});
-
-// Where a bucket should close early because of time, not size: cuts[k] = 1
-// when order[k]'s gradient is predicted to arrive more than `gap_us` after
-// the one before it (`arrival_us`: per parameter, from the start of
-// backward; negative = unknown, taken as no gap). A bucket that would span
-// such a gap holds gradients that are ready but cannot be sent until the
-// gap ends -- e.g. a large layer's weight gradient waiting for the next
-// layer's whole backward -- while the link idles. Size caps alone cannot see
-// this; DDP's buckets are sized by bytes only.
-std::vector<char> gap_cuts(const std::vector<int>& order, const std::vector<double>& arrival_us,
-                           double gap_us);
+                                     const std::vector<char>& cuts = {},
+                                     const PlanTiming* timing = nullptr,
+                                     std::vector<char>* timing_cuts = nullptr);
 
 // When the last reduction of `plan` is predicted to finish, in us from the
 // start of backward, with gradients arriving at `arrival_us` (as above; late

@@ -206,7 +206,8 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
   if (pg.getRank() == 0) {
     const auto order = predictor.predicted_order();
     const auto late = late_for(predictor);
-    const auto cuts = cuts_for(predictor, order);
+    std::vector<char> cuts;
+    plan_of(predictor, order, late, &cuts);
     for (int64_t i = 0; i < n; ++i) {
       o[i] = order[i];
       o[n + i] = late[i];

@@ -9,8 +9,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "hooks/bucket_planner.h"
@@ -98,7 +100,7 @@ struct GradSync::Impl {
 
   // late[p]: plan p into a late bucket (empty: none). Only Predict and Exact
   // have late buckets; under Off an unused parameter is an error anyway.
-  // cuts: hooks::gap_cuts over `order` (empty: sizes alone).
+  // cuts: rank 0's timing cuts over `order` (plan_of; empty: sizes alone).
   void replan(const std::vector<int>& order, std::vector<char> late,
               const std::vector<char>& cuts = {}) {
     if (opts.unused_ == Unused::Off) late.clear();
@@ -377,14 +379,29 @@ struct GradSync::Impl {
     if (profiler->tracing()) profiler->on_hook(bucket_of[p], h0, h1);
   }
 
-  // Bucket cuts at the gaps in the predicted arrival times (after two timed
-  // steps) longer than 2% of backward, and at least 1 ms: a shorter gap
-  // cannot buy back the extra launch.
-  static std::vector<char> cuts_for(const hooks::OrderPredictor& p, const std::vector<int>& order) {
+  // A reduction's fixed cost beside its bytes (a collective's setup and
+  // round trips on a LAN): what each extra bucket is charged.
+  static constexpr double kLaunchUs = 100;
+
+  // What the planner knows of time, from predictor `p` (after two timed
+  // steps; else null): the predicted arrivals, the link as measured, and the
+  // idle time worth a launch: 2% of backward, at least 1 ms (a shorter one
+  // cannot buy back the extra launch).
+  std::optional<hooks::PlanTiming> timing_of(const hooks::OrderPredictor& p) const {
     const auto& t = p.predicted_arrival_us();
-    if (t.empty() || p.timed_steps() < 2) return {};
+    if (t.empty() || p.timed_steps() < 2) return std::nullopt;
     const double backward = *std::max_element(t.begin(), t.end());
-    return hooks::gap_cuts(order, t, std::max(1000.0, 0.02 * backward));
+    return hooks::PlanTiming{t, std::max(1000.0, 0.02 * backward), link_bytes_per_us, kLaunchUs};
+  }
+
+  // The plan `p` predicts; `timing_cuts` gets the cuts its timing made.
+  std::vector<hooks::BucketPlan> plan_of(const hooks::OrderPredictor& p, const std::vector<int>& order,
+                                         const std::vector<char>& late,
+                                         std::vector<char>* timing_cuts = nullptr) const {
+    const auto timing = timing_of(p);
+    return hooks::plan_buckets(order, info, static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
+                               static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)), late, {},
+                               timing ? &*timing : nullptr, timing_cuts);
   }
 
   hooks::OrderPredictor with_this_step() const {
@@ -396,31 +413,26 @@ struct GradSync::Impl {
   // Would a plan from the updated prediction launch buckets materially
   // earlier under this step's arrival order than the current plan does, or
   // (timing) finish its reductions materially earlier under the predicted
-  // arrival times? (Rank 0's view decides; a change of the late set is
-  // decided apart, from agreed data, in finish_step.)
+  // arrival times and the measured link? (Rank 0's view decides; a change of
+  // the late set is decided apart, from agreed data, in finish_step.)
   bool should_replan() const {
     if (!opts.replan_) return false;
     const hooks::OrderPredictor next = with_this_step();
     if (next.stable_steps() < 1) return false;  // this order must have repeated
-    const auto late = late_for(predictor);  // the agreed late set so far
     const int n = static_cast<int>(params.size());
-    const auto order = next.predicted_order();
-    const auto candidate = hooks::plan_buckets(
-        order, info, static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
-        static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)), late, cuts_for(next, order));
+    // late_for(predictor): the agreed late set so far
+    const auto candidate = plan_of(next, next.predicted_order(), late_for(predictor));
     if (hooks::launch_delay(plan, arrival, n) > hooks::launch_delay(candidate, arrival, n) + 0.02) {
       return true;
     }
-    const auto& t = next.predicted_arrival_us();
-    if (link_bytes_per_us <= 0 || t.empty() || next.timed_steps() < 2) return false;
-    // A reduction's fixed cost beside its bytes (a collective's setup and
-    // round trips on a LAN): what each extra bucket is charged.
-    constexpr double kLaunchUs = 100;
+    const auto timing = timing_of(next);
+    if (!timing || link_bytes_per_us <= 0) return false;
+    const auto& t = timing->arrival_us;
     const double backward = *std::max_element(t.begin(), t.end());
     const double now = hooks::predicted_finish_us(plan, t, link_bytes_per_us, kLaunchUs);
     const double then = hooks::predicted_finish_us(candidate, t, link_bytes_per_us, kLaunchUs);
-    // Hysteresis: a cut at a gap just over the threshold gains less than
-    // this, so timing noise around it never flips the plan back and forth.
+    // Hysteresis: a plan that gains less than this (timing noise, a rate
+    // estimate that moved) never replaces the current one, so no churn.
     return then < now - std::max(1000.0, 0.02 * backward);
   }
 

@@ -151,22 +151,76 @@ TEST(BucketPlanner, LaunchDelayIsZeroForAMatchingOrder) {
   EXPECT_GT(ddpx::hooks::launch_delay(plan, {3, 2, 1, 0}, 4), 0.3);
 }
 
-TEST(BucketPlanner, GapCutsCloseBucketsWhereArrivalsPause) {
-  // Arrivals (us): 0 and 1 together, a 40 ms pause, 2; 3 just after; then a
-  // pause shorter than the gap. Order need not be monotone in time.
-  const std::vector<double> t{0, 50, 40050, 40100, 40900};
-  auto cuts = ddpx::hooks::gap_cuts({0, 1, 2, 3, 4}, t, 1000);
+using ddpx::hooks::PlanTiming;
+
+std::vector<BucketPlan> timed_plan(const std::vector<int>& order, const std::vector<ParamInfo>& info,
+                                   const PlanTiming& timing, std::vector<char>* cuts,
+                                   const std::vector<char>& late = {}) {
+  return ddpx::hooks::plan_buckets(order, info, 1LL << 30, 1LL << 30, late, {}, &timing, cuts);
+}
+
+std::vector<std::vector<int>> members(const std::vector<BucketPlan>& plan) {
+  std::vector<std::vector<int>> out;
+  for (const auto& b : plan) out.push_back(b.params);
+  return out;
+}
+
+TEST(BucketPlanner, TimingCutsWhereBackwardPauses) {
+  // Rate unknown: a bucket closes where arrivals pause for more than the gap.
+  // 0 and 1 together, a 40 ms pause, 2; 3 just after; then a short pause.
+  PlanTiming timing{{0, 50, 40050, 40100, 40900}, 1000};
+  std::vector<char> cuts;
+  auto plan = timed_plan({0, 1, 2, 3, 4}, floats({1, 1, 1, 1, 1}), timing, &cuts);
+  EXPECT_EQ(members(plan), (std::vector<std::vector<int>>{{0, 1}, {2, 3, 4}}));
   EXPECT_EQ(cuts, (std::vector<char>{0, 0, 1, 0, 0}));
-  EXPECT_EQ(ddpx::hooks::gap_cuts({0, 1, 2, 3, 4}, t, 100000), (std::vector<char>(5, 0)));
-  // Unknown times (-1) never cut; the gap is measured from the latest known.
-  EXPECT_EQ(ddpx::hooks::gap_cuts({0, 2, 1}, {0, -1, 5000}, 1000), (std::vector<char>{0, 1, 0}));
-  EXPECT_EQ(ddpx::hooks::gap_cuts({1, 0}, {0, -1}, 1000), (std::vector<char>{0, 0}));
-  // A cut closes the open bucket even below its cap.
-  auto plan = ddpx::hooks::plan_buckets({0, 1, 2, 3, 4}, floats({1, 1, 1, 1, 1}), 1 << 20, 1 << 20,
-                                        {}, cuts);
-  ASSERT_EQ(plan.size(), 2u);
-  EXPECT_EQ(plan[0].params, (std::vector<int>{0, 1}));
-  EXPECT_EQ(plan[1].params, (std::vector<int>{2, 3, 4}));
+  // The cuts alone reproduce the plan (what another rank is sent).
+  auto again = ddpx::hooks::plan_buckets({0, 1, 2, 3, 4}, floats({1, 1, 1, 1, 1}), 1LL << 30,
+                                         1LL << 30, {}, cuts);
+  EXPECT_EQ(members(again), members(plan));
+  timing.gap_us = 100000;
+  EXPECT_EQ(timed_plan({0, 1, 2, 3, 4}, floats({1, 1, 1, 1, 1}), timing, &cuts).size(), 1u);
+  // Unknown times (-1) never cut, and a bucket of unknowns has no ready time.
+  PlanTiming unknown{{0, -1, 5000}, 1000};
+  EXPECT_EQ(members(timed_plan({0, 1, 2}, floats({1, 1, 1}), unknown, &cuts)),
+            (std::vector<std::vector<int>>{{0, 1}, {2}}));
+  EXPECT_EQ(timed_plan({1, 2}, floats({1, 1, 1}), unknown, &cuts).size(), 1u);
+  // Late parameters launch at the end anyway: no timing cuts among them.
+  EXPECT_EQ(members(timed_plan({0, 2}, floats({1, 1, 1}), PlanTiming{{0, 0, 9000}, 1000}, &cuts,
+                               {1, 0, 1})),
+            (std::vector<std::vector<int>>{{0, 2}}));
+}
+
+TEST(BucketPlanner, TimingKeepsTheLinkBusyWithoutALaunchPerGradient) {
+  // Ten 4000-byte gradients, one every 1000 us; the link takes 4000 us for
+  // each. Ignoring the link, every arrival is a gap: ten buckets. With it,
+  // a bucket closes only when the link would go idle waiting: the first
+  // gradient alone, then what arrived while it was sent, then the rest.
+  std::vector<double> t;
+  for (int i = 0; i < 10; ++i) t.push_back(1000.0 * i);
+  const std::vector<int> order{0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+  const auto info = floats(std::vector<int64_t>(10, 1000));
+  std::vector<char> cuts;
+  EXPECT_EQ(timed_plan(order, info, PlanTiming{t, 500}, &cuts).size(), 10u);
+  auto plan = timed_plan(order, info, PlanTiming{t, 500, /*bytes_per_us=*/1, /*launch_us=*/0}, &cuts);
+  EXPECT_EQ(members(plan),
+            (std::vector<std::vector<int>>{{0}, {1, 2, 3, 4}, {5, 6, 7, 8, 9}}));
+  // An even stream, one 400-byte gradient every 100 us, no pause anywhere:
+  // once the idle link has waited 500 us with gradients ready, what arrived
+  // goes (0..5, 2400 us on the link); the rest arrives while it is busy.
+  std::vector<double> dense;
+  std::vector<int> order20;
+  for (int i = 0; i < 20; ++i) {
+    dense.push_back(100.0 * i);
+    order20.push_back(i);
+  }
+  auto stream = timed_plan(order20, floats(std::vector<int64_t>(20, 100)),
+                           PlanTiming{dense, 500, /*bytes_per_us=*/1, /*launch_us=*/0}, &cuts);
+  ASSERT_EQ(stream.size(), 2u);
+  EXPECT_EQ(stream[0].params, (std::vector<int>{0, 1, 2, 3, 4, 5}));
+  // Without the link's rate only pauses count: none here.
+  EXPECT_EQ(timed_plan(order20, floats(std::vector<int64_t>(20, 100)), PlanTiming{dense, 500}, &cuts)
+                .size(),
+            1u);
 }
 
 TEST(BucketPlanner, PredictedFinishRewardsSendingBeforeAPause) {
@@ -176,8 +230,8 @@ TEST(BucketPlanner, PredictedFinishRewardsSendingBeforeAPause) {
   const auto info = floats({10000000, 10});
   const std::vector<double> t{0, 50000};
   auto together = ddpx::hooks::plan_buckets({0, 1}, info, 1LL << 30, 1LL << 30);
-  auto apart = ddpx::hooks::plan_buckets({0, 1}, info, 1LL << 30, 1LL << 30, {},
-                                         ddpx::hooks::gap_cuts({0, 1}, t, 1000));
+  std::vector<char> cuts;
+  auto apart = timed_plan({0, 1}, info, PlanTiming{t, 1000}, &cuts);
   ASSERT_EQ(together.size(), 1u);
   ASSERT_EQ(apart.size(), 2u);
   EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(together, t, 1000, 100), 50000 + 100 + 40000.04);
