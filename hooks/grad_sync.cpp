@@ -220,6 +220,7 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
   std::vector<char> late(o + n, o + 2 * n);
   std::vector<char> cuts(o + 2 * n, o + 3 * n);
   replan(order, std::move(late), cuts);
+  timing_gain_steps = 0;
   ++replans;
 }
 

@@ -35,9 +35,11 @@
 //     gets a private copy of it before the slot is zeroed.
 //  4. Between steps: the order predictor learns from this step's arrival
 //     order and times and which parameters go unused. Buckets close at a cap
-//     and also where backward pauses (a gap in the predicted arrival times
-//     over 2% of backward, at least 1 ms), so gradients that are ready go
-//     out during the pause instead of waiting for the next layer's. When the
+//     and also where the link would otherwise sit idle with gradients ready
+//     (for over 2% of backward, at least 1 ms; from the predicted arrival
+//     times and the link's measured rate), so ready gradients go out during
+//     a pause in backward, or while the rest of an even stream arrives,
+//     instead of waiting in a half-full bucket. When the
 //     predicted order would launch buckets materially later than a re-plan
 //     would, or a model of the link (its rate as measured) says the re-plan's
 //     reductions would finish materially earlier, or the set of late
