@@ -75,7 +75,7 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
       const size_t b = it->second;
       idle = link.rate_known() ? t - std::max(link.free_at, first[b]) : t - ready[b];
     }
-    if (idle > 0 && idle > timing->gap_us) {
+    if (timing != nullptr && idle > timing->gap_us) {
       close_all();
       it = open.end();
       if (timing_cuts) (*timing_cuts)[k] = 1;
