@@ -68,10 +68,11 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
     // arrives. (Judging only the wait for p alone, the gap since the last
     // arrival, would never cut an even stream of small gradients, whose
     // bucket then waits for the last of them.) Unknown rate: a pause in
-    // backward since the bucket's last arrival. Late buckets launch at the
-    // end of backward anyway: no timing there.
+    // backward since the bucket's last arrival. Late buckets that launch at
+    // the end of backward anyway get no timing.
     double idle = 0;
-    if (it != open.end() && !is_late && t >= 0 && ready[it->second] >= 0) {
+    if (t >= 0 && it != open.end() && !(is_late && timing->late_at_end) &&
+        ready[it->second] >= 0) {  // t >= 0: timing is given
       const size_t b = it->second;
       idle = link.rate_known() ? t - std::max(link.free_at, first[b]) : t - ready[b];
     }
@@ -114,12 +115,12 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
 
 double predicted_finish_us(const std::vector<BucketPlan>& plan,
                            const std::vector<double>& arrival_us, double bytes_per_us,
-                           double launch_us) {
+                           double launch_us, bool late_at_end) {
   double end_of_backward = 0;
   for (double t : arrival_us) end_of_backward = std::max(end_of_backward, t);
   double launch = 0, link_free = 0;
   for (const auto& b : plan) {
-    double ready = b.late ? end_of_backward : 0;
+    double ready = b.late && late_at_end ? end_of_backward : 0;
     for (int p : b.params) ready = std::max(ready, arrival_us[p] < 0 ? end_of_backward : arrival_us[p]);
     launch = std::max(launch, ready);  // launches keep plan order
     link_free = std::max(link_free, launch) + launch_us + bytes_of(b) / bytes_per_us;

@@ -37,6 +37,7 @@ struct PlanTiming {
   double gap_us = 1000;            // link idle time worth an extra launch
   double bytes_per_us = 0;         // the link's rate; 0: unknown (never busy)
   double launch_us = 100;          // a reduction's fixed cost beside its bytes
+  bool late_at_end = true;         // late buckets launch at the end of backward (Predict)
 };
 
 // Walks `order`; a bucket holds one dtype and device and closes when it would
@@ -60,13 +61,14 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
                                      std::vector<char>* timing_cuts = nullptr);
 
 // When the last reduction of `plan` is predicted to finish, in us from the
-// start of backward, with gradients arriving at `arrival_us` (as above; late
-// buckets and unknown times: at the last arrival), buckets launched in plan
-// order, and one link that carries `bytes_per_us` and spends `launch_us` per
-// reduction on top. A model, to compare two plans under the same arrivals.
+// start of backward, with gradients arriving at `arrival_us` (as above;
+// unknown times, and late buckets if late_at_end: at the last arrival),
+// buckets launched in plan order, and one link that carries `bytes_per_us`
+// and spends `launch_us` per reduction on top. A model, to compare two plans
+// under the same arrivals.
 double predicted_finish_us(const std::vector<BucketPlan>& plan,
                            const std::vector<double>& arrival_us, double bytes_per_us,
-                           double launch_us);
+                           double launch_us, bool late_at_end = true);
 
 // Launch delay of `plan` when gradients arrive in `arrival` (missing = arrive
 // last): bucket b is ready when its last gradient arrives (a late bucket: at

@@ -204,7 +204,7 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
   auto msg = at::zeros({3 * n}, at::kLong);
   int64_t* o = msg.data_ptr<int64_t>();
   if (pg.getRank() == 0) {
-    const auto order = predictor.predicted_order();
+    const auto order = order_of(predictor);
     const auto late = late_for(predictor);
     std::vector<char> cuts;
     plan_of(predictor, order, late, &cuts);

@@ -53,7 +53,7 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     hooks::broadcast_from_rank0(*pg, state);
   }
   for (const auto& p : params) I.info.push_back({p.numel(), p.scalar_type(), p.device()});
-  I.replan(I.predictor.predicted_order(), I.late_for(I.predictor));
+  I.replan(I.order_of(I.predictor), I.late_for(I.predictor));
   // The hooks outlive GradSync on the parameters' accumulators (autograd has
   // no way to remove one); they reach it through a pointer the destructor
   // clears, so a backward after GradSync is gone is a plain local backward.

@@ -242,8 +242,9 @@ struct GradSync::Impl {
     const int b = bucket_of[p];
     if (--pending[b] == 0) stats.buckets[b].ready_us = hooks::us_since(t0, Clock::now());
     // Late buckets wait for the used-parameter agreement: from
-    // prepare_for_backward (Exact), else finish_step's. They come after every
-    // reliable bucket in the plan.
+    // prepare_for_backward (Exact), else finish_step's. Under Predict they
+    // come after every reliable bucket in the plan; under Exact, where their
+    // gradients usually arrive (order_of).
     while (next_launch < static_cast<int>(plan.size()) && pending[next_launch] == 0 &&
            (!plan[next_launch].late || !early_used.empty())) {
       launch_bucket_locked(next_launch++, early_used);
@@ -392,7 +393,16 @@ struct GradSync::Impl {
     const auto& t = p.predicted_arrival_us();
     if (t.empty() || p.timed_steps() < 2) return std::nullopt;
     const double backward = *std::max_element(t.begin(), t.end());
-    return hooks::PlanTiming{t, std::max(1000.0, 0.02 * backward), link_bytes_per_us, kLaunchUs};
+    return hooks::PlanTiming{t, std::max(1000.0, 0.02 * backward), link_bytes_per_us, kLaunchUs,
+                             late_at_end()};
+  }
+
+  // Under Exact the ranks agree on use in prepare_for_backward, so a late
+  // bucket launches when it is ready and belongs where its gradients arrive;
+  // under Predict the agreement comes at the end of backward, and so do they.
+  bool late_at_end() const { return opts.unused_ != Unused::Exact; }
+  std::vector<int> order_of(const hooks::OrderPredictor& p) const {
+    return p.predicted_order(late_at_end());
   }
 
   // The plan `p` predicts; `timing_cuts` gets the cuts its timing made.
@@ -422,15 +432,16 @@ struct GradSync::Impl {
     if (next.stable_steps() < 1) return false;  // this order must have repeated
     const int n = static_cast<int>(params.size());
     // late_for(predictor): the agreed late set so far
-    const auto candidate = plan_of(next, next.predicted_order(), late_for(predictor));
+    const auto candidate = plan_of(next, order_of(next), late_for(predictor));
     if (hooks::launch_delay(plan, arrival, n) > hooks::launch_delay(candidate, arrival, n) + 0.02) {
       return true;
     }
     const auto timing = timing_of(next);
     if (!timing || link_bytes_per_us <= 0) return false;
     const auto& t = timing->arrival_us;
-    const double now = hooks::predicted_finish_us(plan, t, link_bytes_per_us, kLaunchUs);
-    const double then = hooks::predicted_finish_us(candidate, t, link_bytes_per_us, kLaunchUs);
+    const double now = hooks::predicted_finish_us(plan, t, link_bytes_per_us, kLaunchUs, late_at_end());
+    const double then =
+        hooks::predicted_finish_us(candidate, t, link_bytes_per_us, kLaunchUs, late_at_end());
     // Hysteresis, against churn: step-to-step noise in the arrival times and
     // the rate moves the model's finish by a few percent (seen: up to 4.5%
     // on many520, with the cuts shifting by a few parameters), so a timing

@@ -55,7 +55,29 @@ std::vector<char> OrderPredictor::late_set() const {
   return out;
 }
 
-std::vector<int> OrderPredictor::predicted_order() const {
+std::vector<int> OrderPredictor::predicted_order(bool late_last) const {
+  if (!late_last && !last_order_.empty()) {
+    // The reliable ones at their place in the last step's order, the rest at
+    // their average position: the same scale (0 first .. 1 last).
+    const int m = static_cast<int>(last_order_.size());
+    std::vector<std::pair<double, int>> keyed;
+    std::vector<char> placed(position_ema_.size(), 0);
+    for (int k = 0; k < m; ++k) {
+      const int p = last_order_[k];
+      if (late(p)) continue;
+      keyed.emplace_back(m > 1 ? double(k) / (m - 1) : 0.0, p);
+      placed[p] = 1;
+    }
+    for (int i = 0; i < static_cast<int>(position_ema_.size()); ++i) {
+      if (!placed[i]) keyed.emplace_back(position_ema_[i], i);
+    }
+    // Stable: a tie keeps the reliable one first, then index order.
+    std::stable_sort(keyed.begin(), keyed.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<int> order;
+    for (const auto& [key, p] : keyed) order.push_back(p);
+    return order;
+  }
   // Reliable parameters were all used last step: in that step's order.
   std::vector<int> order;
   std::vector<char> placed(position_ema_.size(), 0);

@@ -34,7 +34,12 @@ class OrderPredictor {
   void observe(const std::vector<int>& arrival, const std::vector<char>* missed = nullptr,
                const std::vector<double>* arrival_us = nullptr);
 
-  std::vector<int> predicted_order() const;
+  // late_last: the late parameters after every reliable one, for late
+  // buckets that launch at the end of backward (Unused::Predict). Otherwise
+  // (Unused::Exact, where the ranks agree on use before backward, so a late
+  // bucket can launch as soon as it is ready) each goes where it usually
+  // arrives, by its average position.
+  std::vector<int> predicted_order(bool late_last = true) const;
   bool predicted_unused(int param) const { return used_ema_[param] < 0.5; }
   bool late(int param) const { return miss_ema_[param] > kLateMiss; }
   std::vector<char> late_set() const;  // late(p) for every p

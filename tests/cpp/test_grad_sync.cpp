@@ -258,10 +258,29 @@ TEST(GradSync, AlternatingExpertsSkipTheIdleOneAndStayExact) {
       }
     }
     EXPECT_EQ(sync.replans(), 1);
-    // The experts share the last (late) bucket; no reliable tensor is with them.
-    auto last = sync.bucket_plan().back();
-    std::sort(last.begin(), last.end());
-    EXPECT_EQ(last, (std::vector<std::string>{"a.bias", "a.weight", "b.bias", "b.weight"}));
+    // The experts share a late bucket; no reliable tensor is with them. Under
+    // Predict it is the last bucket (it waits for the step-end agreement);
+    // under Exact (agreed before backward) it sits where the experts'
+    // gradients arrive, before the trunk's, and launches as soon as ready.
+    const auto plan = sync.bucket_plan();
+    auto has = [](const std::vector<std::string>& b, const std::string& name) {
+      return std::find(b.begin(), b.end(), name) != b.end();
+    };
+    size_t experts = plan.size(), trunk = plan.size();
+    for (size_t i = 0; i < plan.size(); ++i) {
+      if (has(plan[i], "a.weight")) experts = i;
+      if (has(plan[i], "trunk.weight")) trunk = i;
+    }
+    ASSERT_LT(experts, plan.size());
+    ASSERT_LT(trunk, plan.size());
+    auto late = plan[experts];
+    std::sort(late.begin(), late.end());
+    EXPECT_EQ(late, (std::vector<std::string>{"a.bias", "a.weight", "b.bias", "b.weight"}));
+    if (u == Unused::Exact) {
+      EXPECT_LT(experts, trunk);
+    } else {
+      EXPECT_EQ(experts, plan.size() - 1);
+    }
   }
 }
 

@@ -75,6 +75,18 @@ TEST(OrderPredictor, IntermittentlyUsedParametersStayLateWithoutChurn) {
   EXPECT_FALSE(once.late(0));
 }
 
+TEST(OrderPredictor, LateParametersGoWhereTheyArriveUnlessLast) {
+  OrderPredictor p(4);  // 3 and 2 always; 1, then 0 in between
+  p.observe({3, 1, 2});
+  p.observe({3, 0, 2});
+  EXPECT_EQ(p.late_set(), (std::vector<char>{1, 1, 0, 0}));
+  // Predict: late buckets launch at the end, so late parameters go last.
+  EXPECT_EQ(p.predicted_order(), (std::vector<int>{3, 2, 1, 0}));
+  // Exact: by position (1 at 0.5; 0 at 0.75, its first guess 1.0 averaged
+  // with 0.5), between the reliable 3 (first) and 2 (last).
+  EXPECT_EQ(p.predicted_order(/*late_last=*/false), (std::vector<int>{3, 1, 0, 2}));
+}
+
 TEST(OrderPredictor, LatenessCanFollowAgreedMisses) {
   // This rank used everything; another rank missed parameter 1.
   OrderPredictor p(3);
