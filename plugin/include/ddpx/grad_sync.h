@@ -26,7 +26,8 @@
 //     rank (their .grad is left untouched, as under DDP). Late buckets --
 //     those of parameters that went unused in recent steps -- launch only
 //     after that agreement (under Exact: after the one prepare_for_backward
-//     makes, so during backward), and send only the slots some rank used.
+//     makes, so during backward, planned where their gradients arrive; under
+//     Predict: planned last), and send only the slots some rank used.
 //     All reductions are awaited and
 //     the averages written to .grad before backward returns: with
 //     gradient_as_bucket_view, .grad is made a view of its bucket slot (the
