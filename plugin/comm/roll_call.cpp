@@ -71,9 +71,26 @@ Answers ask(const c10::intrusive_ptr<c10d::Store>& store, const std::string& pre
         ++missing;
       }
     }
-    if (missing == 0 || std::chrono::steady_clock::now() >= deadline) return a;
+    if (missing == 0 || std::chrono::steady_clock::now() >= deadline) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  // Leave together: the store may live in one of these processes (rank 0's,
+  // under mpirun), which would otherwise go on to exit -- the job is failing
+  // -- while the others still read. Each counts itself done, then waits (up
+  // to a second) for every rank that checked in to be done too. The answers
+  // are in hand: a store lost now changes nothing.
+  try {
+    const std::string done = prefix + "done";
+    int64_t seen = 0;
+    for (char s : a.seen) seen += s;
+    store->add(done, 1);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (store->add(done, 0) < seen && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  } catch (const std::exception&) {
+  }
+  return a;
 }
 
 }  // namespace
