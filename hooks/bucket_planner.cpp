@@ -12,8 +12,9 @@ double bytes_of(const BucketPlan& b) {
   return static_cast<double>(b.numel) * static_cast<double>(c10::elementSize(b.dtype));
 }
 
-// The link as plan_buckets imagines it while it plans: buckets go out as
-// they close, one after another.
+// The link as the planner models it (plan_buckets while it plans,
+// predicted_finish_us to score a plan): buckets go out one after another,
+// each costing launch_us plus its bytes at the link's rate.
 struct LinkModel {
   const PlanTiming* timing;
   double free_at = 0;  // when the link is done with what was sent so far
@@ -113,19 +114,19 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
   return out;
 }
 
-double predicted_finish_us(const std::vector<BucketPlan>& plan,
-                           const std::vector<double>& arrival_us, double bytes_per_us,
-                           double launch_us, bool late_at_end) {
+double predicted_finish_us(const std::vector<BucketPlan>& plan, const PlanTiming& timing) {
+  const auto& t = timing.arrival_us;
   double end_of_backward = 0;
-  for (double t : arrival_us) end_of_backward = std::max(end_of_backward, t);
-  double launch = 0, link_free = 0;
+  for (double a : t) end_of_backward = std::max(end_of_backward, a);
+  LinkModel link{&timing};
+  double launch = 0;
   for (const auto& b : plan) {
-    double ready = b.late && late_at_end ? end_of_backward : 0;
-    for (int p : b.params) ready = std::max(ready, arrival_us[p] < 0 ? end_of_backward : arrival_us[p]);
+    double ready = b.late && timing.late_at_end ? end_of_backward : 0;
+    for (int p : b.params) ready = std::max(ready, t[p] < 0 ? end_of_backward : t[p]);
     launch = std::max(launch, ready);  // launches keep plan order
-    link_free = std::max(link_free, launch) + launch_us + bytes_of(b) / bytes_per_us;
+    link.send(b, launch);
   }
-  return link_free;
+  return link.free_at;
 }
 
 double launch_delay(const std::vector<BucketPlan>& plan, const std::vector<int>& arrival,

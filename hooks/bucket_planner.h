@@ -61,14 +61,12 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
                                      std::vector<char>* timing_cuts = nullptr);
 
 // When the last reduction of `plan` is predicted to finish, in us from the
-// start of backward, with gradients arriving at `arrival_us` (as above;
-// unknown times, and late buckets if late_at_end: at the last arrival),
-// buckets launched in plan order, and one link that carries `bytes_per_us`
-// and spends `launch_us` per reduction on top. A model, to compare two plans
-// under the same arrivals.
-double predicted_finish_us(const std::vector<BucketPlan>& plan,
-                           const std::vector<double>& arrival_us, double bytes_per_us,
-                           double launch_us, bool late_at_end = true);
+// start of backward, under `timing` (whose rate must be known): gradients
+// arrive at timing.arrival_us (unknown times, and late buckets if
+// late_at_end: at the last arrival), buckets launch in plan order, and the
+// link is the one plan_buckets imagines. A model, to compare two plans under
+// the same arrivals.
+double predicted_finish_us(const std::vector<BucketPlan>& plan, const PlanTiming& timing);
 
 // Launch delay of `plan` when gradients arrive in `arrival` (missing = arrive
 // last): bucket b is ready when its last gradient arrives (a late bucket: at

@@ -99,6 +99,9 @@ struct GradSync::Impl {
   Impl(GradSyncOptions o, int n)
       : opts(std::move(o)), carry(n), predictor(n), accumulated(new std::atomic<bool>[n]()) {}
 
+  int64_t first_cap_bytes() const { return static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)); }
+  int64_t cap_bytes() const { return static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)); }
+
   // late[p]: plan p into a late bucket (empty: none). Only Predict and Exact
   // have late buckets; under Off an unused parameter is an error anyway.
   // cuts: rank 0's timing cuts over `order` (plan_of; empty: sizes alone).
@@ -108,10 +111,7 @@ struct GradSync::Impl {
     // Keys name buckets by index: after a re-plan a key holds other slots, so
     // the codec's state starts over; its residuals move to the parameters.
     carry_residuals();
-    plan = hooks::plan_buckets(order, info,
-                               static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
-                               static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)), late,
-                               cuts);
+    plan = hooks::plan_buckets(order, info, first_cap_bytes(), cap_bytes(), late, cuts);
     plan_late = late.empty() ? std::vector<char>(params.size(), 0) : std::move(late);
     storage.clear();
     keys.clear();
@@ -410,8 +410,7 @@ struct GradSync::Impl {
                                          const std::vector<char>& late,
                                          std::vector<char>* timing_cuts = nullptr) const {
     const auto timing = timing_of(p);
-    return hooks::plan_buckets(order, info, static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)),
-                               static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)), late, {},
+    return hooks::plan_buckets(order, info, first_cap_bytes(), cap_bytes(), late, {},
                                timing ? &*timing : nullptr, timing_cuts);
   }
 
@@ -437,11 +436,9 @@ struct GradSync::Impl {
       return true;
     }
     const auto timing = timing_of(next);
-    if (!timing || link_bytes_per_us <= 0) return false;
-    const auto& t = timing->arrival_us;
-    const double now = hooks::predicted_finish_us(plan, t, link_bytes_per_us, kLaunchUs, late_at_end());
-    const double then =
-        hooks::predicted_finish_us(candidate, t, link_bytes_per_us, kLaunchUs, late_at_end());
+    if (!timing || timing->bytes_per_us <= 0) return false;
+    const double now = hooks::predicted_finish_us(plan, *timing);
+    const double then = hooks::predicted_finish_us(candidate, *timing);
     // Hysteresis, against churn: step-to-step noise in the arrival times and
     // the rate moves the model's finish by a few percent (seen: up to 4.5%
     // on many520, with the cuts shifting by a few parameters), so a timing

@@ -246,12 +246,14 @@ TEST(BucketPlanner, PredictedFinishRewardsSendingBeforeAPause) {
   auto apart = timed_plan({0, 1}, info, PlanTiming{t, 1000}, &cuts);
   ASSERT_EQ(together.size(), 1u);
   ASSERT_EQ(apart.size(), 2u);
-  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(together, t, 1000, 100), 50000 + 100 + 40000.04);
-  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(apart, t, 1000, 100), 50000 + 100 + 0.04);
+  const PlanTiming link{t, 1000, /*bytes_per_us=*/1000, /*launch_us=*/100};
+  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(together, link), 50000 + 100 + 40000.04);
+  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(apart, link), 50000 + 100 + 0.04);
   // A late bucket is ready at the last arrival whatever its own times.
   auto late = ddpx::hooks::plan_buckets({0, 1}, info, 1LL << 30, 1LL << 30, {1, 0});
   ASSERT_EQ(late.size(), 2u);
-  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(late, t, 1000, 0), 50000 + 40000 + 0.04);
+  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(late, PlanTiming{t, 1000, 1000, 0}),
+                   50000 + 40000 + 0.04);
 }
 
 }  // namespace
