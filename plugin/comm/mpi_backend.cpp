@@ -177,7 +177,9 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce(std::vector<at::Tensor>& te
     HostView h(t, /*copy_in=*/true);
     check_agreement(comm_, {1, dtype_id(t), count, op_id}, "allreduce", describe(t));
     if (count == 0) return;
-    DDPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, h.ptr(), count, dt, op, comm_));
+    MPI_Request req = MPI_REQUEST_NULL;
+    DDPX_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, h.ptr(), count, dt, op, comm_, &req));
+    await_request(req);
     if (avg) h.host().div_(size_);
     h.write_back();
   });
@@ -212,7 +214,10 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce_coalesced(
                 check_agreement(comm_, {2, dtype, count, op_id, n_tensors},
                                 "allreduce_coalesced", std::to_string(count) + " elements");
                 if (count == 0) return;
-                DDPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, flat.data_ptr(), count, dt, op, comm_));
+                MPI_Request req = MPI_REQUEST_NULL;
+                DDPX_MPI_CHECK(
+                    MPI_Iallreduce(MPI_IN_PLACE, flat.data_ptr(), count, dt, op, comm_, &req));
+                await_request(req);
                 if (avg) flat.div_(size_);
                 int64_t offset = 0;
                 for (const auto& t : tensors) {
@@ -235,7 +240,9 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::broadcast(std::vector<at::Tensor>& te
     HostView h(t, /*copy_in=*/is_root);
     check_agreement(comm_, {3, dtype_id(t), count, root}, "broadcast", describe(t));
     if (count == 0) return;
-    DDPX_MPI_CHECK(MPI_Bcast(h.ptr(), count, dt, root, comm_));
+    MPI_Request req = MPI_REQUEST_NULL;
+    DDPX_MPI_CHECK(MPI_Ibcast(h.ptr(), count, dt, root, comm_, &req));
+    await_request(req);
     if (!is_root) h.write_back();
   });
 }
@@ -256,8 +263,10 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reduce(std::vector<at::Tensor>& tenso
     HostView h(t, /*copy_in=*/true);
     check_agreement(comm_, {4, dtype_id(t), count, op_id, root}, "reduce", describe(t));
     if (count == 0) return;
-    DDPX_MPI_CHECK(MPI_Reduce(is_root ? MPI_IN_PLACE : h.ptr(), is_root ? h.ptr() : nullptr,
-                              count, dt, op, root, comm_));
+    MPI_Request req = MPI_REQUEST_NULL;
+    DDPX_MPI_CHECK(MPI_Ireduce(is_root ? MPI_IN_PLACE : h.ptr(), is_root ? h.ptr() : nullptr,
+                               count, dt, op, root, comm_, &req));
+    await_request(req);
     if (is_root) {
       if (avg) h.host().div_(size_);
       h.write_back();
@@ -286,7 +295,10 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(
     HostView hout(out, /*copy_in=*/false);
     check_agreement(comm_, {5, dtype_id(out), count, op_id}, "reduce_scatter", describe(out));
     if (count == 0) return;
-    DDPX_MPI_CHECK(MPI_Reduce_scatter_block(hin.ptr(), hout.ptr(), count, dt, op, comm_));
+    MPI_Request req = MPI_REQUEST_NULL;
+    DDPX_MPI_CHECK(
+        MPI_Ireduce_scatter_block(hin.ptr(), hout.ptr(), count, dt, op, comm_, &req));
+    await_request(req);
     if (avg) hout.host().div_(size_);
     hout.write_back();
   });
@@ -308,7 +320,9 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions&) {
   return post(c10d::OpType::BARRIER, {}, {}, [this](MpiWorker::Progress&) {
-    DDPX_MPI_CHECK(MPI_Barrier(comm_));
+    MPI_Request req = MPI_REQUEST_NULL;
+    DDPX_MPI_CHECK(MPI_Ibarrier(comm_, &req));
+    await_request(req);
   });
 }
 

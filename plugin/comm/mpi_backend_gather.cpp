@@ -50,10 +50,13 @@ void alltoallv_checked(MPI_Comm comm, int rank, const void* send, const std::vec
                        void* recv, const std::vector<int>& rcounts, MPI_Datatype dt) {
   const int n = static_cast<int>(scounts.size());
   std::vector<int> expected(n);
+  MPI_Request req = MPI_REQUEST_NULL;
   DDPX_MPI_CHECK(
-      MPI_Alltoall(scounts.data(), 1, MPI_INT, expected.data(), 1, MPI_INT, comm));
+      MPI_Ialltoall(scounts.data(), 1, MPI_INT, expected.data(), 1, MPI_INT, comm, &req));
+  await_request(req);
   int ok = expected == rcounts ? 1 : 0;
-  DDPX_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm));
+  DDPX_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm, &req));
+  await_request(req);
   if (!ok) {
     std::string detail;
     for (int i = 0; i < n; ++i) {
@@ -70,8 +73,9 @@ void alltoallv_checked(MPI_Comm comm, int rank, const void* send, const std::vec
   }
   const auto sd = displacements(scounts);
   const auto rd = displacements(rcounts);
-  DDPX_MPI_CHECK(MPI_Alltoallv(send, scounts.data(), sd.data(), dt, recv, rcounts.data(),
-                               rd.data(), dt, comm));
+  DDPX_MPI_CHECK(MPI_Ialltoallv(send, scounts.data(), sd.data(), dt, recv, rcounts.data(),
+                                rd.data(), dt, comm, &req));
+  await_request(req);
 }
 
 }  // namespace
@@ -94,7 +98,9 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_allgather_base(at::Tensor& output, a
     HostView hout(out, /*copy_in=*/false);
     check_agreement(comm_, {11, dtype_id(in), count}, "allgather", describe(in));
     if (count == 0) return;
-    DDPX_MPI_CHECK(MPI_Allgather(hin.ptr(), count, dt, hout.ptr(), count, dt, comm_));
+    MPI_Request req = MPI_REQUEST_NULL;
+    DDPX_MPI_CHECK(MPI_Iallgather(hin.ptr(), count, dt, hout.ptr(), count, dt, comm_, &req));
+    await_request(req);
     hout.write_back();
   });
 }
@@ -116,7 +122,10 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allgather(std::vector<std::vector<at:
     at::Tensor flat = at::empty({in.numel() * size_}, in.options().device(at::kCPU));
     check_agreement(comm_, {12, dtype_id(in), count}, "allgather", describe(in));
     if (count == 0) return;
-    DDPX_MPI_CHECK(MPI_Allgather(hin.ptr(), count, dt, flat.data_ptr(), count, dt, comm_));
+    MPI_Request req = MPI_REQUEST_NULL;
+    DDPX_MPI_CHECK(
+        MPI_Iallgather(hin.ptr(), count, dt, flat.data_ptr(), count, dt, comm_, &req));
+    await_request(req);
     unflatten_into(flat, outs);
   });
 }
@@ -147,8 +156,10 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::gather(std::vector<std::vector<at::Te
     if (rank_ == root) flat = at::empty({in.numel() * size_}, in.options().device(at::kCPU));
     check_agreement(comm_, {13, dtype_id(in), count, root}, "gather", describe(in));
     if (count == 0) return;
-    DDPX_MPI_CHECK(MPI_Gather(hin.ptr(), count, dt, rank_ == root ? flat.data_ptr() : nullptr,
-                              count, dt, root, comm_));
+    MPI_Request req = MPI_REQUEST_NULL;
+    DDPX_MPI_CHECK(MPI_Igather(hin.ptr(), count, dt, rank_ == root ? flat.data_ptr() : nullptr,
+                               count, dt, root, comm_, &req));
+    await_request(req);
     if (rank_ == root) unflatten_into(flat, outs);
   });
 }
@@ -179,8 +190,10 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::scatter(std::vector<at::Tensor>& outp
     if (rank_ == root) flat = flatten_cpu(ins);
     check_agreement(comm_, {14, dtype_id(out), count, root}, "scatter", describe(out));
     if (count == 0) return;
-    DDPX_MPI_CHECK(MPI_Scatter(rank_ == root ? flat.data_ptr() : nullptr, count, dt, hout.ptr(),
-                               count, dt, root, comm_));
+    MPI_Request req = MPI_REQUEST_NULL;
+    DDPX_MPI_CHECK(MPI_Iscatter(rank_ == root ? flat.data_ptr() : nullptr, count, dt,
+                                hout.ptr(), count, dt, root, comm_, &req));
+    await_request(req);
     hout.write_back();
   });
 }

@@ -2,6 +2,10 @@
 // values computed locally, plus non-contiguous, empty and multi-tensor forms.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
+#include <chrono>
+#include <thread>
 #include <tuple>
 
 #include "mpi_test_util.h"
@@ -257,6 +261,32 @@ TEST(Async, FutureCarriesResult) {
   EXPECT_TRUE(at::equal(result[0], at::full({8}, float(pg->getSize()))));
   EXPECT_TRUE(w->isCompleted());
   EXPECT_TRUE(w->isSuccess());
+}
+
+// The worker naps while a collective waits for a peer instead of spinning in
+// MPI (await_request): rank 0 enters an allreduce 1.5 s before the others,
+// and its process (every thread) burns well under a quarter of that. A
+// blocking MPI_Allreduce polls at 100% of a core the whole time.
+TEST(Async, WaitingForAPeerDoesNotSpin) {
+  auto& pg = world();
+  pg->barrier()->wait();
+  auto cpu_s = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  };
+  if (pg->getRank() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const double cpu0 = cpu_s();
+  const auto wall0 = std::chrono::steady_clock::now();
+  std::vector<at::Tensor> t{at::ones({1024})};
+  pg->allreduce(t)->wait();
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
+  const double cpu = cpu_s() - cpu0;
+  EXPECT_TRUE(at::equal(t[0], at::full({1024}, static_cast<float>(pg->getSize()))));
+  if (pg->getRank() == 0) {
+    EXPECT_GT(wall, 1.0);
+    EXPECT_LT(cpu, 0.25 * wall) << "the wait used " << cpu << " s of CPU in " << wall << " s";
+  }
 }
 
 }  // namespace
