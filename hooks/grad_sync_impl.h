@@ -17,6 +17,7 @@
 
 #include "hooks/bucket_planner.h"
 #include "hooks/channel.h"
+#include "hooks/link_fit.h"
 #include "hooks/order_predictor.h"
 #include "hooks/profiler.h"
 #include "hooks/reduce_fn.h"
@@ -63,9 +64,9 @@ struct GradSync::Impl {
   int carries = 0;  // defined entries of carry
   hooks::OrderPredictor predictor;
   int64_t replans = 0;
-  // The link's rate as the reductions saw it (bytes per us while busy), for
-  // comparing plans by when their reductions would finish; 0: not known yet.
-  double link_bytes_per_us = 0;
+  // The link as the reductions saw it (rate and per-reduction cost), for
+  // comparing plans by when their reductions would finish.
+  hooks::LinkFit link;
   int timing_gain_steps = 0;  // steps in a row a timing re-plan would have paid
 
   // ---- per-step state, under mu ---------------------------------------------
@@ -381,20 +382,16 @@ struct GradSync::Impl {
     if (profiler->tracing()) profiler->on_hook(bucket_of[p], h0, h1);
   }
 
-  // A reduction's fixed cost beside its bytes (a collective's setup and
-  // round trips on a LAN): what each extra bucket is charged.
-  static constexpr double kLaunchUs = 100;
-
   // What the planner knows of time, from predictor `p` (after two timed
   // steps; else null): the predicted arrivals, the link as measured, and the
-  // idle time worth a launch: 2% of backward, at least 1 ms (a shorter one
-  // cannot buy back the extra launch).
+  // idle time worth a launch: 2% of backward, at least 1 ms and twice the
+  // measured cost of a launch (a shorter one cannot buy it back).
   std::optional<hooks::PlanTiming> timing_of(const hooks::OrderPredictor& p) const {
     const auto& t = p.predicted_arrival_us();
     if (t.empty() || p.timed_steps() < 2) return std::nullopt;
     const double backward = *std::max_element(t.begin(), t.end());
-    return hooks::PlanTiming{t, std::max(1000.0, 0.02 * backward), link_bytes_per_us, kLaunchUs,
-                             late_at_end()};
+    const double gap = std::max({1000.0, 0.02 * backward, 2 * link.launch_us()});
+    return hooks::PlanTiming{t, gap, link.bytes_per_us(), link.launch_us(), late_at_end()};
   }
 
   // Under Exact the ranks agree on use in prepare_for_backward, so a late
@@ -447,20 +444,21 @@ struct GradSync::Impl {
     return timing_gain_steps >= 2;
   }
 
-  // After a step's reductions: the link's rate, bytes over the time it was
-  // busy (a bucket queued behind another starts when that one completes).
+  // After a step's reductions: the step-end agreement's round trip (the
+  // per-reduction cost), then each bucket's bytes and the time the link was
+  // busy with it (one queued behind another starts when that one
+  // completes), for the link's rate.
   void learn_link_rate() {
-    double bytes = 0, busy = 0, free_at = 0;
+    link.add_round_trip(hooks::us_since(agree_t0, agree_t1));
+    std::vector<std::pair<double, double>> samples;
+    double free_at = 0;
     for (const auto& b : stats.buckets) {
       if (b.bytes == 0) continue;
       const double start = std::max(b.launch_us, free_at);
-      busy += std::max(0.0, b.complete_us - start);
+      samples.emplace_back(static_cast<double>(b.bytes), b.complete_us - start);
       free_at = std::max(free_at, b.complete_us);
-      bytes += static_cast<double>(b.bytes);
     }
-    if (busy <= 0 || bytes <= 0) return;
-    const double rate = bytes / busy;
-    link_bytes_per_us = link_bytes_per_us <= 0 ? rate : 0.5 * link_bytes_per_us + 0.5 * rate;
+    link.add_step(samples);
   }
 
   // MAX-allreduces int flags in place on channel 0 (after what is queued

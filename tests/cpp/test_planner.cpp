@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "hooks/bucket_planner.h"
+#include "hooks/link_fit.h"
 #include "hooks/order_predictor.h"
 
 namespace {
@@ -254,6 +255,33 @@ TEST(BucketPlanner, PredictedFinishRewardsSendingBeforeAPause) {
   ASSERT_EQ(late.size(), 2u);
   EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(late, PlanTiming{t, 1000, 1000, 0}),
                    50000 + 40000 + 0.04);
+}
+
+// The per-reduction cost is the least recent round trip (skew only adds);
+// the rate counts each bucket's time less that cost.
+TEST(LinkFit, LaunchCostIsTheLeastRecentRoundTripAndRateExcludesIt) {
+  ddpx::hooks::LinkFit fit;
+  EXPECT_EQ(fit.bytes_per_us(), 0);
+  EXPECT_DOUBLE_EQ(fit.launch_us(), ddpx::hooks::LinkFit::kDefaultLaunchUs);
+  for (double us : {900.0, 250.0, 4000.0, 300.0}) fit.add_round_trip(us);
+  EXPECT_DOUBLE_EQ(fit.launch_us(), 250);
+  // 250 us + 100 bytes/us per bucket; an empty bucket is ignored.
+  fit.add_step({{1e5, 1250}, {1e6, 10250}, {0, 40}});
+  EXPECT_NEAR(fit.bytes_per_us(), 100, 1e-9);
+  // Only the last 8 round trips count.
+  for (int i = 0; i < 8; ++i) fit.add_round_trip(500);
+  EXPECT_DOUBLE_EQ(fit.launch_us(), 500);
+}
+
+// Later steps outweigh old ones: a link that halves its rate is learnt.
+TEST(LinkFit, FollowsAChangedLink) {
+  ddpx::hooks::LinkFit fit;
+  fit.add_step({{1e6, 10100}});
+  EXPECT_NEAR(fit.bytes_per_us(), 100, 1e-9);
+  for (int step = 0; step < 12; ++step) fit.add_step({{1e6, 20100}});
+  EXPECT_NEAR(fit.bytes_per_us(), 50, 1);
+  fit.add_step({});  // a step without reductions changes nothing
+  EXPECT_NEAR(fit.bytes_per_us(), 50, 1);
 }
 
 }  // namespace
