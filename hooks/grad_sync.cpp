@@ -65,8 +65,9 @@ void GradSync::Impl::finish_step() {
   // flags), and rank 0's re-plan proposal.
   const int n = static_cast<int>(params.size());
   const bool propose = should_replan();
-  // [used here (n) | rank 0's proposal | a surprise gradient | unused here (n)]
-  auto flags = at::zeros({2 * n + 2}, at::kInt);
+  // [used here (n) | rank 0's proposal | a surprise gradient | unused here (n)
+  //  | -(the last agreement's round trip here, us)]
+  auto flags = at::zeros({2 * n + 3}, at::kInt);
   {
     auto* f = flags.data_ptr<int>();
     for (int p : arrival) f[p] = 1;
@@ -74,6 +75,10 @@ void GradSync::Impl::finish_step() {
     f[n] = propose && channels[0]->pg().getRank() == 0 ? 1 : 0;  // only rank 0's counts
     f[n + 1] = surprises.empty() ? 0 : 1;
     for (int p = 0; p < n; ++p) f[n + 2 + p] = f[p] ? 0 : 1;
+    // MAX of the negated trips: the least over ranks, the one of the rank
+    // that arrived last, which did not wait for the others (skew).
+    f[2 * n + 2] = last_trip_us < 0 ? kNoTrip
+                                    : -static_cast<int>(std::min(last_trip_us, 1e9));
   }
   auto agree = agree_max(flags, "ddpx::step_agreement", &agree_t0, &agree_t1);
   std::exception_ptr error;
@@ -146,7 +151,8 @@ void GradSync::Impl::finish_step() {
   // rank decides alike whether the late set changed (no vote needed).
   const std::vector<char> missed(fl + n + 2, fl + 2 * n + 2);
   predictor.observe(arrival, &missed, &arrival_us);
-  learn_link_rate();
+  learn_link_rate(fl[2 * n + 2] == kNoTrip ? -1.0 : -static_cast<double>(fl[2 * n + 2]));
+  last_trip_us = us_since(agree_t0, agree_t1);
   const bool late_changed =
       opts.replan_ && late_for(predictor) != plan_late && predictor.late_stable_steps() >= 1;
   if (fl[n] != 0 || late_changed) replan_agreed(channels[0]->pg());

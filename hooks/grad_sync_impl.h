@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <map>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -94,6 +95,8 @@ struct GradSync::Impl {
   StepStats stats, last;
   Clock::time_point t0;
   Clock::time_point agree_t0, agree_t1;  // the step-end agreement, on channel 0
+  double last_trip_us = -1;              // its duration last step here; <0: none yet
+  static constexpr int kNoTrip = std::numeric_limits<int>::min();
   std::atomic<double> hook_cpu_us{0};
   double begin_us = 0;  // of hook_cpu_us: the step's start, in its first hook
 
@@ -444,12 +447,12 @@ struct GradSync::Impl {
     return timing_gain_steps >= 2;
   }
 
-  // After a step's reductions: the step-end agreement's round trip (the
-  // per-reduction cost), then each bucket's bytes and the time the link was
-  // busy with it (one queued behind another starts when that one
-  // completes), for the link's rate.
-  void learn_link_rate() {
-    link.add_round_trip(hooks::us_since(agree_t0, agree_t1));
+  // After a step's reductions: a small collective's round trip (`trip_us`,
+  // the per-reduction cost; <0: none), then each bucket's bytes and the time
+  // the link was busy with it (one queued behind another starts when that
+  // one completes), for the link's rate.
+  void learn_link_rate(double trip_us) {
+    if (trip_us >= 0) link.add_round_trip(trip_us);
     std::vector<std::pair<double, double>> samples;
     double free_at = 0;
     for (const auto& b : stats.buckets) {

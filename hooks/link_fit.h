@@ -3,12 +3,15 @@
 // collectives: busy_us = launch_us + bytes / bytes_per_us.
 //
 // launch_us is a small collective's round trip: the step-end agreement (a
-// few ints, on channel 0 after the step's buckets), the least of the last 8
-// steps. The least, because a collective also waits for the slowest rank,
-// and that skew is paid once per step, not per bucket. (A line fitted
-// through (bytes, busy time) of the buckets was tried first: the first
-// bucket of a step carries the skew, and the intercepts came out between 2
-// and 60 ms on one test, against a round trip under 1 ms.)
+// few ints, on channel 0 after the step's buckets) as timed by the rank that
+// arrived last (GradSync carries each rank's time in the next agreement and
+// takes the least), the least of the last 8 steps. A collective also waits
+// for the slowest rank, and that skew is paid once per step, not per
+// bucket: timed on rank 0 alone, the trip of ddpx_mpi's first steps came out
+// at 21 ms against 0.6 ms later, and the plans made with it churned. (A line
+// fitted through (bytes, busy time) of the buckets was tried first: the
+// first bucket of a step carries the skew too, and the intercepts came out
+// between 2 and 60 ms on one test.)
 //
 // bytes_per_us is the step's bytes over its busy time less one launch per
 // bucket, averaged over steps with decaying weights (about the last five
