@@ -10,15 +10,15 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <map>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <tuple>
 
 #include "hooks/bucket_planner.h"
 #include "hooks/channel.h"
-#include "hooks/link_fit.h"
+#include "hooks/link_estimate.h"
 #include "hooks/order_predictor.h"
 #include "hooks/profiler.h"
 #include "hooks/reduce_fn.h"
@@ -67,7 +67,7 @@ struct GradSync::Impl {
   int64_t replans = 0;
   // The link as the reductions saw it (rate and per-reduction cost), for
   // comparing plans by when their reductions would finish.
-  hooks::LinkFit link;
+  hooks::LinkEstimate link;
   int timing_gain_steps = 0;  // steps in a row a timing re-plan would have paid
 
   // ---- per-step state, under mu ---------------------------------------------

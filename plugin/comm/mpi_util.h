@@ -43,8 +43,8 @@ void check_agreement(MPI_Comm comm, std::initializer_list<int64_t> fingerprint,
 // while tests keep doing work (shared memory, where the worker's copies are
 // the transfer: as fast as the blocking call), and naps once none has for
 // 50 us (a socket full or empty, the kernel moving the bytes); the naps
-// grow with the wait, up to 100 us. Throws once MPI is marked broken (a Work timed out), so a lost
-// peer does not hold the worker forever.
+// grow with the wait, up to 100 us. Throws once MPI is marked broken (a
+// Work timed out), so a lost peer does not hold the worker forever.
 void await_request(MPI_Request& request);
 
 // Checks at the door (caller's thread); each names the argument.

@@ -10,9 +10,9 @@
 //      on a communicator in the order its caller made them. A collective runs
 //      to completion on the worker while the caller computes: that thread is
 //      the progress engine MPI does not have on its own. It posts the
-//      nonblocking form and naps between tests (await_request, mpi_util.h)
-//      rather than spinning inside a blocking call, so it leaves the cores to
-//      the compute it overlaps.
+//      nonblocking form and tests it, napping while no bytes move
+//      (await_request, mpi_util.h), rather than spinning inside a blocking
+//      call, so it leaves the cores to the compute it overlaps.
 //   3. Point-to-point tasks only post MPI_Isend/MPI_Irecv and stay pending; the
 //      worker tests them between tasks, so a send never blocks the queue (and
 //      send-then-recv on both ranks cannot deadlock).

@@ -2,7 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "hooks/bucket_planner.h"
-#include "hooks/link_fit.h"
+#include "hooks/link_estimate.h"
 #include "hooks/order_predictor.h"
 
 namespace {
@@ -259,10 +259,10 @@ TEST(BucketPlanner, PredictedFinishRewardsSendingBeforeAPause) {
 
 // The per-reduction cost is the least recent round trip (skew only adds);
 // the rate counts each bucket's time less that cost.
-TEST(LinkFit, LaunchCostIsTheLeastRecentRoundTripAndRateExcludesIt) {
-  ddpx::hooks::LinkFit fit;
+TEST(LinkEstimate, LaunchCostIsTheLeastRecentRoundTripAndRateExcludesIt) {
+  ddpx::hooks::LinkEstimate fit;
   EXPECT_EQ(fit.bytes_per_us(), 0);
-  EXPECT_DOUBLE_EQ(fit.launch_us(), ddpx::hooks::LinkFit::kDefaultLaunchUs);
+  EXPECT_DOUBLE_EQ(fit.launch_us(), ddpx::hooks::LinkEstimate::kDefaultLaunchUs);
   for (double us : {900.0, 250.0, 4000.0, 300.0}) fit.add_round_trip(us);
   EXPECT_DOUBLE_EQ(fit.launch_us(), 250);
   // 250 us + 100 bytes/us per bucket; an empty bucket is ignored.
@@ -274,8 +274,8 @@ TEST(LinkFit, LaunchCostIsTheLeastRecentRoundTripAndRateExcludesIt) {
 }
 
 // Later steps outweigh old ones: a link that halves its rate is learnt.
-TEST(LinkFit, FollowsAChangedLink) {
-  ddpx::hooks::LinkFit fit;
+TEST(LinkEstimate, FollowsAChangedLink) {
+  ddpx::hooks::LinkEstimate fit;
   fit.add_step({{1e6, 10100}});
   EXPECT_NEAR(fit.bytes_per_us(), 100, 1e-9);
   for (int step = 0; step < 12; ++step) fit.add_step({{1e6, 20100}});

@@ -1,4 +1,4 @@
-#include "hooks/link_fit.h"
+#include "hooks/link_estimate.h"
 
 #include <algorithm>
 
@@ -9,17 +9,17 @@ constexpr double kDecay = 0.7;  // weight left to the steps before this one
 constexpr size_t kTrips = 8;
 }  // namespace
 
-double LinkFit::launch_us() const {
+double LinkEstimate::launch_us() const {
   return trips_.empty() ? kDefaultLaunchUs : *std::min_element(trips_.begin(), trips_.end());
 }
 
-void LinkFit::add_round_trip(double us) {
+void LinkEstimate::add_round_trip(double us) {
   if (us <= 0) return;
   trips_.push_back(us);
   if (trips_.size() > kTrips) trips_.pop_front();
 }
 
-void LinkFit::add_step(const std::vector<std::pair<double, double>>& samples) {
+void LinkEstimate::add_step(const std::vector<std::pair<double, double>>& samples) {
   double bytes = 0, busy = 0;
   for (const auto& [b, us] : samples) {
     if (b <= 0 || us <= 0) continue;
@@ -31,7 +31,6 @@ void LinkFit::add_step(const std::vector<std::pair<double, double>>& samples) {
   if (bytes <= 0) return;
   bytes_ = kDecay * bytes_ + bytes;
   busy_ = kDecay * busy_ + busy;
-  rate_ = bytes_ / busy_;
 }
 
 }  // namespace ddpx::hooks

@@ -22,7 +22,7 @@
 
 namespace ddpx::hooks {
 
-class LinkFit {
+class LinkEstimate {
  public:
   static constexpr double kDefaultLaunchUs = 100;  // until a round trip is seen
 
@@ -32,12 +32,11 @@ class LinkFit {
   // A small collective's duration, start to end on its channel thread.
   void add_round_trip(double us);
 
-  double bytes_per_us() const { return rate_; }  // 0 until a step was seen
+  double bytes_per_us() const { return busy_ > 0 ? bytes_ / busy_ : 0; }  // 0: no step yet
   double launch_us() const;
 
  private:
   double bytes_ = 0, busy_ = 0;  // decayed sums over steps
-  double rate_ = 0;
   std::deque<double> trips_;  // the last 8 round trips
 };
 
