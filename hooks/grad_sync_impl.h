@@ -238,10 +238,16 @@ struct GradSync::Impl {
     } else {
       // A locally unused parameter contributes zeros. If its .grad is the
       // slot, zeroing would clobber it (and a globally unused .grad must stay
-      // untouched): give it its own copy first.
+      // untouched): give it its own copy first. Unless the slot holds zeros
+      // already (zero_grad in place) and the codec is exact: then a globally
+      // unused slot comes back as zeros, .grad untouched, and nothing is
+      // copied (a lossy codec may send residuals into it).
       auto& g = params[p].mutable_grad();
-      if (is_slot(p, g)) g = g.clone();
-      views[p].zero_();
+      const bool slot = is_slot(p, g);
+      if (!slot || take_residuals || g.any().item<bool>()) {
+        if (slot) g = g.clone();
+        views[p].zero_();
+      }
     }
     const int b = bucket_of[p];
     if (--pending[b] == 0) stats.buckets[b].ready_us = hooks::us_since(t0, Clock::now());

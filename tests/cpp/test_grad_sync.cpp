@@ -230,6 +230,29 @@ TEST(GradSync, GloballyUnusedViewGradStaysUntouched) {
   }
 }
 
+// As above with zero_grad in place before each step: the idle parameter's
+// .grad is its slot and holds zeros, so it stays in the bucket (not copied
+// out) and stays zero.
+TEST(GradSync, GloballyUnusedZeroedViewGradStaysInItsBucket) {
+  auto& pg = world();
+  for (Unused u : {Unused::Predict, Unused::Exact}) {
+    torch::manual_seed(11);
+    Branchy m;
+    GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(u));  // one bucket
+    auto x = at::randn({kB, 6}, at::kDouble) * (pg->getRank() + 1);
+    for (int branch : {0, 1}) {
+      m->zero_grad(/*set_to_none=*/false);
+      auto loss = m(x, branch);
+      if (u == Unused::Exact) sync.prepare_for_backward({loss});
+      loss.backward();
+    }
+    const auto& left = m->left->weight.grad();
+    EXPECT_TRUE(left.is_alias_of(m->trunk->weight.grad())) << "left.grad left its bucket";
+    EXPECT_EQ(left.abs().sum().item<double>(), 0.0);
+    EXPECT_GT(m->right->weight.grad().abs().sum().item<double>(), 0.0);
+  }
+}
+
 // Once the late set has settled (both experts late after two steps), the
 // idle expert's bytes stay off the wire -- DDP would send its zeros -- the
 // plan does not churn with the alternation, and gradients stay exact.
