@@ -241,10 +241,11 @@ struct GradSync::Impl {
       // untouched): give it its own copy first. Unless the slot holds zeros
       // already (zero_grad in place) and the codec is exact: then a globally
       // unused slot comes back as zeros, .grad untouched, and nothing is
-      // copied (a lossy codec may send residuals into it).
+      // copied (a lossy codec may send residuals into it). CPU only: on a
+      // device, reading "any" would wait for the stream; the copy does not.
       auto& g = params[p].mutable_grad();
       const bool slot = is_slot(p, g);
-      if (!slot || take_residuals || g.any().item<bool>()) {
+      if (!slot || take_residuals || !g.is_cpu() || g.any().item<bool>()) {
         if (slot) g = g.clone();
         views[p].zero_();
       }
