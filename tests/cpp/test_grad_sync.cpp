@@ -194,6 +194,18 @@ TEST(GradSync, UnusedBranchesWithGradAsBucketView) {
   }
 }
 
+// Steps m (under sync) through `branches` of its forward on x; with
+// `zero_in_place`, zero_grad(set_to_none=false) before each step.
+void step_branches(Branchy& m, GradSync& sync, Unused u, const at::Tensor& x,
+                   std::initializer_list<int> branches, bool zero_in_place = false) {
+  for (int branch : branches) {
+    if (zero_in_place) m->zero_grad(/*set_to_none=*/false);
+    auto loss = m(x, branch);
+    if (u == Unused::Exact) sync.prepare_for_backward({loss});
+    loss.backward();
+  }
+}
+
 // .grad of "left" is a bucket view after a step where every rank used it;
 // the next step no rank uses it: its slot contributes zeros, yet .grad (not
 // zeroed by the user in between) must keep its value, as under DDP.
@@ -204,25 +216,16 @@ TEST(GradSync, GloballyUnusedViewGradStaysUntouched) {
     Branchy m;
     GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(u));  // one bucket
     auto x = at::randn({kB, 6}, at::kDouble) * (pg->getRank() + 1);
-    for (int branch : {0, 1}) {
-      auto loss = m(x, branch);
-      if (u == Unused::Exact) sync.prepare_for_backward({loss});
-      loss.backward();
-      if (branch == 0) {
-        ASSERT_TRUE(m->left->weight.grad().is_alias_of(m->trunk->weight.grad())) << "not in a bucket";
-      }
-    }
+    step_branches(m, sync, u, x, {0});
+    ASSERT_TRUE(m->left->weight.grad().is_alias_of(m->trunk->weight.grad())) << "not in a bucket";
+    step_branches(m, sync, u, x, {1});
     // Reference: the same two steps without GradSync's views (accumulating).
     auto left = m->left->weight.grad();
     torch::manual_seed(11);
     Branchy ref;
     GradSync ref_sync(ref->named_parameters(), pg,
                       GradSyncOptions().unused(u).gradient_as_bucket_view(false));
-    for (int branch : {0, 1}) {
-      auto loss = ref(x, branch);
-      if (u == Unused::Exact) ref_sync.prepare_for_backward({loss});
-      loss.backward();
-    }
+    step_branches(ref, ref_sync, u, x, {0, 1});
     EXPECT_TRUE(at::equal(left, ref->left->weight.grad()));
     EXPECT_TRUE(at::equal(m->right->weight.grad(), ref->right->weight.grad()));
     EXPECT_GT(left.abs().sum().item<double>(), 0.0) << "left.grad was zeroed";
@@ -240,12 +243,7 @@ TEST(GradSync, GloballyUnusedZeroedViewGradStaysInItsBucket) {
     Branchy m;
     GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(u));  // one bucket
     auto x = at::randn({kB, 6}, at::kDouble) * (pg->getRank() + 1);
-    for (int branch : {0, 1}) {
-      m->zero_grad(/*set_to_none=*/false);
-      auto loss = m(x, branch);
-      if (u == Unused::Exact) sync.prepare_for_backward({loss});
-      loss.backward();
-    }
+    step_branches(m, sync, u, x, {0, 1}, /*zero_in_place=*/true);
     const auto& left = m->left->weight.grad();
     EXPECT_TRUE(left.is_alias_of(m->trunk->weight.grad())) << "left.grad left its bucket";
     EXPECT_EQ(left.abs().sum().item<double>(), 0.0);
