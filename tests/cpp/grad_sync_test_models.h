@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -112,5 +113,47 @@ struct FlipImpl : torch::nn::Module {
   }
 };
 TORCH_MODULE(Flip);
+
+// loss_of(model, x, rank) -> scalar loss for a shard. The reference averages
+// the per-shard losses (equal shard sizes: the mean over the whole batch).
+template <typename M>
+using LossFn = std::function<at::Tensor(M&, const at::Tensor&, int)>;
+
+// zero_in_place: zero_grad(set_to_none=false) between steps, so that .grad
+// stays the bucket view and backward accumulates into the bucket.
+template <typename M>
+inline void expect_matches_reference(std::function<M()> make, LossFn<M> loss_of, int64_t features,
+                              ddpx::GradSyncOptions opts = {}, int steps = 3, bool zero_in_place = false) {
+  auto& pg = world();
+  const int r = pg->getRank(), n = pg->getSize();
+  torch::manual_seed(1234);
+  M ref = make();
+  torch::manual_seed(1234 + 0);  // same init on every rank, GradSync broadcasts anyway
+  M model = make();
+  ddpx::GradSync sync((*model).named_parameters(), pg, opts, (*model).named_buffers());
+  for (int step = 0; step < steps; ++step) {
+    auto g = global_batch(features, 100 + step);
+    (*ref).zero_grad(/*set_to_none=*/!zero_in_place);
+    at::Tensor total;
+    for (int k = 0; k < n; ++k) {
+      auto l = loss_of(ref, shard(g, k), k) / n;
+      total = total.defined() ? total + l : l;
+    }
+    total.backward();
+    (*model).zero_grad(/*set_to_none=*/!zero_in_place);
+    auto loss = loss_of(model, shard(g, r), r);
+    if (opts.unused_ == Unused::Exact) sync.prepare_for_backward({loss});
+    loss.backward();
+    auto rp = (*ref).named_parameters();
+    for (const auto& item : (*model).named_parameters()) {
+      const auto& want = rp[item.key()].grad();
+      const auto& got = item.value().grad();
+      ASSERT_EQ(want.defined(), got.defined()) << item.key() << " step " << step;
+      if (want.defined()) {
+        EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-8)) << item.key() << " step " << step;
+      }
+    }
+  }
+}
 
 }  // namespace ddpx::test::grad_sync
