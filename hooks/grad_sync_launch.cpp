@@ -1,0 +1,116 @@
+// GradSync: launching a bucket's reduction on its channel (the whole bucket,
+// or a late bucket's used runs) and the error-feedback residuals a re-plan
+// leaves owed to parameters, added to their slots when next sent. Called
+// under Impl::mu from the hooks and the final callback (grad_sync_impl.h).
+#include "hooks/grad_sync_impl.h"
+
+namespace ddpx {
+
+void GradSync::Impl::carry_residuals() {
+  if (!take_residuals) return;
+  for (auto& [key, r] : take_residuals()) {
+    int b = -1;
+    int64_t off = 0;
+    if (auto it = run_origin.find(key); it != run_origin.end()) {
+      std::tie(b, off) = it->second;
+    } else {
+      for (size_t i = 0; i < keys.size(); ++i) {
+        if (keys[i] == key) b = static_cast<int>(i);
+      }
+    }
+    if (b < 0 || b >= static_cast<int>(plan.size())) continue;
+    for (int p : plan[b].params) {
+      const int64_t rel = offset_of[p] - off;
+      if (rel < 0 || rel + info[p].numel > r.numel()) continue;  // not in this run
+      owe(p, r.narrow(0, rel, info[p].numel));
+    }
+  }
+  run_origin.clear();
+}
+
+void GradSync::Impl::owe(int p, const at::Tensor& r) {
+  if (carry[p].defined()) {
+    carry[p].add_(r.reshape(-1));
+  } else {
+    carry[p] = r.reshape(-1).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    ++carries;
+  }
+}
+
+void GradSync::Impl::launch_locked(int b, std::vector<Run> runs) {
+  hooks::Range range("ddpx::bucket_launch");
+  auto& bs = stats.buckets[b];
+  bs.launch_us = hooks::us_since(t0, Clock::now());
+  if (runs.empty()) runs.push_back({0, plan[b].numel});
+  int64_t numel = 0;
+  for (const auto& r : runs) numel += r.numel;
+  bs.bytes = numel * static_cast<int64_t>(c10::elementSize(plan[b].dtype));
+  // A codec keeps state per key: a partial run has its own (one per layout
+  // seen). The whole bucket uses the bucket's key, which only changes at a
+  // re-plan, after every future.
+  std::vector<std::string> run_keys;
+  if (numel != plan[b].numel) {
+    for (const auto& r : runs) {
+      run_keys.push_back(keys[b] + "@" + std::to_string(r.offset) + "+" + std::to_string(r.numel));
+      run_origin.emplace(run_keys.back(), std::make_pair(b, r.offset));
+    }
+  }
+  auto owed = take_carries_locked(b, runs);
+  at::Tensor flat = storage[b];
+  const std::string* key = &keys[b];
+  auto* complete = &bs.complete_us;
+  const auto start = t0;
+  futures[b] = channels[b % channels.size()]->submit(
+      [this, flat, key, runs = std::move(runs), run_keys = std::move(run_keys),
+       owed = std::move(owed), complete, start,
+       ctx = profiler->launch_context(b)](c10d::ProcessGroup& pg) mutable {
+        {
+          hooks::ReduceScope scope(ctx);
+          for (auto& [slot, r] : owed) slot.add_(r.view(slot.sizes()));
+          if (run_keys.empty()) {
+            reduce(flat, *key, pg);
+          } else {
+            for (size_t i = 0; i < runs.size(); ++i) {
+              at::Tensor part = flat.narrow(0, runs[i].offset, runs[i].numel);
+              reduce(part, run_keys[i], pg);
+            }
+          }
+        }
+        *complete = hooks::us_since(start, Clock::now());
+      });
+}
+
+std::vector<std::pair<at::Tensor, at::Tensor>> GradSync::Impl::take_carries_locked(
+    int b, const std::vector<Run>& runs) {
+  std::vector<std::pair<at::Tensor, at::Tensor>> owed;
+  if (carries == 0) return owed;
+  for (int p : plan[b].params) {
+    if (!carry[p].defined()) continue;
+    for (const auto& r : runs) {
+      if (offset_of[p] >= r.offset && offset_of[p] < r.offset + r.numel) {
+        owed.emplace_back(views[p], std::move(carry[p]));
+        carry[p] = at::Tensor();
+        --carries;
+        break;
+      }
+    }
+  }
+  return owed;
+}
+
+std::vector<GradSync::Impl::Run> GradSync::Impl::used_runs(
+    int b, const std::vector<char>& globally_used) const {
+  std::vector<Run> runs;
+  for (int p : plan[b].params) {
+    if (!globally_used[p]) continue;
+    const int64_t off = offset_of[p], n = info[p].numel;
+    if (!runs.empty() && runs.back().offset + runs.back().numel == off) {
+      runs.back().numel += n;
+    } else {
+      runs.push_back({off, n});
+    }
+  }
+  return runs;
+}
+
+}  // namespace ddpx
