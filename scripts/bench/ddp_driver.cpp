@@ -85,10 +85,15 @@ void zero_grad(const std::vector<at::Tensor>& params, bool in_place) {
 }
 
 // exact: a GradSync in Unused::Exact mode, told the loss before backward.
+// forward_ms (if given) gets the time of inputs + forward: the part of a step
+// no reduction can overlap while gradients must be averaged when backward
+// returns.
 void forward_backward(torch::jit::Module& m, int64_t step, int64_t rank,
-                      ddpx::GradSync* exact = nullptr) {
+                      ddpx::GradSync* exact = nullptr, double* forward_ms = nullptr) {
+  const auto t0 = Clock::now();
   at::Tensor x = m.run_method("inputs", step, rank).toTensor();
   at::Tensor loss = m.forward({x, step}).toTensor();
+  if (forward_ms) *forward_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   if (exact) exact->prepare_for_backward({loss});
   loss.backward();
 }
@@ -130,8 +135,9 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   if (variant == "comm_gloo" || variant == "comm_mpi") bufs = comm_buffers(params, a.bucket_cap_mb);
 
   std::function<void(int64_t)> step_fn;
+  double forward_ms = 0;  // of the last step
   if (variant == "compute" || sync) {
-    step_fn = [&](int64_t s) { forward_backward(m, s, rank, exact_sync); };
+    step_fn = [&](int64_t s) { forward_backward(m, s, rank, exact_sync, &forward_ms); };
   } else if (variant == "naive") {
     step_fn = [&](int64_t s) {
       forward_backward(m, s, rank);
@@ -157,7 +163,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     TORCH_CHECK(false, "ddpx-bench-ddp: unknown variant '", variant, "'");
   }
 
-  std::vector<double> ms, hook_us, param_hook_us, calls, exposed_us, backward_us, comm_us;
+  std::vector<double> ms, fwd_ms, hook_us, param_hook_us, calls, exposed_us, backward_us, comm_us;
   int64_t replans = 0, buckets = 0;
   g.mpi->barrier()->wait();
   for (int s = 0; s < a.warmup + a.steps; ++s) {
@@ -167,6 +173,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     const double dt = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     if (s < a.warmup) continue;
     ms.push_back(dt);
+    fwd_ms.push_back(forward_ms);
     if (sync) {
       const auto& st = sync->last_step();
       hook_us.push_back(st.hook_cpu_us);
@@ -183,6 +190,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
                       {"tensors", params.size()}, {"numel", numel},
                       {"step_ms", median(ms)}, {"min_ms", *std::min_element(ms.begin(), ms.end())},
                       {"steps", a.steps}, {"warmup", a.warmup}};
+  if (variant == "compute" || sync) j["forward_ms"] = median(fwd_ms);
   if (sync) {
     j.update({{"hook_cpu_us", median(hook_us)}, {"param_hooks_us", median(param_hook_us)},
               {"hook_calls", median(calls)},
