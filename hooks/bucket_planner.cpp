@@ -129,6 +129,41 @@ double predicted_finish_us(const std::vector<BucketPlan>& plan, const PlanTiming
   return link.free_at;
 }
 
+double predicted_cost_us(const std::vector<BucketPlan>& plan, const PlanTiming& timing) {
+  return predicted_finish_us(plan, timing) + static_cast<double>(plan.size()) * timing.launch_us;
+}
+
+std::vector<BucketPlan> plan_buckets_cheapest(const std::vector<int>& order,
+                                              const std::vector<ParamInfo>& params,
+                                              int64_t first_cap_bytes, int64_t cap_bytes,
+                                              const std::vector<char>& late,
+                                              const PlanTiming& timing,
+                                              std::vector<char>* timing_cuts) {
+  if (timing.bytes_per_us <= 0) {
+    return plan_buckets(order, params, first_cap_bytes, cap_bytes, late, {}, &timing, timing_cuts);
+  }
+  // From no timing cuts (an infinite gap) down to the given gap: a narrower
+  // gap must be strictly cheaper to win.
+  std::vector<BucketPlan> best =
+      plan_buckets(order, params, first_cap_bytes, cap_bytes, late, {}, nullptr, nullptr);
+  double best_cost = predicted_cost_us(best, timing);
+  std::vector<char> best_cuts(order.size(), 0);
+  PlanTiming t = timing;
+  std::vector<char> cuts;
+  for (int widen = 64; widen >= 1; widen /= 2) {
+    t.gap_us = timing.gap_us * widen;
+    auto plan = plan_buckets(order, params, first_cap_bytes, cap_bytes, late, {}, &t, &cuts);
+    const double cost = predicted_cost_us(plan, timing);
+    if (cost < best_cost) {
+      best = std::move(plan);
+      best_cost = cost;
+      best_cuts = cuts;
+    }
+  }
+  if (timing_cuts) *timing_cuts = std::move(best_cuts);
+  return best;
+}
+
 double launch_delay(const std::vector<BucketPlan>& plan, const std::vector<int>& arrival,
                     int num_params) {
   if (plan.empty() || num_params == 0) return 0.0;

@@ -68,6 +68,28 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
 // the same arrivals.
 double predicted_finish_us(const std::vector<BucketPlan>& plan, const PlanTiming& timing);
 
+// What `plan` is predicted to cost, in us: predicted_finish_us plus
+// timing.launch_us per bucket. A bucket's fixed cost is paid twice: on the
+// link (in the finish) and in the CPU that its launch and its collective's
+// fixed work take from backward when the cores are busy with backward --
+// measured on loopback (2 ranks, 2 cores): each extra bucket of many520
+// slowed backward by 0.3-0.4 ms, against a 155 us round trip.
+double predicted_cost_us(const std::vector<BucketPlan>& plan, const PlanTiming& timing);
+
+// plan_buckets under `timing` (no `cuts`) at the gap that makes the
+// cheapest plan (predicted_cost_us): timing.gap_us widened 1, 2, 4, ..., 64
+// times, or no timing cuts; on a tie, fewer buckets. The gap rule alone keeps
+// the link busy whenever gradients wait for it; on a link with time to spare
+// that is a launch per gap of backward (40 buckets for many520 on loopback,
+// 15% slower than 5), bought for a shorter tail that a few buckets nearly
+// match. Unknown rate: plan_buckets as is (pauses only).
+std::vector<BucketPlan> plan_buckets_cheapest(const std::vector<int>& order,
+                                              const std::vector<ParamInfo>& params,
+                                              int64_t first_cap_bytes, int64_t cap_bytes,
+                                              const std::vector<char>& late,
+                                              const PlanTiming& timing,
+                                              std::vector<char>* timing_cuts = nullptr);
+
 // Launch delay of `plan` when gradients arrive in `arrival` (missing = arrive
 // last): bucket b is ready when its last gradient arrives (a late bucket: at
 // the end) and launches once all buckets before it launched; the score is the

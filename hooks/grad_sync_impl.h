@@ -322,8 +322,9 @@ struct GradSync::Impl {
                                          const std::vector<char>& late,
                                          std::vector<char>* timing_cuts = nullptr) const {
     const auto timing = timing_of(p);
-    return hooks::plan_buckets(order, info, first_cap_bytes(), cap_bytes(), late, {},
-                               timing ? &*timing : nullptr, timing_cuts);
+    if (!timing) return hooks::plan_buckets(order, info, first_cap_bytes(), cap_bytes(), late);
+    return hooks::plan_buckets_cheapest(order, info, first_cap_bytes(), cap_bytes(), late, *timing,
+                                        timing_cuts);
   }
 
   hooks::OrderPredictor with_this_step() const {
@@ -349,8 +350,8 @@ struct GradSync::Impl {
     }
     const auto timing = timing_of(next);
     if (!timing || timing->bytes_per_us <= 0) return false;
-    const double now = hooks::predicted_finish_us(plan, *timing);
-    const double then = hooks::predicted_finish_us(candidate, *timing);
+    const double now = hooks::predicted_cost_us(plan, *timing);
+    const double then = hooks::predicted_cost_us(candidate, *timing);
     // Hysteresis, against churn: step-to-step noise in the arrival times and
     // the rate moves the model's finish by a few percent (seen: up to 4.5%
     // on many520, with the cuts shifting by a few parameters), so a timing

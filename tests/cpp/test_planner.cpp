@@ -257,6 +257,46 @@ TEST(BucketPlanner, PredictedFinishRewardsSendingBeforeAPause) {
                    50000 + 40000 + 0.04);
 }
 
+TEST(BucketPlanner, CheapestPlanCutsOnlyWhereTheLinkNeedsIt) {
+  // 100 gradients of 4000 bytes, one every 100 us (10 ms of backward).
+  std::vector<double> t;
+  std::vector<int> order;
+  for (int i = 0; i < 100; ++i) {
+    t.push_back(100.0 * i);
+    order.push_back(i);
+  }
+  const auto info = floats(std::vector<int64_t>(100, 1000));
+  const int64_t cap = 1LL << 30;
+  auto cost_at = [&](const PlanTiming& timing, double gap) {
+    PlanTiming g = timing;
+    g.gap_us = gap;
+    return ddpx::hooks::predicted_cost_us(
+        ddpx::hooks::plan_buckets(order, info, cap, cap, {}, {}, &g), timing);
+  };
+  std::vector<char> cuts;
+  // A fast link (1 us per gradient, 100 us a launch) has time to spare: the
+  // gap rule alone launches a bucket every 500 us of backward; the cheapest
+  // plan pays few launches for a tail of a few microseconds.
+  const PlanTiming fast{t, 500, /*bytes_per_us=*/4000, /*launch_us=*/100};
+  ASSERT_GE(timed_plan(order, info, fast, &cuts).size(), 15u);
+  auto few = ddpx::hooks::plan_buckets_cheapest(order, info, cap, cap, {}, fast, &cuts);
+  EXPECT_LE(few.size(), 2u);
+  const double few_cost = ddpx::hooks::predicted_cost_us(few, fast);
+  for (double gap : {500.0, 1000.0, 4000.0, 1e9}) EXPECT_LE(few_cost, cost_at(fast, gap)) << gap;
+  // Its cuts reproduce it (what rank 0 sends the others).
+  EXPECT_EQ(members(ddpx::hooks::plan_buckets(order, info, cap, cap, {}, cuts)), members(few));
+  // A slow link (1 ms per gradient) is the bottleneck: waiting costs the
+  // finish, so the cheapest plan keeps the gap rule's early cuts.
+  const PlanTiming slow{t, 500, /*bytes_per_us=*/4, /*launch_us=*/100};
+  auto busy = ddpx::hooks::plan_buckets_cheapest(order, info, cap, cap, {}, slow, &cuts);
+  EXPECT_GE(busy.size(), 2u);
+  EXPECT_LT(ddpx::hooks::predicted_cost_us(busy, slow), cost_at(slow, 1e9));
+  // Unknown rate: the gap rule on pauses, as plan_buckets (none here).
+  EXPECT_EQ(ddpx::hooks::plan_buckets_cheapest(order, info, cap, cap, {}, PlanTiming{t, 500}, &cuts)
+                .size(),
+            1u);
+}
+
 // The per-reduction cost is the least recent round trip (skew only adds);
 // the rate counts each bucket's time less that cost.
 TEST(LinkEstimate, LaunchCostIsTheLeastRecentRoundTripAndRateExcludesIt) {
