@@ -88,12 +88,13 @@ def _fmt(v):
     return str(v)
 
 
-LINK_1GBIT = "emulated 1 Gbit/s link (netns loopback, tc tbf rate 1gbit burst 256kb latency 50ms)"
+def link_text(rate="1gbit"):
+    return f"emulated {rate} link (netns loopback, tc tbf rate {rate} burst 256kb latency 50ms)"
 
 
 class ShapedLink:
-    """A network namespace whose loopback is shaped to 1 Gbit/s (tc tbf), for
-    ranks on one machine: `prefix` runs a command inside it. Both directions
+    """A network namespace whose loopback is shaped to `rate` (tc tbf; 1 Gbit/s
+    unless told), for ranks on one machine: `prefix` runs a command inside it. Both directions
     share the one shaped device. The namespace is deleted on exit, on SIGINT/
     SIGTERM/SIGHUP and at interpreter exit. Without CAP_NET_ADMIN (or with
     enabled=False) `prefix` is empty and `link` says the loopback is unshaped.
@@ -102,9 +103,10 @@ class ShapedLink:
             subprocess.run(net.prefix + ["mpirun", ...])
     """
 
-    def __init__(self, name, enabled=True):
+    def __init__(self, name, enabled=True, rate="1gbit"):
         self.ns = f"{name}-{os.getpid()}"
         self.enabled = enabled
+        self.rate = rate
         self.made = False
         self.prefix = []
         self.link = "UNSHAPED plain loopback (--no-netns)"
@@ -125,11 +127,11 @@ class ShapedLink:
             subprocess.run(["ip", "netns", "add", self.ns], check=True, capture_output=True, text=True)
             self.made = True
             for cmd in (["ip", "-n", self.ns, "link", "set", "lo", "up"],
-                        ip + ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "1gbit",
+                        ip + ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", self.rate,
                               "burst", "256kb", "latency", "50ms"]):
                 subprocess.run(cmd, check=True, capture_output=True, text=True)
             self.prefix = ip
-            self.link = LINK_1GBIT
+            self.link = link_text(self.rate)
         except (subprocess.CalledProcessError, FileNotFoundError) as e:
             self.close()
             err = e.stderr.strip() if getattr(e, "stderr", None) else str(e)
