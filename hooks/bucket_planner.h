@@ -78,7 +78,7 @@ double predicted_cost_us(const std::vector<BucketPlan>& plan, const PlanTiming& 
 
 // plan_buckets under `timing` (no `cuts`) at the gap that makes the
 // cheapest plan (predicted_cost_us): timing.gap_us widened 1, 2, 4, ..., 64
-// times, or no timing cuts; on a tie, fewer buckets. The gap rule alone keeps
+// times, or no timing cuts; on a tie, the wider gap. The gap rule alone keeps
 // the link busy whenever gradients wait for it; on a link with time to spare
 // that is a launch per gap of backward (40 buckets for many520 on loopback,
 // 15% slower than 5), bought for a shorter tail that a few buckets nearly
