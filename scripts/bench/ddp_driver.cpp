@@ -85,17 +85,27 @@ void zero_grad(const std::vector<at::Tensor>& params, bool in_place) {
 }
 
 // exact: a GradSync in Unused::Exact mode, told the loss before backward.
-// forward_ms (if given) gets the time of inputs + forward: the part of a step
-// no reduction can overlap while gradients must be averaged when backward
-// returns.
+// Times of one step's phases, in ms: inputs + forward (the part of a step no
+// reduction can overlap while gradients must be averaged when backward
+// returns), and the backward() call.
+struct Phases {
+  double forward = 0, backward = 0;
+};
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
 void forward_backward(torch::jit::Module& m, int64_t step, int64_t rank,
-                      ddpx::GradSync* exact = nullptr, double* forward_ms = nullptr) {
+                      ddpx::GradSync* exact = nullptr, Phases* phases = nullptr) {
   const auto t0 = Clock::now();
   at::Tensor x = m.run_method("inputs", step, rank).toTensor();
   at::Tensor loss = m.forward({x, step}).toTensor();
-  if (forward_ms) *forward_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  if (phases) phases->forward = ms_since(t0);
   if (exact) exact->prepare_for_backward({loss});
+  const auto t1 = Clock::now();
   loss.backward();
+  if (phases) phases->backward = ms_since(t1);
 }
 
 // The flat buffers comm-only reduces: the model's bytes in bucket-sized parts.
@@ -135,9 +145,9 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   if (variant == "comm_gloo" || variant == "comm_mpi") bufs = comm_buffers(params, a.bucket_cap_mb);
 
   std::function<void(int64_t)> step_fn;
-  double forward_ms = 0;  // of the last step
+  Phases phases;  // of the last step
   if (variant == "compute" || sync) {
-    step_fn = [&](int64_t s) { forward_backward(m, s, rank, exact_sync, &forward_ms); };
+    step_fn = [&](int64_t s) { forward_backward(m, s, rank, exact_sync, &phases); };
   } else if (variant == "naive") {
     step_fn = [&](int64_t s) {
       forward_backward(m, s, rank);
@@ -163,19 +173,21 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     TORCH_CHECK(false, "ddpx-bench-ddp: unknown variant '", variant, "'");
   }
 
-  std::vector<double> ms, fwd_ms, hook_us, param_hook_us, calls, exposed_us, backward_us, comm_us;
+  std::vector<double> ms, fwd_ms, first_grad_ms, hook_us, param_hook_us, calls, exposed_us, backward_us, comm_us;
   int64_t replans = 0, buckets = 0;
   g.mpi->barrier()->wait();
   for (int s = 0; s < a.warmup + a.steps; ++s) {
     const auto t0 = Clock::now();
     step_fn(s);
     zero_grad(params, a.zero_in_place);
-    const double dt = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    const double dt = ms_since(t0);
     if (s < a.warmup) continue;
     ms.push_back(dt);
-    fwd_ms.push_back(forward_ms);
+    fwd_ms.push_back(phases.forward);
     if (sync) {
       const auto& st = sync->last_step();
+      // backward() before its first gradient: no reduction can run then.
+      first_grad_ms.push_back(phases.backward - (st.backward_us + st.exposed_comm_us) / 1e3);
       hook_us.push_back(st.hook_cpu_us);
       param_hook_us.push_back(st.per_param_hooks_us);
       calls.push_back(static_cast<double>(st.hook_calls));
@@ -195,7 +207,8 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     j.update({{"hook_cpu_us", median(hook_us)}, {"param_hooks_us", median(param_hook_us)},
               {"hook_calls", median(calls)},
               {"exposed_comm_us", median(exposed_us)}, {"backward_us", median(backward_us)},
-              {"comm_us", median(comm_us)}, {"replans", replans}, {"buckets", buckets}});
+              {"comm_us", median(comm_us)}, {"replans", replans}, {"buckets", buckets},
+              {"first_grad_ms", median(first_grad_ms)}});
   }
   return j;
 }
