@@ -12,6 +12,16 @@ double bytes_of(const BucketPlan& b) {
   return static_cast<double>(b.numel) * static_cast<double>(c10::elementSize(b.dtype));
 }
 
+// What bucket b puts on the wire: all of it, or (a late bucket) its expected
+// share. (Counting a late bucket whole made the link look busy for the half
+// of an alternating pair of experts that is not sent, and so never idle.)
+double wire_bytes(const BucketPlan& b, const PlanTiming& timing) {
+  if (!b.late || timing.late_bytes.empty()) return bytes_of(b);
+  double sum = 0;
+  for (int p : b.params) sum += timing.late_bytes[p];
+  return sum;
+}
+
 // The link as the planner models it (plan_buckets while it plans,
 // predicted_finish_us to score a plan): buckets go out one after another,
 // each costing launch_us plus its bytes at the link's rate.
@@ -21,7 +31,9 @@ struct LinkModel {
   bool rate_known() const { return timing != nullptr && timing->bytes_per_us > 0; }
   void send(const BucketPlan& b, double ready) {
     if (!rate_known()) return;
-    free_at = std::max(free_at, ready) + timing->launch_us + bytes_of(b) / timing->bytes_per_us;
+    const double bytes = wire_bytes(b, *timing);
+    if (b.late && bytes <= 0) return;  // no slot used anywhere: not launched
+    free_at = std::max(free_at, ready) + timing->launch_us + bytes / timing->bytes_per_us;
   }
 };
 

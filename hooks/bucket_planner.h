@@ -38,6 +38,10 @@ struct PlanTiming {
   double bytes_per_us = 0;         // the link's rate; 0: unknown (never busy)
   double launch_us = 100;          // a reduction's fixed cost beside its bytes
   bool late_at_end = true;         // late buckets launch at the end of backward (Predict)
+  // Per parameter, the bytes its slot is expected to put on the wire from a
+  // late bucket, which sends only the slots some rank used (its size times
+  // how often that was so lately); empty: every slot, always.
+  std::vector<double> late_bytes;
 };
 
 // Walks `order`; a bucket holds one dtype and device and closes when it would

@@ -69,6 +69,10 @@ struct GradSync::Impl {
   // comparing plans by when their reductions would finish.
   hooks::LinkEstimate link;
   int timing_gain_steps = 0;  // steps in a row a timing re-plan would have paid
+  // Per parameter: how often lately some rank used it (an average of the
+  // agreed flags), so the planner counts what a late bucket really sends.
+  std::vector<double> used_anywhere;
+  static constexpr double kUsedAlpha = 0.25;
 
   // ---- per-step state, under mu ---------------------------------------------
   std::mutex mu;
@@ -101,7 +105,11 @@ struct GradSync::Impl {
   double begin_us = 0;  // of hook_cpu_us: the step's start, in its first hook
 
   Impl(GradSyncOptions o, int n)
-      : opts(std::move(o)), carry(n), predictor(n), accumulated(new std::atomic<bool>[n]()) {}
+      : opts(std::move(o)),
+        carry(n),
+        predictor(n),
+        used_anywhere(n, 1.0),
+        accumulated(new std::atomic<bool>[n]()) {}
 
   int64_t first_cap_bytes() const { return static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)); }
   int64_t cap_bytes() const { return static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)); }
@@ -306,7 +314,13 @@ struct GradSync::Impl {
     if (t.empty() || p.timed_steps() < 2) return std::nullopt;
     const double backward = *std::max_element(t.begin(), t.end());
     const double gap = std::max({1000.0, 0.02 * backward, 2 * link.launch_us()});
-    return hooks::PlanTiming{t, gap, link.bytes_per_us(), link.launch_us(), late_at_end()};
+    std::vector<double> late_bytes(params.size());
+    for (size_t q = 0; q < params.size(); ++q) {
+      late_bytes[q] = static_cast<double>(info[q].numel) *
+                      static_cast<double>(c10::elementSize(info[q].dtype)) * used_anywhere[q];
+    }
+    return hooks::PlanTiming{t, gap, link.bytes_per_us(), link.launch_us(), late_at_end(),
+                             std::move(late_bytes)};
   }
 
   // Under Exact the ranks agree on use in prepare_for_backward, so a late
