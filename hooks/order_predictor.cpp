@@ -43,9 +43,17 @@ void OrderPredictor::observe(const std::vector<int>& arrival, const std::vector<
     }
     ++timed_steps_;
   }
-  stable_steps_ = arrival == last_order_ ? stable_steps_ + 1 : 0;
+  // Stability is of the reliable parameters' order: late ones go to late
+  // buckets whatever their order, and an alternating pair of experts never
+  // repeats the raw one.
+  std::vector<int> reliable;
+  for (int p : arrival) {
+    if (!late(p)) reliable.push_back(p);
+  }
+  stable_steps_ = steps_ > 0 && reliable == last_reliable_ ? stable_steps_ + 1 : 0;
   late_stable_steps_ = late_set() == late_before ? late_stable_steps_ + 1 : 0;
   last_order_ = arrival;
+  last_reliable_ = std::move(reliable);
   ++steps_;
 }
 
@@ -127,6 +135,7 @@ void OrderPredictor::load_state(const std::vector<double>& s, int steps) {
   }
   steps_ = steps;
   last_order_.clear();  // the next step's order is taken as it comes
+  last_reliable_.clear();
   time_ema_.clear();
   timed_steps_ = 0;
   stable_steps_ = 0;

@@ -10,8 +10,8 @@
 // never sent (DDP sends its zeros). Lateness is a slow average of misses: one
 // miss keeps a parameter late for about 30 steps of use, so intermittent use
 // (an expert picked every other step) does not flip the plan back and forth.
-// stable_steps() counts how many consecutive steps repeated the same order,
-// late_stable_steps() the same late set: the planner re-plans only on what
+// stable_steps() counts how many consecutive steps repeated the same order
+// of the reliably used parameters, late_stable_steps() the same late set: the planner re-plans only on what
 // was seen twice in a row, so a one-off permutation or a noisy order never
 // churns the plan, and a real change re-plans once.
 #include <vector>
@@ -67,6 +67,7 @@ class OrderPredictor {
   int late_stable_steps_ = 0;
   int timed_steps_ = 0;
   std::vector<int> last_order_;
+  std::vector<int> last_reliable_;  // last_order_ without the late parameters
   std::vector<double> time_ema_;
   std::vector<double> position_ema_;
   std::vector<double> used_ema_;
