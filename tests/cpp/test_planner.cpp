@@ -61,6 +61,9 @@ TEST(OrderPredictor, IntermittentlyUsedParametersStayLateWithoutChurn) {
     EXPECT_EQ(p.predicted_order(), order) << "step " << s;
   }
   EXPECT_EQ(p.late_stable_steps(), 20);
+  // The raw order alternates, the reliable one (3, 2) repeats: stable, so
+  // timing re-plans stay possible for such a model.
+  EXPECT_EQ(p.stable_steps(), 20);
   EXPECT_EQ(order, (std::vector<int>{3, 2, 1, 0}));  // reliable in arrival order, then late
   // Steady use makes a late parameter reliable again: after one miss about
   // 30 steps, after a long alternation (miss average near 1/2) about 85.
@@ -295,6 +298,21 @@ TEST(BucketPlanner, CheapestPlanCutsOnlyWhereTheLinkNeedsIt) {
   EXPECT_EQ(ddpx::hooks::plan_buckets_cheapest(order, info, cap, cap, {}, PlanTiming{t, 500}, &cuts)
                 .size(),
             1u);
+}
+
+TEST(BucketPlanner, LateBucketCountsOnlyTheBytesExpectedOnTheWire) {
+  // One late bucket of two 4000-byte slots, ready at 0, on a link of 1 byte/us.
+  const auto info = floats({1000, 1000});
+  const auto plan = ddpx::hooks::plan_buckets({0, 1}, info, 1LL << 30, 1LL << 30, {1, 1});
+  ASSERT_EQ(plan.size(), 1u);
+  ASSERT_TRUE(plan[0].late);
+  PlanTiming timing{{0, 0}, 1000, /*bytes_per_us=*/1, /*launch_us=*/0, /*late_at_end=*/false};
+  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(plan, timing), 8000);
+  timing.late_bytes = {2000, 2000};  // each used on half of the steps
+  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(plan, timing), 4000);
+  timing.late_bytes = {0, 0};  // used nowhere: not launched at all
+  timing.launch_us = 100;
+  EXPECT_DOUBLE_EQ(ddpx::hooks::predicted_finish_us(plan, timing), 0);
 }
 
 // The per-reduction cost is the least recent round trip (skew only adds);
