@@ -216,7 +216,7 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
     const auto order = order_of(predictor);
     const auto late = late_for(predictor);
     std::vector<char> cuts;
-    plan_of(predictor, order, late, &cuts);
+    plan_of(timing_of(predictor), order, late, &cuts);
     for (int64_t i = 0; i < n; ++i) {
       o[i] = order[i];
       o[n + i] = late[i];

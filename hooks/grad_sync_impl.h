@@ -331,11 +331,11 @@ struct GradSync::Impl {
     return p.predicted_order(late_at_end());
   }
 
-  // The plan `p` predicts; `timing_cuts` gets the cuts its timing made.
-  std::vector<hooks::BucketPlan> plan_of(const hooks::OrderPredictor& p, const std::vector<int>& order,
-                                         const std::vector<char>& late,
+  // The plan for `order` under `timing` (timing_of; none: sizes alone);
+  // `timing_cuts` gets the cuts its timing made.
+  std::vector<hooks::BucketPlan> plan_of(const std::optional<hooks::PlanTiming>& timing,
+                                         const std::vector<int>& order, const std::vector<char>& late,
                                          std::vector<char>* timing_cuts = nullptr) const {
-    const auto timing = timing_of(p);
     if (!timing) return hooks::plan_buckets(order, info, first_cap_bytes(), cap_bytes(), late);
     return hooks::plan_buckets_cheapest(order, info, first_cap_bytes(), cap_bytes(), late, *timing,
                                         timing_cuts);
@@ -360,11 +360,11 @@ struct GradSync::Impl {
     if (next.stable_steps() < 1) return false;  // this order must have repeated
     const int n = static_cast<int>(params.size());
     // late_for(predictor): the agreed late set so far
-    const auto candidate = plan_of(next, order_of(next), late_for(predictor));
+    const auto timing = timing_of(next);
+    const auto candidate = plan_of(timing, order_of(next), late_for(predictor));
     if (hooks::launch_delay(plan, arrival, n) > hooks::launch_delay(candidate, arrival, n) + 0.02) {
       return true;
     }
-    const auto timing = timing_of(next);
     if (!timing || timing->bytes_per_us <= 0) return false;
     const double now = hooks::predicted_cost_us(plan, *timing);
     const double then = hooks::predicted_cost_us(candidate, *timing);
