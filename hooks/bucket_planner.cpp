@@ -192,4 +192,16 @@ double launch_delay(const std::vector<BucketPlan>& plan, const std::vector<int>&
   return total / plan.size() / std::max<size_t>(1, arrival.size());
 }
 
+bool reorder_pays(const std::vector<BucketPlan>& current, const std::vector<BucketPlan>& candidate,
+                  const std::vector<int>& arrival, int num_params) {
+  auto order = [](const std::vector<BucketPlan>& plan) {
+    std::vector<int> o;
+    for (const auto& b : plan) o.insert(o.end(), b.params.begin(), b.params.end());
+    return o;
+  };
+  return order(current) != order(candidate) &&
+         launch_delay(current, arrival, num_params) >
+             launch_delay(candidate, arrival, num_params) + 0.02;
+}
+
 }  // namespace ddpx::hooks

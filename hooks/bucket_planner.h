@@ -102,4 +102,12 @@ std::vector<BucketPlan> plan_buckets_cheapest(const std::vector<int>& order,
 double launch_delay(const std::vector<BucketPlan>& plan, const std::vector<int>& arrival,
                     int num_params);
 
+// Does `candidate` lay the parameters out in another order than `current`
+// and, under `arrival`, launch materially earlier (launch_delay lower by over
+// 0.02)? The same order cut elsewhere never counts: that is the timing
+// rule's to judge, with its hysteresis (a one-step wobble of the arrival
+// times moved the cheapest cuts, and this rule re-planned for nothing).
+bool reorder_pays(const std::vector<BucketPlan>& current, const std::vector<BucketPlan>& candidate,
+                  const std::vector<int>& arrival, int num_params);
+
 }  // namespace ddpx::hooks

@@ -151,9 +151,7 @@ void GradSync::Impl::finish_step() {
   // rank decides alike whether the late set changed (no vote needed).
   const std::vector<char> missed(fl + n + 2, fl + 2 * n + 2);
   predictor.observe(arrival, &missed, &arrival_us);
-  for (int p = 0; p < n; ++p) {
-    used_anywhere[p] += kUsedAlpha * ((used[p] ? 1.0 : 0.0) - used_anywhere[p]);
-  }
+  used_anywhere.observe(used);
   learn_link_rate(fl[2 * n + 2] == kNoTrip ? -1.0 : -static_cast<double>(fl[2 * n + 2]));
   last_trip_us = us_since(agree_t0, agree_t1);
   const bool late_changed =

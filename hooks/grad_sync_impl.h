@@ -69,10 +69,9 @@ struct GradSync::Impl {
   // comparing plans by when their reductions would finish.
   hooks::LinkEstimate link;
   int timing_gain_steps = 0;  // steps in a row a timing re-plan would have paid
-  // Per parameter: how often lately some rank used it (an average of the
-  // agreed flags), so the planner counts what a late bucket really sends.
-  std::vector<double> used_anywhere;
-  static constexpr double kUsedAlpha = 0.25;
+  // Per parameter: how often lately some rank used it (from the agreed
+  // flags), so the planner counts what a late bucket really sends.
+  hooks::UseRate used_anywhere;
 
   // ---- per-step state, under mu ---------------------------------------------
   std::mutex mu;
@@ -108,7 +107,7 @@ struct GradSync::Impl {
       : opts(std::move(o)),
         carry(n),
         predictor(n),
-        used_anywhere(n, 1.0),
+        used_anywhere(n),
         accumulated(new std::atomic<bool>[n]()) {}
 
   int64_t first_cap_bytes() const { return static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)); }
@@ -317,7 +316,8 @@ struct GradSync::Impl {
     std::vector<double> late_bytes(params.size());
     for (size_t q = 0; q < params.size(); ++q) {
       late_bytes[q] = static_cast<double>(info[q].numel) *
-                      static_cast<double>(c10::elementSize(info[q].dtype)) * used_anywhere[q];
+                      static_cast<double>(c10::elementSize(info[q].dtype)) *
+                      used_anywhere[static_cast<int>(q)];
     }
     return hooks::PlanTiming{t, gap, link.bytes_per_us(), link.launch_us(), late_at_end(),
                              std::move(late_bytes)};
@@ -362,9 +362,7 @@ struct GradSync::Impl {
     // late_for(predictor): the agreed late set so far
     const auto timing = timing_of(next);
     const auto candidate = plan_of(timing, order_of(next), late_for(predictor));
-    if (hooks::launch_delay(plan, arrival, n) > hooks::launch_delay(candidate, arrival, n) + 0.02) {
-      return true;
-    }
+    if (hooks::reorder_pays(plan, candidate, arrival, n)) return true;
     if (!timing || timing->bytes_per_us <= 0) return false;
     const double now = hooks::predicted_cost_us(plan, *timing);
     const double then = hooks::predicted_cost_us(candidate, *timing);

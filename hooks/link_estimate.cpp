@@ -33,4 +33,11 @@ void LinkEstimate::add_step(const std::vector<std::pair<double, double>>& sample
   busy_ = kDecay * busy_ + busy;
 }
 
+void UseRate::observe(const std::vector<char>& used_anywhere) {
+  const double a = std::max(alpha_, 1.0 / ++steps_);
+  for (size_t p = 0; p < rate_.size(); ++p) {
+    rate_[p] += a * ((used_anywhere[p] ? 1.0 : 0.0) - rate_[p]);
+  }
+}
+
 }  // namespace ddpx::hooks

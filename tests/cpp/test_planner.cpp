@@ -167,6 +167,25 @@ TEST(BucketPlanner, LaunchDelayIsZeroForAMatchingOrder) {
   EXPECT_GT(ddpx::hooks::launch_delay(plan, {3, 2, 1, 0}, 4), 0.3);
 }
 
+TEST(BucketPlanner, OnlyAnotherOrderPaysForAReorder) {
+  const auto info = floats({1, 1, 1, 1});
+  // Cut after every parameter: under a shuffled arrival, a one-bucket plan
+  // of the same order launches with less waiting, but the order is the same.
+  auto fine = ddpx::hooks::plan_buckets({0, 1, 2, 3}, info, 4, 4);
+  auto whole = ddpx::hooks::plan_buckets({0, 1, 2, 3}, info, 1 << 20, 1 << 20);
+  ASSERT_EQ(fine.size(), 4u);
+  ASSERT_EQ(whole.size(), 1u);
+  const std::vector<int> shuffled{3, 2, 1, 0};
+  ASSERT_GT(ddpx::hooks::launch_delay(fine, shuffled, 4),
+            ddpx::hooks::launch_delay(whole, shuffled, 4) + 0.02);
+  EXPECT_FALSE(ddpx::hooks::reorder_pays(fine, whole, shuffled, 4));
+  // The arrival order itself: fewer waits, and another order.
+  auto reordered = ddpx::hooks::plan_buckets(shuffled, info, 4, 4);
+  EXPECT_TRUE(ddpx::hooks::reorder_pays(fine, reordered, shuffled, 4));
+  // Another order that waits no less does not pay.
+  EXPECT_FALSE(ddpx::hooks::reorder_pays(reordered, fine, shuffled, 4));
+}
+
 using ddpx::hooks::PlanTiming;
 
 std::vector<BucketPlan> timed_plan(const std::vector<int>& order, const std::vector<ParamInfo>& info,
@@ -332,6 +351,24 @@ TEST(LinkEstimate, LaunchCostIsTheLeastRecentRoundTripAndRateExcludesIt) {
 }
 
 // Later steps outweigh old ones: a link that halves its rate is learnt.
+TEST(UseRate, AveragesPlainlyFirstThenForgets) {
+  ddpx::hooks::UseRate rate(3, 0.25);
+  EXPECT_DOUBLE_EQ(rate[0], 1.0);  // before any step: assume sent
+  // Two experts on alternate steps, and a parameter always used.
+  rate.observe({1, 0, 1});
+  rate.observe({0, 1, 1});
+  EXPECT_DOUBLE_EQ(rate[0], 0.5);  // the mean of what was seen, at once
+  EXPECT_DOUBLE_EQ(rate[1], 0.5);
+  EXPECT_DOUBLE_EQ(rate[2], 1.0);
+  for (int s = 0; s < 40; ++s) rate.observe({static_cast<char>(s % 2), static_cast<char>(1 - s % 2), 1});
+  EXPECT_NEAR(rate[0], 0.5, 0.08);
+  EXPECT_NEAR(rate[0] + rate[1], 1.0, 1e-9);
+  // It forgets: an expert dropped for good falls below 5% within 12 steps.
+  for (int s = 0; s < 12; ++s) rate.observe({0, 1, 1});
+  EXPECT_LT(rate[0], 0.05);
+  EXPECT_GT(rate[1], 0.95);
+}
+
 TEST(LinkEstimate, FollowsAChangedLink) {
   ddpx::hooks::LinkEstimate fit;
   fit.add_step({{1e6, 10100}});
