@@ -2,11 +2,10 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-#include <chrono>
 #include <thread>
 
 #include "plugin/comm/mpi_env.h"
+#include "plugin/comm/wait_pacer.h"
 
 namespace ddpx::comm::detail {
 
@@ -24,36 +23,18 @@ void HostView::write_back() const {
 }
 
 void await_request(MPI_Request& request) {
-  using Clock = std::chrono::steady_clock;
-  using us = std::chrono::microseconds;
-  // An idle MPI_Test returns in under half a microsecond (measured); one
-  // that takes longer moved bytes (a socket read or write, a large
-  // shared-memory fragment). Not every working test is that slow (small
-  // fragments), hence a window after the last one seen and short naps.
-  constexpr auto kWorkingTest = std::chrono::nanoseconds(2000);
-  constexpr auto kSpinAfterWork = us(50);
-  // The first 300 us always spin: a small or mid-size collective (shared
-  // memory: 1 MB in 0.3 ms) must not pay a nap; with naps from the start,
-  // 1 MB took 0.48 ms.
-  constexpr auto kSpinFirst = us(300);
-  const auto start = Clock::now();
-  auto last_work = start;
+  using Clock = WaitPacer::Clock;
+  WaitPacer pacer(Clock::now());
   for (;;) {
     const auto t0 = Clock::now();
     int done = 0;
     DDPX_MPI_CHECK(MPI_Test(&request, &done, MPI_STATUS_IGNORE));
     if (done) return;
-    const auto t1 = Clock::now();
-    if (t1 - t0 >= kWorkingTest) last_work = t1;
-    if (t1 - last_work < kSpinAfterWork || t1 - start < kSpinFirst) continue;
+    const auto nap = pacer.after_test(t0, Clock::now());
+    if (nap.count() == 0) continue;
     TORCH_CHECK_WITH(DistBackendError, !MpiEnv::get().broken(),
                      "ddpx_mpi: abandoning a collective: an earlier call timed out or failed");
-    // A nap of 1/16 of the wait so far, at most 100 us: the answer comes at
-    // most ~6% late, and a long transfer wakes this thread 10,000 times a
-    // second rather than spinning. (Naps of 250 us made a 100 MB
-    // shared-memory allreduce 1.5x slower; 100 us, within noise.)
-    const auto waited = std::chrono::duration_cast<us>(t1 - start);
-    std::this_thread::sleep_for(std::clamp(waited / 16, us(10), us(100)));
+    std::this_thread::sleep_for(nap);
   }
 }
 

@@ -37,14 +37,9 @@ void check_agreement(MPI_Comm comm, std::initializer_list<int64_t> fingerprint,
 // Completes a nonblocking MPI call on the worker thread without spinning
 // longer than pays. A blocking collective busy-polls inside Open MPI for as
 // long as the bytes take, which on a network link steals a core from the
-// backward it is meant to overlap (GradSync over ddpx_mpi on 2 cores and a
-// 1 Gbit/s link: 40% more CPU per step than over Gloo, whose threads sleep
-// in epoll). This tests the request in a loop for the first 300 us and
-// while tests keep doing work (shared memory, where the worker's copies are
-// the transfer: as fast as the blocking call), and naps once none has for
-// 50 us (a socket full or empty, the kernel moving the bytes); the naps
-// grow with the wait, up to 100 us. Throws once MPI is marked broken (a
-// Work timed out), so a lost peer does not hold the worker forever.
+// backward it is meant to overlap; this tests the request and naps as
+// WaitPacer says (wait_pacer.h). Throws once MPI is marked broken (a Work
+// timed out), so a lost peer does not hold the worker forever.
 void await_request(MPI_Request& request);
 
 // Checks at the door (caller's thread); each names the argument.

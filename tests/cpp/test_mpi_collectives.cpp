@@ -265,11 +265,11 @@ TEST(Async, FutureCarriesResult) {
 
 // The worker naps while a collective waits for a peer instead of spinning in
 // MPI (await_request): rank 0 enters an allreduce 1.5 s before the others,
-// and its process (every thread) burns well under half of that. A blocking
+// and its process (every thread) burns well under 40% of that. A blocking
 // MPI_Allreduce polls at 100% of a core the whole time; the naps measure
-// 19-24% here (each wake-up runs Open MPI's progress loop), so the bound sits
-// between the two with room for a loaded machine (a quarter failed once in CI
-// at 25.2%).
+// 9-10% here (each wake-up runs Open MPI's progress loop; 19-24% with naps of
+// 100 us), so the bound sits between the two with room for a loaded machine
+// (a quarter of the wait failed once in CI, at 25.2%, with 100 us naps).
 TEST(Async, WaitingForAPeerDoesNotSpin) {
   auto& pg = world();
   pg->barrier()->wait();
@@ -288,7 +288,7 @@ TEST(Async, WaitingForAPeerDoesNotSpin) {
   EXPECT_TRUE(at::equal(t[0], at::full({1024}, static_cast<float>(pg->getSize()))));
   if (pg->getRank() == 0) {
     EXPECT_GT(wall, 1.0);
-    EXPECT_LT(cpu, 0.5 * wall) << "the wait used " << cpu << " s of CPU in " << wall << " s";
+    EXPECT_LT(cpu, 0.4 * wall) << "the wait used " << cpu << " s of CPU in " << wall << " s";
   }
 }
 
