@@ -87,9 +87,11 @@ void zero_grad(const std::vector<at::Tensor>& params, bool in_place) {
 // exact: a GradSync in Unused::Exact mode, told the loss before backward.
 // Times of one step's phases, in ms: inputs + forward (the part of a step no
 // reduction can overlap while gradients must be averaged when backward
-// returns), and the backward() call.
+// returns), and the backward() call, with its start (gradient hooks time
+// their arrival from it).
 struct Phases {
   double forward = 0, backward = 0;
+  Clock::time_point backward_start;
 };
 
 double ms_since(Clock::time_point t0) {
@@ -104,6 +106,7 @@ void forward_backward(torch::jit::Module& m, int64_t step, int64_t rank,
   if (phases) phases->forward = ms_since(t0);
   if (exact) exact->prepare_for_backward({loss});
   const auto t1 = Clock::now();
+  if (phases) phases->backward_start = t1;
   loss.backward();
   if (phases) phases->backward = ms_since(t1);
 }
@@ -146,6 +149,20 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
 
   std::function<void(int64_t)> step_fn;
   Phases phases;  // of the last step
+  // compute: when each gradient arrived in this step (ms from the backward()
+  // call) and its bytes, for the floor that knows when each byte could first
+  // go on the wire (scripts/bench/ddp). A hook before accumulation: the
+  // gradient exists then.
+  nlohmann::json grads = nlohmann::json::array(), arrivals = nlohmann::json::array();
+  std::vector<std::pair<at::Tensor, unsigned>> hooks;
+  if (variant == "compute") {
+    for (const auto& p : params) {
+      const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+      hooks.emplace_back(p, p.register_hook([&grads, &phases, bytes](const at::Tensor&) {
+        grads.push_back({ms_since(phases.backward_start), bytes});
+      }));
+    }
+  }
   if (variant == "compute" || sync) {
     step_fn = [&](int64_t s) { forward_backward(m, s, rank, exact_sync, &phases); };
   } else if (variant == "naive") {
@@ -173,7 +190,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     TORCH_CHECK(false, "ddpx-bench-ddp: unknown variant '", variant, "'");
   }
 
-  std::vector<double> ms, fwd_ms, first_grad_ms, hook_us, param_hook_us, calls, exposed_us, backward_us, comm_us;
+  std::vector<double> ms, fwd_ms, hook_us, param_hook_us, calls, exposed_us, backward_us, comm_us;
   int64_t replans = 0, buckets = 0;
   g.mpi->barrier()->wait();
   for (int s = 0; s < a.warmup + a.steps; ++s) {
@@ -181,13 +198,19 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     step_fn(s);
     zero_grad(params, a.zero_in_place);
     const double dt = ms_since(t0);
-    if (s < a.warmup) continue;
+    if (s < a.warmup) {
+      grads.clear();
+      continue;
+    }
     ms.push_back(dt);
     fwd_ms.push_back(phases.forward);
+    if (variant == "compute") {
+      arrivals.push_back({{"forward_ms", phases.forward}, {"backward_ms", phases.backward},
+                          {"grads", std::move(grads)}});
+      grads = nlohmann::json::array();
+    }
     if (sync) {
       const auto& st = sync->last_step();
-      // backward() before its first gradient: no reduction can run then.
-      first_grad_ms.push_back(phases.backward - (st.backward_us + st.exposed_comm_us) / 1e3);
       hook_us.push_back(st.hook_cpu_us);
       param_hook_us.push_back(st.per_param_hooks_us);
       calls.push_back(static_cast<double>(st.hook_calls));
@@ -202,13 +225,14 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
                       {"tensors", params.size()}, {"numel", numel},
                       {"step_ms", median(ms)}, {"min_ms", *std::min_element(ms.begin(), ms.end())},
                       {"steps", a.steps}, {"warmup", a.warmup}};
+  for (auto& [p, h] : hooks) p.remove_hook(h);
   if (variant == "compute" || sync) j["forward_ms"] = median(fwd_ms);
+  if (variant == "compute") j["arrivals"] = std::move(arrivals);
   if (sync) {
     j.update({{"hook_cpu_us", median(hook_us)}, {"param_hooks_us", median(param_hook_us)},
               {"hook_calls", median(calls)},
               {"exposed_comm_us", median(exposed_us)}, {"backward_us", median(backward_us)},
-              {"comm_us", median(comm_us)}, {"replans", replans}, {"buckets", buckets},
-              {"first_grad_ms", median(first_grad_ms)}});
+              {"comm_us", median(comm_us)}, {"replans", replans}, {"buckets", buckets}});
   }
   return j;
 }
