@@ -32,6 +32,7 @@
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/script.h>
 #include <torch/torch.h>
 
@@ -150,17 +151,28 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   std::function<void(int64_t)> step_fn;
   Phases phases;  // of the last step
   // compute: when each gradient arrived in this step (ms from the backward()
-  // call) and its bytes, for the floor that knows when each byte could first
-  // go on the wire (scripts/bench/ddp). A hook before accumulation: the
-  // gradient exists then.
-  nlohmann::json grads = nlohmann::json::array(), arrivals = nlohmann::json::array();
-  std::vector<std::pair<at::Tensor, unsigned>> hooks;
+  // call), for the floor that knows when each byte could first go on the
+  // wire (scripts/bench/ddp). A post-hook on each accumulator, as GradSync's,
+  // writing into storage allocated up front: with a JSON node allocated per
+  // gradient instead, many520's forward slowed from 71 to ~300 ms a step and
+  // the process grew (the heap fragmented between the activations, it
+  // seems; the same hooks writing a double each left it at 71).
+  std::vector<double> arrived(params.size(), -1.0);
+  std::vector<std::vector<double>> arrivals;  // per timed step
+  std::vector<std::pair<double, double>> step_phases;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;
   if (variant == "compute") {
-    for (const auto& p : params) {
-      const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
-      hooks.emplace_back(p, p.register_hook([&grads, &phases, bytes](const at::Tensor&) {
-        grads.push_back({ms_since(phases.backward_start), bytes});
-      }));
+    arrivals.assign(a.steps, std::vector<double>(params.size(), -1.0));
+    step_phases.reserve(a.steps);
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+      acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [&arrived, &phases, i](const torch::autograd::variable_list& outputs,
+                                 const torch::autograd::variable_list&) {
+            arrived[i] = ms_since(phases.backward_start);
+            return outputs;
+          }));
+      accumulators.push_back(std::move(acc));
     }
   }
   if (variant == "compute" || sync) {
@@ -194,20 +206,17 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   int64_t replans = 0, buckets = 0;
   g.mpi->barrier()->wait();
   for (int s = 0; s < a.warmup + a.steps; ++s) {
+    std::fill(arrived.begin(), arrived.end(), -1.0);  // -1: no gradient (yet)
     const auto t0 = Clock::now();
     step_fn(s);
     zero_grad(params, a.zero_in_place);
     const double dt = ms_since(t0);
-    if (s < a.warmup) {
-      grads.clear();
-      continue;
-    }
+    if (s < a.warmup) continue;
     ms.push_back(dt);
     fwd_ms.push_back(phases.forward);
     if (variant == "compute") {
-      arrivals.push_back({{"forward_ms", phases.forward}, {"backward_ms", phases.backward},
-                          {"grads", std::move(grads)}});
-      grads = nlohmann::json::array();
+      arrivals[s - a.warmup] = arrived;  // a copy into storage allocated up front
+      step_phases.emplace_back(phases.forward, phases.backward);
     }
     if (sync) {
       const auto& st = sync->last_step();
@@ -225,9 +234,21 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
                       {"tensors", params.size()}, {"numel", numel},
                       {"step_ms", median(ms)}, {"min_ms", *std::min_element(ms.begin(), ms.end())},
                       {"steps", a.steps}, {"warmup", a.warmup}};
-  for (auto& [p, h] : hooks) p.remove_hook(h);
   if (variant == "compute" || sync) j["forward_ms"] = median(fwd_ms);
-  if (variant == "compute") j["arrivals"] = std::move(arrivals);
+  if (variant == "compute") {
+    // Per timed step: the phases, and [ms, bytes] of each gradient that came.
+    nlohmann::json steps = nlohmann::json::array();
+    for (size_t k = 0; k < step_phases.size(); ++k) {
+      nlohmann::json grads = nlohmann::json::array();
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (arrivals[k][i] >= 0) grads.push_back({arrivals[k][i], params[i].nbytes()});
+      }
+      steps.push_back({{"forward_ms", step_phases[k].first},
+                       {"backward_ms", step_phases[k].second},
+                       {"grads", std::move(grads)}});
+    }
+    j["arrivals"] = std::move(steps);
+  }
   if (sync) {
     j.update({{"hook_cpu_us", median(hook_us)}, {"param_hooks_us", median(param_hook_us)},
               {"hook_calls", median(calls)},
