@@ -11,9 +11,10 @@
 // miss keeps a parameter late for about 30 steps of use, so intermittent use
 // (an expert picked every other step) does not flip the plan back and forth.
 // stable_steps() counts how many consecutive steps repeated the same order
-// of the reliably used parameters, late_stable_steps() the same late set: the planner re-plans only on what
-// was seen twice in a row, so a one-off permutation or a noisy order never
-// churns the plan, and a real change re-plans once.
+// of the reliably used parameters, late_stable_steps() the same late set:
+// the planner re-plans only on what was seen twice in a row, so a one-off
+// permutation or a noisy order never churns the plan, and a real change
+// re-plans once.
 #include <vector>
 
 namespace ddpx::hooks {

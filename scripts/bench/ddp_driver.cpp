@@ -159,11 +159,9 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   // seems; the same hooks writing a double each left it at 71).
   std::vector<double> arrived(params.size(), -1.0);
   std::vector<std::vector<double>> arrivals;  // per timed step
-  std::vector<std::pair<double, double>> step_phases;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;
   if (variant == "compute") {
     arrivals.assign(a.steps, std::vector<double>(params.size(), -1.0));
-    step_phases.reserve(a.steps);
     for (size_t i = 0; i < params.size(); ++i) {
       auto acc = torch::autograd::impl::grad_accumulator(params[i]);
       acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
@@ -202,7 +200,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     TORCH_CHECK(false, "ddpx-bench-ddp: unknown variant '", variant, "'");
   }
 
-  std::vector<double> ms, fwd_ms, hook_us, param_hook_us, calls, exposed_us, backward_us, comm_us;
+  std::vector<double> ms, fwd_ms, bwd_ms, hook_us, param_hook_us, calls, exposed_us, backward_us, comm_us;
   int64_t replans = 0, buckets = 0;
   g.mpi->barrier()->wait();
   for (int s = 0; s < a.warmup + a.steps; ++s) {
@@ -214,10 +212,8 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     if (s < a.warmup) continue;
     ms.push_back(dt);
     fwd_ms.push_back(phases.forward);
-    if (variant == "compute") {
-      arrivals[s - a.warmup] = arrived;  // a copy into storage allocated up front
-      step_phases.emplace_back(phases.forward, phases.backward);
-    }
+    bwd_ms.push_back(phases.backward);
+    if (variant == "compute") arrivals[s - a.warmup] = arrived;  // into storage allocated up front
     if (sync) {
       const auto& st = sync->last_step();
       hook_us.push_back(st.hook_cpu_us);
@@ -238,13 +234,13 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   if (variant == "compute") {
     // Per timed step: the phases, and [ms, bytes] of each gradient that came.
     nlohmann::json steps = nlohmann::json::array();
-    for (size_t k = 0; k < step_phases.size(); ++k) {
+    for (size_t k = 0; k < arrivals.size(); ++k) {
       nlohmann::json grads = nlohmann::json::array();
       for (size_t i = 0; i < params.size(); ++i) {
         if (arrivals[k][i] >= 0) grads.push_back({arrivals[k][i], params[i].nbytes()});
       }
-      steps.push_back({{"forward_ms", step_phases[k].first},
-                       {"backward_ms", step_phases[k].second},
+      steps.push_back({{"forward_ms", fwd_ms[k]},
+                       {"backward_ms", bwd_ms[k]},
                        {"grads", std::move(grads)}});
     }
     j["arrivals"] = std::move(steps);
