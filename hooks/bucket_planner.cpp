@@ -1,6 +1,8 @@
 #include "hooks/bucket_planner.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <map>
 #include <tuple>
 
@@ -36,6 +38,108 @@ struct LinkModel {
     free_at = std::max(free_at, ready) + timing->launch_us + bytes / timing->bytes_per_us;
   }
 };
+
+// Cuts for the cheapest plan under `timing`'s model (predicted_cost_us),
+// by dynamic programming over a coarse grid of `order`. The gap rule cuts at
+// one idle threshold all through backward; under a link about as fast as
+// backward its buckets grow toward the end (each holds what arrived while
+// the last was on the wire, plus the gap), and the last, largest one is all
+// exposed. The cheapest plans start small, to get the link going, and end
+// small, each bucket on the wire while the next fills (many520-like, 55
+// bytes/us: 12 buckets finishing 179 ms into backward, against 186 for the
+// best gap plan). So the grid is fine at both ends: a segment ends after
+// 1/kShare of the backward time, or of the bytes, between its start and the
+// nearer end (at least 1/kFinest of the whole), and where late parameters
+// start or end, since plan_buckets cuts there: ~2 kShare ln(kFinest / 2)
+// segments. F[j][m] is the earliest the link is free after m buckets that
+// cover segments [0, j); ~35 us at 520 parameters. A bucket never spans a
+// late boundary nor, unless it is one segment, the cap; dtypes are not
+// separated here (plan_buckets does that, and the plan is judged on the
+// real cost). Empty: too many segments (late and reliable parameters
+// interleaved) for the programme's cubic time.
+constexpr double kShare = 4, kFinest = 128;
+constexpr size_t kMaxSegments = 128, kMaxBuckets = 64;
+
+std::vector<char> cheapest_cuts(const std::vector<int>& order,
+                                const std::vector<ParamInfo>& params, int64_t first_cap_bytes,
+                                int64_t cap_bytes, const std::vector<char>& late,
+                                const PlanTiming& timing) {
+  const size_t n = order.size();
+  double end = 0;
+  for (double a : timing.arrival_us) end = std::max(end, a);
+  double total = 0;
+  for (int p : order) total += static_cast<double>(params[p].numel * c10::elementSize(params[p].dtype));
+  // Segments: start position, latest arrival, wire bytes, raw bytes, late.
+  struct Segment {
+    size_t start;
+    double ready = 0, wire = 0, raw = 0;
+    bool late = false;
+  };
+  std::vector<Segment> seg;
+  double seg_first = 0, sent = 0, left = total;
+  for (size_t k = 0; k < n; ++k) {
+    const int p = order[k];
+    const bool is_late = !late.empty() && late[p];
+    const double a = is_late && timing.late_at_end ? end
+                     : timing.arrival_us[p] < 0    ? end
+                                                   : timing.arrival_us[p];
+    const double raw = static_cast<double>(params[p].numel * c10::elementSize(params[p].dtype));
+    const double wire = is_late && !timing.late_bytes.empty() ? timing.late_bytes[p] : raw;
+    if (seg.empty() || seg.back().late != is_late ||
+        a - seg_first > std::max(std::min(seg_first, end - seg_first), end / kFinest) / kShare ||
+        seg.back().raw + raw > std::max(std::min(sent, total - sent), total / kFinest) / kShare) {
+      seg.push_back(Segment{k, a, 0, 0, is_late});
+      seg_first = a;
+      sent = total - left;
+    }
+    left -= raw;
+    auto& s = seg.back();
+    s.ready = std::max(s.ready, a);
+    s.wire += wire;
+    s.raw += raw;
+  }
+  const size_t S = seg.size();
+  if (S > kMaxSegments) return {};
+  const size_t M = std::min(S, kMaxBuckets);
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  std::vector<double> F((S + 1) * (M + 1), kInf);
+  std::vector<uint16_t> from((S + 1) * (M + 1), 0);
+  auto at = [&](size_t j, size_t m) { return j * (M + 1) + m; };
+  F[at(0, 0)] = 0;
+  for (size_t j = 1; j <= S; ++j) {
+    double ready = 0, wire = 0, raw = 0;
+    for (size_t k = j; k-- > 0;) {  // the bucket is segments [k, j)
+      if (k + 1 < j && seg[k].late != seg[j - 1].late) break;
+      ready = std::max(ready, seg[k].ready);
+      wire += seg[k].wire;
+      raw += seg[k].raw;
+      // A late bucket that no rank used is never launched: the link skips it.
+      const double busy = seg[k].late && wire <= 0 ? -1 : timing.launch_us + wire / timing.bytes_per_us;
+      for (size_t m = 1; m <= std::min(k + 1, M); ++m) {
+        const double prev = F[at(k, m - 1)];
+        if (prev == kInf) continue;
+        const double cap = m == 1 ? static_cast<double>(first_cap_bytes) : static_cast<double>(cap_bytes);
+        if (k + 1 < j && raw > cap) continue;
+        const double free = busy < 0 ? prev : std::max(prev, ready) + busy;
+        if (free < F[at(j, m)]) {
+          F[at(j, m)] = free;
+          from[at(j, m)] = static_cast<uint16_t>(k);
+        }
+      }
+    }
+  }
+  size_t best_m = 1;
+  for (size_t m = 1; m <= M; ++m) {
+    if (F[at(S, m)] + m * timing.launch_us < F[at(S, best_m)] + best_m * timing.launch_us) best_m = m;
+  }
+  std::vector<char> cuts(n, 0);
+  for (size_t j = S, m = best_m; j > 0 && m > 0; --m) {
+    const size_t k = from[at(j, m)];
+    if (k > 0) cuts[seg[k].start] = 1;
+    j = k;
+  }
+  return cuts;
+}
 
 }  // namespace
 
@@ -171,6 +275,13 @@ std::vector<BucketPlan> plan_buckets_cheapest(const std::vector<int>& order,
       best_cost = cost;
       best_cuts = cuts;
     }
+  }
+  // The dynamic programme's plan, if strictly cheaper still.
+  auto cuts_dp = cheapest_cuts(order, params, first_cap_bytes, cap_bytes, late, timing);
+  auto plan = plan_buckets(order, params, first_cap_bytes, cap_bytes, late, cuts_dp);
+  if (!cuts_dp.empty() && predicted_cost_us(plan, timing) < best_cost) {
+    best = std::move(plan);
+    best_cuts = std::move(cuts_dp);
   }
   if (timing_cuts) *timing_cuts = std::move(best_cuts);
   return best;

@@ -80,9 +80,11 @@ double predicted_finish_us(const std::vector<BucketPlan>& plan, const PlanTiming
 // slowed backward by 0.3-0.4 ms, against a 155 us round trip.
 double predicted_cost_us(const std::vector<BucketPlan>& plan, const PlanTiming& timing);
 
-// plan_buckets under `timing` (no `cuts`) at the gap that makes the
-// cheapest plan (predicted_cost_us): timing.gap_us widened 1, 2, 4, ..., 64
-// times, or no timing cuts; on a tie, the wider gap. The gap rule alone keeps
+// The cheapest plan (predicted_cost_us) of: plan_buckets with no timing
+// cuts; under `timing` with timing.gap_us widened 64, 32, ..., 1 times; and
+// with the cuts of a dynamic programme over a coarse grid of `order`, whose
+// buckets may grow and then shrink toward the end of backward, as no single
+// gap makes them. On a tie, the one listed first. The gap rule alone keeps
 // the link busy whenever gradients wait for it; on a link with time to spare
 // that is a launch per gap of backward (40 buckets for many520 on loopback,
 // 15% slower than 5), bought for a shorter tail that a few buckets nearly
