@@ -60,15 +60,15 @@ struct LinkModel {
 constexpr double kShare = 4, kFinest = 128;
 constexpr size_t kMaxSegments = 128, kMaxBuckets = 64;
 
-std::vector<char> cheapest_cuts(const std::vector<int>& order,
-                                const std::vector<ParamInfo>& params, int64_t first_cap_bytes,
-                                int64_t cap_bytes, const std::vector<char>& late,
-                                const PlanTiming& timing) {
+std::vector<char> cheapest_cuts(const std::vector<int>& order, const std::vector<ParamInfo>& params,
+                                int64_t first_cap_bytes, int64_t cap_bytes,
+                                const std::vector<char>& late, const PlanTiming& timing) {
   const size_t n = order.size();
   double end = 0;
   for (double a : timing.arrival_us) end = std::max(end, a);
   double total = 0;
-  for (int p : order) total += static_cast<double>(params[p].numel * c10::elementSize(params[p].dtype));
+  for (int p : order)
+    total += static_cast<double>(params[p].numel * c10::elementSize(params[p].dtype));
   // Segments: start position, latest arrival, wire bytes, raw bytes, late.
   struct Segment {
     size_t start;
@@ -76,7 +76,7 @@ std::vector<char> cheapest_cuts(const std::vector<int>& order,
     bool late = false;
   };
   std::vector<Segment> seg;
-  double seg_first = 0, sent = 0, left = total;
+  double seg_first = 0, seg_before = 0, before = 0;  // bytes before a segment, before k
   for (size_t k = 0; k < n; ++k) {
     const int p = order[k];
     const bool is_late = !late.empty() && late[p];
@@ -87,12 +87,13 @@ std::vector<char> cheapest_cuts(const std::vector<int>& order,
     const double wire = is_late && !timing.late_bytes.empty() ? timing.late_bytes[p] : raw;
     if (seg.empty() || seg.back().late != is_late ||
         a - seg_first > std::max(std::min(seg_first, end - seg_first), end / kFinest) / kShare ||
-        seg.back().raw + raw > std::max(std::min(sent, total - sent), total / kFinest) / kShare) {
+        seg.back().raw + raw >
+            std::max(std::min(seg_before, total - seg_before), total / kFinest) / kShare) {
       seg.push_back(Segment{k, a, 0, 0, is_late});
       seg_first = a;
-      sent = total - left;
+      seg_before = before;
     }
-    left -= raw;
+    before += raw;
     auto& s = seg.back();
     s.ready = std::max(s.ready, a);
     s.wire += wire;
@@ -114,11 +115,13 @@ std::vector<char> cheapest_cuts(const std::vector<int>& order,
       wire += seg[k].wire;
       raw += seg[k].raw;
       // A late bucket that no rank used is never launched: the link skips it.
-      const double busy = seg[k].late && wire <= 0 ? -1 : timing.launch_us + wire / timing.bytes_per_us;
+      const double busy =
+          seg[k].late && wire <= 0 ? -1 : timing.launch_us + wire / timing.bytes_per_us;
       for (size_t m = 1; m <= std::min(k + 1, M); ++m) {
         const double prev = F[at(k, m - 1)];
         if (prev == kInf) continue;
-        const double cap = m == 1 ? static_cast<double>(first_cap_bytes) : static_cast<double>(cap_bytes);
+        const double cap =
+            m == 1 ? static_cast<double>(first_cap_bytes) : static_cast<double>(cap_bytes);
         if (k + 1 < j && raw > cap) continue;
         const double free = busy < 0 ? prev : std::max(prev, ready) + busy;
         if (free < F[at(j, m)]) {
@@ -130,7 +133,8 @@ std::vector<char> cheapest_cuts(const std::vector<int>& order,
   }
   size_t best_m = 1;
   for (size_t m = 1; m <= M; ++m) {
-    if (F[at(S, m)] + m * timing.launch_us < F[at(S, best_m)] + best_m * timing.launch_us) best_m = m;
+    if (F[at(S, m)] + m * timing.launch_us < F[at(S, best_m)] + best_m * timing.launch_us)
+      best_m = m;
   }
   std::vector<char> cuts(n, 0);
   for (size_t j = S, m = best_m; j > 0 && m > 0; --m) {
@@ -144,9 +148,8 @@ std::vector<char> cheapest_cuts(const std::vector<int>& order,
 }  // namespace
 
 std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
-                                     const std::vector<ParamInfo>& params,
-                                     int64_t first_cap_bytes, int64_t cap_bytes,
-                                     const std::vector<char>& late,
+                                     const std::vector<ParamInfo>& params, int64_t first_cap_bytes,
+                                     int64_t cap_bytes, const std::vector<char>& late,
                                      const std::vector<char>& cuts, const PlanTiming* timing,
                                      std::vector<char>* timing_cuts) {
   std::vector<BucketPlan> out;
@@ -168,8 +171,9 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
   for (size_t k = 0; k < order.size(); ++k) {
     const int p = order[k];
     const auto& info = params[p];
-    const auto key = std::make_tuple(static_cast<int>(info.dtype), static_cast<int>(info.device.type()),
-                                     static_cast<int>(info.device.index()));
+    const auto key =
+        std::make_tuple(static_cast<int>(info.dtype), static_cast<int>(info.device.type()),
+                        static_cast<int>(info.device.index()));
     const int64_t bytes = info.numel * static_cast<int64_t>(c10::elementSize(info.dtype));
     const bool is_late = !late.empty() && late[p];
     const double t = timing && !timing->arrival_us.empty() ? timing->arrival_us[p] : -1;

@@ -190,9 +190,9 @@ TEST(BucketPlanner, OnlyAnotherOrderPaysForAReorder) {
 
 using ddpx::hooks::PlanTiming;
 
-std::vector<BucketPlan> timed_plan(const std::vector<int>& order, const std::vector<ParamInfo>& info,
-                                   const PlanTiming& timing, std::vector<char>* cuts,
-                                   const std::vector<char>& late = {}) {
+std::vector<BucketPlan> timed_plan(const std::vector<int>& order,
+                                   const std::vector<ParamInfo>& info, const PlanTiming& timing,
+                                   std::vector<char>* cuts, const std::vector<char>& late = {}) {
   return ddpx::hooks::plan_buckets(order, info, 1LL << 30, 1LL << 30, late, {}, &timing, cuts);
 }
 
@@ -238,9 +238,9 @@ TEST(BucketPlanner, TimingKeepsTheLinkBusyWithoutALaunchPerGradient) {
   const auto info = floats(std::vector<int64_t>(10, 1000));
   std::vector<char> cuts;
   EXPECT_EQ(timed_plan(order, info, PlanTiming{t, 500}, &cuts).size(), 10u);
-  auto plan = timed_plan(order, info, PlanTiming{t, 500, /*bytes_per_us=*/1, /*launch_us=*/0}, &cuts);
-  EXPECT_EQ(members(plan),
-            (std::vector<std::vector<int>>{{0}, {1, 2, 3, 4}, {5, 6, 7, 8, 9}}));
+  auto plan =
+      timed_plan(order, info, PlanTiming{t, 500, /*bytes_per_us=*/1, /*launch_us=*/0}, &cuts);
+  EXPECT_EQ(members(plan), (std::vector<std::vector<int>>{{0}, {1, 2, 3, 4}, {5, 6, 7, 8, 9}}));
   // An even stream, one 400-byte gradient every 100 us, no pause anywhere:
   // once the idle link has waited 500 us with gradients ready, what arrived
   // goes (0..5, 2400 us on the link); the rest arrives while it is busy.
@@ -255,9 +255,10 @@ TEST(BucketPlanner, TimingKeepsTheLinkBusyWithoutALaunchPerGradient) {
   ASSERT_EQ(stream.size(), 2u);
   EXPECT_EQ(stream[0].params, (std::vector<int>{0, 1, 2, 3, 4, 5}));
   // Without the link's rate only pauses count: none here.
-  EXPECT_EQ(timed_plan(order20, floats(std::vector<int64_t>(20, 100)), PlanTiming{dense, 500}, &cuts)
-                .size(),
-            1u);
+  EXPECT_EQ(
+      timed_plan(order20, floats(std::vector<int64_t>(20, 100)), PlanTiming{dense, 500}, &cuts)
+          .size(),
+      1u);
 }
 
 TEST(BucketPlanner, PredictedFinishRewardsSendingBeforeAPause) {
@@ -376,10 +377,12 @@ TEST(BucketPlanner, InterleavedLateParametersStillGetACheapPlan) {
   PlanTiming timing{t, 200, /*bytes_per_us=*/40, /*launch_us=*/50, /*late_at_end=*/false};
   std::vector<char> cuts;
   const auto a = std::chrono::steady_clock::now();
-  const auto plan = ddpx::hooks::plan_buckets_cheapest(order, info, 1 << 20, 1 << 20, late, timing, &cuts);
+  const auto plan =
+      ddpx::hooks::plan_buckets_cheapest(order, info, 1 << 20, 1 << 20, late, timing, &cuts);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count(), 1.0);
   EXPECT_EQ(plan.size(), 1000u);  // late and reliable never share a bucket
-  EXPECT_EQ(members(ddpx::hooks::plan_buckets(order, info, 1 << 20, 1 << 20, late, cuts)), members(plan));
+  EXPECT_EQ(members(ddpx::hooks::plan_buckets(order, info, 1 << 20, 1 << 20, late, cuts)),
+            members(plan));
 }
 
 TEST(BucketPlanner, LateBucketCountsOnlyTheBytesExpectedOnTheWire) {
@@ -423,7 +426,8 @@ TEST(UseRate, AveragesPlainlyFirstThenForgets) {
   EXPECT_DOUBLE_EQ(rate[0], 0.5);  // the mean of what was seen, at once
   EXPECT_DOUBLE_EQ(rate[1], 0.5);
   EXPECT_DOUBLE_EQ(rate[2], 1.0);
-  for (int s = 0; s < 40; ++s) rate.observe({static_cast<char>(s % 2), static_cast<char>(1 - s % 2), 1});
+  for (int s = 0; s < 40; ++s)
+    rate.observe({static_cast<char>(s % 2), static_cast<char>(1 - s % 2), 1});
   EXPECT_NEAR(rate[0], 0.5, 0.08);
   EXPECT_NEAR(rate[0] + rate[1], 1.0, 1e-9);
   // It forgets: an expert dropped for good falls below 5% within 12 steps.
