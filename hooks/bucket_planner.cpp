@@ -64,6 +64,7 @@ std::vector<char> cheapest_cuts(const std::vector<int>& order, const std::vector
                                 int64_t first_cap_bytes, int64_t cap_bytes,
                                 const std::vector<char>& late, const PlanTiming& timing) {
   const size_t n = order.size();
+  if (timing.arrival_us.size() != params.size()) return {};  // no times: nothing to plan on
   double end = 0;
   for (double a : timing.arrival_us) end = std::max(end, a);
   double total = 0;
