@@ -196,6 +196,20 @@ std::vector<BucketPlan> timed_plan(const std::vector<int>& order,
   return ddpx::hooks::plan_buckets(order, info, 1LL << 30, 1LL << 30, late, {}, &timing, cuts);
 }
 
+// n gradients in registration order, one every `every_us` from 0.
+struct EvenStream {
+  std::vector<int> order;
+  std::vector<double> t;
+};
+EvenStream even_stream(int n, double every_us) {
+  EvenStream s;
+  for (int i = 0; i < n; ++i) {
+    s.order.push_back(i);
+    s.t.push_back(every_us * i);
+  }
+  return s;
+}
+
 std::vector<std::vector<int>> members(const std::vector<BucketPlan>& plan) {
   std::vector<std::vector<int>> out;
   for (const auto& b : plan) out.push_back(b.params);
@@ -284,12 +298,7 @@ TEST(BucketPlanner, PredictedFinishRewardsSendingBeforeAPause) {
 
 TEST(BucketPlanner, CheapestPlanCutsOnlyWhereTheLinkNeedsIt) {
   // 100 gradients of 4000 bytes, one every 100 us (10 ms of backward).
-  std::vector<double> t;
-  std::vector<int> order;
-  for (int i = 0; i < 100; ++i) {
-    t.push_back(100.0 * i);
-    order.push_back(i);
-  }
+  const auto [order, t] = even_stream(100, 100.0);
   const auto info = floats(std::vector<int64_t>(100, 1000));
   const int64_t cap = 1LL << 30;
   auto cost_at = [&](const PlanTiming& timing, double gap) {
@@ -329,12 +338,7 @@ TEST(BucketPlanner, CheapestPlanShrinksBucketsTowardTheEndOfBackward) {
   // idle gap grows the buckets toward the end and leaves the last one
   // exposed; the cheapest plan's buckets shrink instead, so that each is on
   // the wire while the next fills and the last is small.
-  std::vector<double> t;
-  std::vector<int> order;
-  for (int i = 0; i < 400; ++i) {
-    t.push_back(100.0 * i);
-    order.push_back(i);
-  }
+  const auto [order, t] = even_stream(400, 100.0);
   const auto info = floats(std::vector<int64_t>(400, 1000));
   const int64_t cap = 1LL << 30;
   const PlanTiming timing{t, 800, /*bytes_per_us=*/50, /*launch_us=*/300};
@@ -365,14 +369,9 @@ TEST(BucketPlanner, InterleavedLateParametersStillGetACheapPlan) {
   // Under Exact, late parameters go where they arrive: 1000 alternating late
   // and reliable ones are 1000 segments, too many for the dynamic programme
   // (cubic): the plan comes from the gaps, in well under a second.
-  std::vector<double> t;
-  std::vector<int> order;
+  const auto [order, t] = even_stream(1000, 10.0);
   std::vector<char> late;
-  for (int i = 0; i < 1000; ++i) {
-    t.push_back(10.0 * i);
-    order.push_back(i);
-    late.push_back(static_cast<char>(i % 2));
-  }
+  for (int i = 0; i < 1000; ++i) late.push_back(static_cast<char>(i % 2));
   const auto info = floats(std::vector<int64_t>(1000, 100));
   PlanTiming timing{t, 200, /*bytes_per_us=*/40, /*launch_us=*/50, /*late_at_end=*/false};
   std::vector<char> cuts;
