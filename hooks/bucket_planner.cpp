@@ -137,6 +137,8 @@ std::vector<char> cheapest_cuts(const std::vector<int>& order, const std::vector
     if (F[at(S, m)] + m * timing.launch_us < F[at(S, best_m)] + best_m * timing.launch_us)
       best_m = m;
   }
+  // More late boundaries than kMaxBuckets: no plan within the programme's bound.
+  if (F[at(S, best_m)] == kInf) return {};
   std::vector<char> cuts(n, 0);
   for (size_t j = S, m = best_m; j > 0 && m > 0; --m) {
     const size_t k = from[at(j, m)];
