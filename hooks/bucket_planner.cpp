@@ -10,6 +10,10 @@ namespace ddpx::hooks {
 
 namespace {
 
+double bytes_of(const ParamInfo& p) {
+  return static_cast<double>(p.numel) * static_cast<double>(c10::elementSize(p.dtype));
+}
+
 double bytes_of(const BucketPlan& b) {
   return static_cast<double>(b.numel) * static_cast<double>(c10::elementSize(b.dtype));
 }
@@ -55,8 +59,9 @@ struct LinkModel {
 // cover segments [0, j); ~35 us at 520 parameters. A bucket never spans a
 // late boundary nor, unless it is one segment, the cap; dtypes are not
 // separated here (plan_buckets does that, and the plan is judged on the
-// real cost). Empty: too many segments (late and reliable parameters
-// interleaved) for the programme's cubic time.
+// real cost). Empty: late and reliable parameters interleaved too finely
+// (over kMaxSegments segments, for the cubic time, or a plan needing over
+// kMaxBuckets buckets).
 constexpr double kShare = 4, kFinest = 128;
 constexpr size_t kMaxSegments = 128, kMaxBuckets = 64;
 
@@ -68,8 +73,7 @@ std::vector<char> cheapest_cuts(const std::vector<int>& order, const std::vector
   double end = 0;
   for (double a : timing.arrival_us) end = std::max(end, a);
   double total = 0;
-  for (int p : order)
-    total += static_cast<double>(params[p].numel * c10::elementSize(params[p].dtype));
+  for (int p : order) total += bytes_of(params[p]);
   // Segments: start position, latest arrival, wire bytes, raw bytes, late.
   struct Segment {
     size_t start;
@@ -84,7 +88,7 @@ std::vector<char> cheapest_cuts(const std::vector<int>& order, const std::vector
     const double a = is_late && timing.late_at_end ? end
                      : timing.arrival_us[p] < 0    ? end
                                                    : timing.arrival_us[p];
-    const double raw = static_cast<double>(params[p].numel * c10::elementSize(params[p].dtype));
+    const double raw = bytes_of(params[p]);
     const double wire = is_late && !timing.late_bytes.empty() ? timing.late_bytes[p] : raw;
     if (seg.empty() || seg.back().late != is_late ||
         a - seg_first > std::max(std::min(seg_first, end - seg_first), end / kFinest) / kShare ||
@@ -137,8 +141,7 @@ std::vector<char> cheapest_cuts(const std::vector<int>& order, const std::vector
     if (F[at(S, m)] + m * timing.launch_us < F[at(S, best_m)] + best_m * timing.launch_us)
       best_m = m;
   }
-  // More late boundaries than kMaxBuckets: no plan within the programme's bound.
-  if (F[at(S, best_m)] == kInf) return {};
+  if (F[at(S, best_m)] == kInf) return {};  // more late boundaries than kMaxBuckets
   std::vector<char> cuts(n, 0);
   for (size_t j = S, m = best_m; j > 0 && m > 0; --m) {
     const size_t k = from[at(j, m)];
@@ -284,11 +287,13 @@ std::vector<BucketPlan> plan_buckets_cheapest(const std::vector<int>& order,
     }
   }
   // The dynamic programme's plan, if strictly cheaper still.
-  auto cuts_dp = cheapest_cuts(order, params, first_cap_bytes, cap_bytes, late, timing);
-  auto plan = plan_buckets(order, params, first_cap_bytes, cap_bytes, late, cuts_dp);
-  if (!cuts_dp.empty() && predicted_cost_us(plan, timing) < best_cost) {
-    best = std::move(plan);
-    best_cuts = std::move(cuts_dp);
+  if (auto cuts_dp = cheapest_cuts(order, params, first_cap_bytes, cap_bytes, late, timing);
+      !cuts_dp.empty()) {
+    auto plan = plan_buckets(order, params, first_cap_bytes, cap_bytes, late, cuts_dp);
+    if (predicted_cost_us(plan, timing) < best_cost) {
+      best = std::move(plan);
+      best_cuts = std::move(cuts_dp);
+    }
   }
   if (timing_cuts) *timing_cuts = std::move(best_cuts);
   return best;
