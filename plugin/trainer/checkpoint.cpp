@@ -66,6 +66,14 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
   c10::IValue v;
   ar.read("format", v);
   TORCH_CHECK(v.isInt() && v.toInt() == kFormat, "format ", v, ", this ddpx-train reads ", kFormat);
+  // Checked before anything is restored: libtorch's own load of another
+  // optimizer's state fails on an internal assert that names neither. (Files
+  // from before the kind was written have no entry and skip the check.)
+  if (ar.try_read("optimizer_kind", v)) {
+    TORCH_CHECK(v.isString() && v.toStringRef() == t.optimizer_kind, "it was written with "
+                "--optimizer ", v.isString() ? v.toStringRef() : "?", ", this run uses --optimizer ",
+                t.optimizer_kind);
+  }
   at::NoGradGuard no_grad;
   // Model state as two lists (names, tensors): parameter names contain dots,
   // which archive keys must not.
@@ -126,6 +134,7 @@ void save_checkpoint(const std::string& path, TrainObjects& t, const Position& p
   }
   ar.write("model_names", c10::IValue(names));
   ar.write("model_tensors", c10::IValue(tensors));
+  ar.write("optimizer_kind", c10::IValue(t.optimizer_kind));
   torch::serialize::OutputArchive opt;
   t.optimizer.save(opt);
   ar.write("optimizer", opt);
@@ -168,7 +177,7 @@ bool load_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjec
     restore(ar, t, pos);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "ddpx-train: checkpoint ", path, " is corrupt, truncated or not this "
-                "model's: ", e.what_without_backtrace(), " (the file is left as it is)");
+                "run's: ", e.what_without_backtrace(), " (the file is left as it is)");
   }
   return true;
 }

@@ -28,6 +28,7 @@ struct Position {
 struct TrainObjects {
   torch::jit::Module& model;
   torch::optim::Optimizer& optimizer;
+  std::string optimizer_kind;  // --optimizer: a state of another kind does not load
   GradSync& sync;
 };
 

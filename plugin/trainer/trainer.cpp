@@ -146,7 +146,7 @@ void run(const Options& o) {
   }
   GradSync sync(model, pg, so);
 
-  TrainObjects objs{model, *opt, sync};
+  TrainObjects objs{model, *opt, o.optimizer, sync};
   Position pos;
   if (!o.checkpoint.empty()) {
     if (o.resume) {

@@ -124,7 +124,18 @@ def test_checkpoint_of_another_model(tmp_path, data_dir, checkpoint):
     shutil.copy(checkpoint, path)
     before = digest(path)
     fails_with(["--model", model("lenet"), "--data", data_dir, "--steps", 3, "--checkpoint",
-                path, "--resume"], "not this model's", "has no entry for")
+                path, "--resume"], "not this run's", "has no entry for")
+    assert digest(path) == before
+
+
+def test_checkpoint_of_another_optimizer(tmp_path, data_dir, checkpoint):
+    """An SGD checkpoint resumed with Adam: named as such, before anything loads."""
+    path = tmp_path / "sgd.ckpt"
+    shutil.copy(checkpoint, path)
+    before = digest(path)
+    fails_with(["--model", model("mlp"), "--data", data_dir, "--steps", 3, "--checkpoint",
+                path, "--resume", "--optimizer", "adam"], "not this run's",
+               "written with --optimizer sgd, this run uses --optimizer adam")
     assert digest(path) == before
 
 
