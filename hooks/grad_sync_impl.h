@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -158,7 +159,39 @@ struct GradSync::Impl {
   // already accumulated into the bucket and there is nothing to copy. After a
   // re-plan, grads still viewing the old storage are not: they are copied.
   bool is_slot(int p, const at::Tensor& g) const {
-    return g.defined() && g.data_ptr() == views[p].data_ptr() && g.strides() == views[p].strides();
+    // Write-back makes .grad share the slot's TensorImpl: comparing pointers
+    // first spares the hook two reads of tensor metadata, which after a
+    // large kernel are cache (and TLB) misses.
+    if (!g.defined()) return false;
+    if (g.unsafeGetTensorImpl() == views[p].unsafeGetTensorImpl()) return true;
+    return g.data_ptr() == views[p].data_ptr() && g.strides() == views[p].strides();
+  }
+
+  // Gradient `g` into p's slot. at::copy_ costs about a microsecond of
+  // dispatch and TensorIterator set-up whatever the size: more than the bytes
+  // of a small gradient (4 KB: ~0.1 us), and under zero_grad(set_to_none),
+  // LibTorch's default, every hook pays it. So a small dense CPU gradient laid
+  // out like its slot is moved by memcpy. Anything else (another dtype,
+  // device or layout, a conj/neg view, a size copy_ would split over intra-op
+  // threads, memory that overlaps the slot) goes through copy_.
+  void copy_to_slot(int p, const at::Tensor& g) {
+    // at::internal::GRAIN_SIZE (TensorIterator.h): above it copy_ goes parallel.
+    constexpr int64_t kMemcpyMaxNumel = 32768;
+    at::Tensor& slot = views[p];
+    if (g.is_cpu() && slot.is_cpu() && g.layout() == at::kStrided && g.has_storage() &&
+        g.scalar_type() == slot.scalar_type() && g.numel() <= kMemcpyMaxNumel &&
+        g.sizes() == slot.sizes() && g.is_contiguous() && !g.is_conj() && !g.is_neg() &&
+        !g._is_zerotensor()) {
+      const size_t n = g.nbytes();
+      auto* dst = static_cast<char*>(slot.data_ptr());
+      const auto* src = static_cast<const char*>(g.const_data_ptr());
+      if (src + n <= dst || dst + n <= src) {
+        if (n > 0) std::memcpy(dst, src, n);
+        slot.unsafeGetTensorImpl()->bump_version();  // as an in-place copy_ would
+        return;
+      }
+    }
+    slot.copy_(g);
   }
 
   // First hook of a backward: reset the step and queue the final callback.
@@ -204,7 +237,7 @@ struct GradSync::Impl {
       // Not in this backward, but its no_sync micro-batches left a gradient:
       // that is this rank's contribution (and it counts as used).
       const at::Tensor& g = params[p].grad();
-      if (!is_slot(p, g)) views[p].copy_(g);
+      if (!is_slot(p, g)) copy_to_slot(p, g);
       carried.push_back(p);
     } else if (plan[bucket_of[p]].late) {
       // Its slot goes on the wire only if some rank used it: zeroed then
@@ -288,7 +321,7 @@ struct GradSync::Impl {
     const at::Tensor& g = params[p].grad();
     // The copy needs no lock: slots are disjoint and the plan only changes at
     // the step boundary, after every hook of the step has run.
-    if (g.defined() && !is_slot(p, g)) views[p].copy_(g);
+    if (g.defined() && !is_slot(p, g)) copy_to_slot(p, g);
     std::lock_guard<std::mutex> lock(mu);
     if (!active) {
       begin_step_locked();

@@ -83,6 +83,39 @@ TEST(GradSync, CNNMatchesOneProcess) {
                                 16);
 }
 
+// The hooks move a small contiguous gradient into its slot with memcpy and
+// anything else with copy_: channels-last convolution weights (gradients laid
+// out like them, not like the slot), a Linear of more than 32768 elements,
+// and the small contiguous rest, in one model, set_to_none and in place.
+struct MixedLayoutImpl : torch::nn::Module {
+  CNN cnn;
+  torch::nn::Linear wide{nullptr};
+  MixedLayoutImpl() {
+    cnn = register_module("cnn", CNN());
+    wide = register_module("wide", torch::nn::Linear(5, 7000));
+    wide->to(at::kDouble);
+    torch::NoGradGuard no_grad;
+    for (auto& p : cnn->parameters()) {
+      if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+    }
+  }
+  at::Tensor forward(const at::Tensor& x) { return wide(cnn(x)).pow(2).mean(); }
+};
+TORCH_MODULE(MixedLayout);
+
+TEST(GradSync, ChannelsLastAndLargeGradientsMatchOneProcess) {
+  {
+    MixedLayout m;
+    ASSERT_FALSE(m->cnn->c2->weight.is_contiguous());
+    ASSERT_GT(m->wide->weight.numel(), 32768);
+  }
+  for (bool in_place : {false, true}) {
+    expect_matches_reference<MixedLayout>(
+        [] { return MixedLayout(); }, [](MixedLayout& m, const at::Tensor& x, int) { return m(x); },
+        16, GradSyncOptions().bucket_cap_mb(0.05), 3, in_place);
+  }
+}
+
 
 // Tied weights (one tensor registered twice) and a frozen layer.
 struct TiedImpl : torch::nn::Module {
