@@ -191,6 +191,7 @@ void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
       if (take_residuals && !plan[bucket_of[p]].late) owe(i, views[p]);
       continue;
     }
+    if (opts.gradient_as_bucket_view_ && grad_in_slot[p]) continue;  // the average is there
     auto& g = params[p].mutable_grad();
     if (opts.gradient_as_bucket_view_) {
       // .grad becomes the slot (DDP's gradient_as_bucket_view): the average
