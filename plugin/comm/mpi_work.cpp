@@ -145,6 +145,7 @@ void MpiWorker::poll_pending() {
 void MpiWorker::loop() {
   for (;;) {
     Entry entry;
+    bool stopping = false;  // stopping_ as seen under mu_ (stop() sets it from another thread)
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (pending_.empty()) {
@@ -154,7 +155,8 @@ void MpiWorker::loop() {
         cv_.wait_for(lock, std::chrono::microseconds(50),
                      [this] { return stopping_ || !queue_.empty(); });
       }
-      if (stopping_ && queue_.empty() && pending_.empty()) break;
+      stopping = stopping_;
+      if (stopping && queue_.empty() && pending_.empty()) break;
       if (!queue_.empty()) {
         entry = std::move(queue_.front());
         queue_.pop_front();
@@ -178,7 +180,7 @@ void MpiWorker::loop() {
       }
     }
     if (!pending_.empty()) poll_pending();
-    if (stopping_ && !pending_.empty()) {
+    if (stopping && !pending_.empty()) {
       std::lock_guard<std::mutex> lock(mu_);
       if (queue_.empty()) {
         abandoned_ = true;  // requests that never matched: MPI cannot finalise
