@@ -260,14 +260,16 @@ int main(int argc, char** argv) {
   Args a;
   CLI::App app{"ddpx-bench-ddp: C++ variants of scripts/bench/ddp (run under mpirun)"};
   app.add_option("--models-dir", a.dir, "directory of <model>.pt from ddp_models.export")->required();
-  app.add_option("--models", a.models, "model names")->required();
+  app.add_option("--models", a.models, "model names (comma- or space-separated)")
+      ->required()
+      ->delimiter(',');
   app.add_option("--variants", a.variants, "variants to run, in this order");
   app.add_option("--warmup", a.warmup, "untimed steps per variant");
   app.add_option("--steps", a.steps, "timed steps per variant");
   app.add_option("--threads", a.threads, "intra-op threads per rank");
   app.add_option("--bucket-cap-mb", a.bucket_cap_mb, "GradSync bucket cap and comm-only part size");
   app.add_flag("--zero-in-place", a.zero_in_place, "zero_grad(set_to_none=false)");
-  app.add_option("--exact", a.exact, "models whose GradSync uses Unused::Exact");
+  app.add_option("--exact", a.exact, "models whose GradSync uses Unused::Exact")->delimiter(',');
   CLI11_PARSE(app, argc, argv);
   TORCH_CHECK(a.steps > 0, "--steps must be positive, got ", a.steps);
 
