@@ -1,5 +1,7 @@
 #include "hooks/channel.h"
 
+#include "hooks/stream_handoff.h"
+
 #include <pthread.h>
 #include <sched.h>
 
@@ -35,6 +37,15 @@ std::future<void> Channel::submit(std::function<void(c10d::ProcessGroup&)> fn) {
   }
   cv_.notify_one();
   return fut;
+}
+
+c10::Stream Channel::stream(c10::Device d) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& s : streams_) {
+    if (s.device() == d) return s;
+  }
+  streams_.push_back(pool_stream(d));
+  return streams_.back();
 }
 
 void Channel::loop() {

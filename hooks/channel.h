@@ -3,6 +3,7 @@
 // reductions queued on it, in order. Buckets go round-robin over channels
 // (the DDP paper's round-robin process groups); the thread is what lets a
 // reduction (codec encode, collective, decode) run while backward computes.
+#include <c10/core/Stream.h>
 #include <ddpx/comm.h>
 
 #include <condition_variable>
@@ -11,6 +12,7 @@
 #include <future>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace ddpx::hooks {
 
@@ -24,6 +26,9 @@ class Channel {
   // Runs `fn(pg)` on the channel thread after everything queued before it.
   std::future<void> submit(std::function<void(c10d::ProcessGroup&)> fn);
   c10d::ProcessGroup& pg() { return *pg_; }
+  // The stream this channel's reductions on device `d` run on (a device with
+  // streams: stream_handoff.h), taken from the device's pool on first use.
+  c10::Stream stream(c10::Device d);
 
  private:
   void loop();
@@ -32,6 +37,7 @@ class Channel {
   std::condition_variable cv_;
   std::deque<std::packaged_task<void()>> queue_;
   bool stop_ = false;
+  std::vector<c10::Stream> streams_;  // under mu_: one per device used
   std::thread thread_;
 };
 

@@ -125,6 +125,12 @@ void GradSync::Impl::finish_step() {
     }
     rethrow_naming_peers(error);
   }
+  // Device buckets: what runs after backward on this thread's streams (the
+  // caller's, as autograd sets them for final callbacks), the optimizer
+  // among it, runs after the reductions.
+  for (size_t b = 0; b < reduced.size(); ++b) {
+    if (reduced[b]) reduced[b]->block(hooks::current_stream(plan[b].device));
+  }
   const auto w0 = Clock::now();
   std::vector<char> used(n);
   const int* fl = flags.data_ptr<int>();

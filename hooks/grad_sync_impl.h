@@ -23,6 +23,7 @@
 #include "hooks/order_predictor.h"
 #include "hooks/profiler.h"
 #include "hooks/reduce_fn.h"
+#include "hooks/stream_handoff.h"
 
 namespace ddpx {
 namespace hooks {
@@ -95,6 +96,11 @@ struct GradSync::Impl {
   std::vector<int> carried;    // unused in this backward, accumulated under no_sync
   std::vector<int> surprises;  // Exact: gradients for parameters expected unused
   std::vector<std::future<void>> futures;
+  // Per bucket on a device with streams (stream_handoff.h): the streams that
+  // wrote its slots this step, and the end of its reduction on its channel's
+  // stream (set by the channel thread before its future is ready).
+  std::vector<std::vector<c10::Stream>> wrote_on;
+  std::vector<std::shared_ptr<hooks::StreamFence>> reduced;
   std::vector<char> expected_unused;  // Exact: from prepare_for_backward
   // Exact with late buckets: which parameters some rank will use this step,
   // agreed in prepare_for_backward, so late buckets need not wait for the
@@ -216,6 +222,8 @@ struct GradSync::Impl {
     next_launch = 0;
     futures.clear();
     futures.resize(plan.size());
+    wrote_on.assign(plan.size(), {});
+    reduced.assign(plan.size(), nullptr);
     stats.buckets.assign(plan.size(), {});
     for (size_t b = 0; b < plan.size(); ++b) {
       stats.buckets[b].index = static_cast<int>(b);
@@ -232,7 +240,17 @@ struct GradSync::Impl {
     }
   }
 
+  // Bucket b's slots are being written on this thread's current stream.
+  void note_writer_locked(int b) {
+    const c10::Device d = plan[b].device;
+    if (!hooks::has_streams(d)) return;
+    const c10::Stream s = hooks::current_stream(d);
+    auto& w = wrote_on[b];
+    if (std::find(w.begin(), w.end(), s) == w.end()) w.push_back(s);
+  }
+
   void mark_ready_locked(int p, bool used) {
+    note_writer_locked(bucket_of[p]);  // the hook's copy, or the zeroing below
     if (ready[p]) return;
     ready[p] = 1;
     if (used) {

@@ -56,25 +56,50 @@ void GradSync::Impl::launch_locked(int b, std::vector<Run> runs) {
     }
   }
   auto owed = take_carries_locked(b, runs);
+  std::vector<c10::Storage> keep;  // device residuals: made on this stream, freed on the channel's
+  for (const auto& o : owed) keep.push_back(o.second.storage());
   at::Tensor flat = storage[b];
   const std::string* key = &keys[b];
   auto* complete = &bs.complete_us;
   const auto start = t0;
-  futures[b] = channels[b % channels.size()]->submit(
-      [this, flat, key, runs = std::move(runs), run_keys = std::move(run_keys),
-       owed = std::move(owed), complete, start,
-       ctx = profiler->launch_context(b)](c10d::ProcessGroup& pg) mutable {
+  auto body = [this, flat, key, runs = std::move(runs), run_keys = std::move(run_keys),
+               owed = std::move(owed)](c10d::ProcessGroup& pg) mutable {
+    for (auto& [slot, r] : owed) slot.add_(r.view(slot.sizes()));
+    if (run_keys.empty()) {
+      reduce(flat, *key, pg);
+    } else {
+      for (size_t i = 0; i < runs.size(); ++i) {
+        at::Tensor part = flat.narrow(0, runs[i].offset, runs[i].numel);
+        reduce(part, run_keys[i], pg);
+      }
+    }
+  };
+  const int c = b % static_cast<int>(channels.size());
+  if (!hooks::has_streams(plan[b].device)) {
+    futures[b] = channels[c]->submit([body = std::move(body), complete, start,
+                                      ctx = profiler->launch_context(b)](c10d::ProcessGroup& pg) mutable {
+      {
+        hooks::ReduceScope scope(ctx);
+        body(pg);
+      }
+      *complete = hooks::us_since(start, Clock::now());
+    });
+    return;
+  }
+  // A device bucket: its reduction runs on the channel's stream, after the
+  // streams that wrote its slots (this one included: a late bucket's zeroing
+  // in the final callback), and finish_step waits for `reduced[b]`.
+  note_writer_locked(b);
+  auto before = std::make_shared<hooks::StreamFence>();
+  for (const auto& s : wrote_on[b]) before->add(s);
+  auto done = std::make_shared<hooks::StreamFence>();
+  reduced[b] = done;
+  futures[b] = channels[c]->submit(
+      [body = std::move(body), complete, start, ctx = profiler->launch_context(b), before, done,
+       keep = std::move(keep), comm = channels[c]->stream(plan[b].device)](c10d::ProcessGroup& pg) mutable {
         {
           hooks::ReduceScope scope(ctx);
-          for (auto& [slot, r] : owed) slot.add_(r.view(slot.sizes()));
-          if (run_keys.empty()) {
-            reduce(flat, *key, pg);
-          } else {
-            for (size_t i = 0; i < runs.size(); ++i) {
-              at::Tensor part = flat.narrow(0, runs[i].offset, runs[i].numel);
-              reduce(part, run_keys[i], pg);
-            }
-          }
+          hooks::run_on_stream(comm, *before, keep, [&] { body(pg); }, done.get());
         }
         *complete = hooks::us_since(start, Clock::now());
       });

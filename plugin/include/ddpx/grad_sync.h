@@ -17,7 +17,9 @@
 //     bucket slot, see gradient_as_bucket_view) and marks it ready. A bucket launches its
 //     reduction (codec -> collective, on the bucket's channel thread) once it
 //     is complete and every bucket before it has launched, so the launch
-//     order is the plan's order on every rank.
+//     order is the plan's order on every rank. On a device with streams
+//     (CUDA) the reduction runs on the channel's stream after events on the
+//     streams that wrote the bucket (hooks/stream_handoff.h).
 //  3. End of backward (autograd final callback): parameters that never
 //     produced a gradient are resolved: Unused::Off -> error naming them;
 //     otherwise they contribute zeros (or, if no_sync micro-batches left a
@@ -33,7 +35,9 @@
 //     gradient_as_bucket_view, .grad is made a view of its bucket slot (the
 //     average is already there, and the next backward accumulates straight
 //     into the bucket); a locally unused parameter whose .grad is its slot
-//     gets a private copy of it before the slot is zeroed.
+//     gets a private copy of it before the slot is zeroed. On a device, the
+//     caller's current stream (where the optimizer runs) is first made to
+//     wait for every reduction.
 //  4. Between steps: the order predictor learns from this step's arrival
 //     order and times and which parameters go unused. Buckets close at a cap
 //     and also where the link would otherwise sit idle with gradients ready

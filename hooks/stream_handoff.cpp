@@ -1,0 +1,48 @@
+#include "hooks/stream_handoff.h"
+
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <algorithm>
+
+namespace ddpx::hooks {
+
+c10::Stream current_stream(c10::Device d) {
+  return c10::impl::VirtualGuardImpl(d.type()).getStream(d);
+}
+
+c10::Stream pool_stream(c10::Device d) {
+  return c10::impl::VirtualGuardImpl(d.type()).getStreamFromGlobalPool(d);
+}
+
+void StreamFence::add(const c10::Stream& s) {
+  auto it = std::find(streams_.begin(), streams_.end(), s);
+  if (it == streams_.end()) {
+    streams_.push_back(s);
+    events_.emplace_back(s.device_type());
+    events_.back().record(s);
+  } else {
+    events_[static_cast<size_t>(it - streams_.begin())].record(s);
+  }
+}
+
+void StreamFence::block(const c10::Stream& s) const {
+  for (size_t i = 0; i < events_.size(); ++i) {
+    if (streams_[i] != s) events_[i].block(s);  // a stream is ordered after itself
+  }
+}
+
+void run_on_stream(const c10::Stream& comm, const StreamFence& before,
+                   const std::vector<c10::Storage>& keep, const std::function<void()>& fn,
+                   StreamFence* done) {
+  before.block(comm);
+  {
+    c10::StreamGuard guard(comm);
+    fn();
+  }
+  c10::impl::VirtualGuardImpl impl(comm.device_type());
+  for (const auto& s : keep) impl.recordDataPtrOnStream(s.data_ptr(), comm);
+  done->add(comm);
+}
+
+}  // namespace ddpx::hooks

@@ -1,0 +1,62 @@
+#pragma once
+// Stream ordering between backward and GradSync's channel threads, for
+// buckets on a device with streams (CUDA). Device work is asynchronous: when
+// a gradient hook returns, the kernels that produced the gradient (and the
+// hook's copy into its slot) may still be queued on the hook's current
+// stream, and a channel thread's current stream knows nothing of them. So a
+// launch records events on the streams that wrote the bucket, the channel
+// runs the reduction on a stream of its own after them (collectives order
+// their own streams after the caller's current one), and the step's end
+// makes the consumer's stream (the caller of backward, where the optimizer
+// runs) wait for the reduction. CPU buckets need none of this: every call is
+// a no-op there, without allocating.
+//
+// Written against c10's device-generic Stream/Event interface, so it needs no
+// CUDA headers and the tests drive it with a recording guard implementation.
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Storage.h>
+#include <c10/core/Stream.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace ddpx::hooks {
+
+// Does `d` have streams to order (anything but the CPU)?
+inline bool has_streams(c10::Device d) { return d.type() != c10::DeviceType::CPU; }
+
+// The calling thread's current stream on device `d` (has_streams(d)).
+c10::Stream current_stream(c10::Device d);
+
+// A stream from the device's pool, for a channel's reductions on `d`.
+c10::Stream pool_stream(c10::Device d);
+
+// Events recorded on streams, one per distinct stream: "the work queued on
+// these streams so far".
+class StreamFence {
+ public:
+  // Records an event on `s` now (again, if `s` is in the fence already: the
+  // later version covers the earlier).
+  void add(const c10::Stream& s);
+  // Makes `s` wait for every event, without blocking the host.
+  void block(const c10::Stream& s) const;
+  bool empty() const { return events_.empty(); }
+  size_t size() const { return events_.size(); }
+
+ private:
+  std::vector<c10::Stream> streams_;
+  std::vector<c10::Event> events_;
+};
+
+// Runs `fn` with `comm` as its device's current stream, after the work in
+// `before`, and records in `*done` the work fn queued on `comm`. `keep`:
+// storages allocated on other streams that fn's work uses, marked in use on
+// `comm` so the caching allocator does not hand them out again before that
+// work is done.
+void run_on_stream(const c10::Stream& comm, const StreamFence& before,
+                   const std::vector<c10::Storage>& keep, const std::function<void()>& fn,
+                   StreamFence* done);
+
+}  // namespace ddpx::hooks

@@ -1,0 +1,104 @@
+// GradSync with CUDA parameters (label gpu; run by scripts/gpu_check.sh, and
+// skipped with a message where no GPU is visible). Two ranks share one GPU,
+// so the backends are Gloo and ddpx_mpi (NCCL needs a GPU per rank).
+//
+// Backward runs on a non-default stream, as a trainer that overlaps its data
+// loading does, and the first layer's gradients come after a long chain of
+// kernels: a reduction not ordered after the stream that wrote its slots
+// reads last step's values, and an optimizer not ordered after the reduction
+// reads the local gradient. Every step is compared with one process on the
+// whole batch (double precision: the sums are exact to rounding).
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <ddpx/grad_sync.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "mpi_test_util.h"
+
+namespace {
+
+struct SlowMLPImpl : torch::nn::Module {
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr};
+  SlowMLPImpl() {
+    a = register_module("a", torch::nn::Linear(64, 512));
+    b = register_module("b", torch::nn::Linear(512, 512));
+    c = register_module("c", torch::nn::Linear(512, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::tanh(a(x));
+    // Backward through these matmuls delays a's gradients by milliseconds of
+    // queued kernels after b's and c's buckets have launched.
+    for (int i = 0; i < 24; ++i) h = torch::tanh(b(h)) * 0.5 + h * 0.5;
+    return c(h).pow(2).mean();
+  }
+};
+TORCH_MODULE(SlowMLP);
+
+void expect_matches_one_process(const std::string& backend, bool zero_in_place) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible";
+  auto pg = ddpx::comm::make(backend);
+  const int r = pg->getRank(), n = pg->getSize();
+  const at::Device dev(at::kCUDA, 0);
+  constexpr int64_t kB = 16;
+  torch::manual_seed(7);
+  SlowMLP ref;
+  ref->to(dev, at::kDouble);
+  torch::manual_seed(7);
+  SlowMLP model;
+  model->to(dev, at::kDouble);
+  ddpx::GradSync sync(model->named_parameters(), pg,
+                      ddpx::GradSyncOptions().bucket_cap_mb(0.5).first_bucket_mb(0.1));
+  torch::optim::SGD opt(model->parameters(), 0.1);
+  torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+  // Everything from here runs on `side`, a non-blocking stream: nothing
+  // orders it after the default stream's set-up but this.
+  torch::cuda::synchronize();
+  const c10::Stream side = c10::impl::VirtualGuardImpl(at::kCUDA).getStreamFromGlobalPool(dev);
+  c10::StreamGuard guard(side);
+  for (int step = 0; step < 4; ++step) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+    auto batch = at::randn({n * kB, 64}, gen, at::kDouble).to(dev);
+    ref_opt.zero_grad(/*set_to_none=*/!zero_in_place);
+    at::Tensor total;
+    for (int k = 0; k < n; ++k) {
+      auto l = ref(batch.narrow(0, k * kB, kB)) / n;
+      total = total.defined() ? total + l : l;
+    }
+    total.backward();
+    opt.zero_grad(/*set_to_none=*/!zero_in_place);
+    model(batch.narrow(0, r * kB, kB)).backward();
+    auto rp = ref->named_parameters();
+    for (const auto& item : model->named_parameters()) {
+      // .cpu() runs on `side`: it sees the average only if the step's end
+      // ordered `side` after the reductions.
+      const auto got = item.value().grad().cpu();
+      const auto want = rp[item.key()].grad().cpu();
+      EXPECT_TRUE(at::allclose(got, want, 1e-9, 1e-12))
+          << backend << " " << item.key() << " step " << step << ": max diff "
+          << (got - want).abs().max().item<double>();
+    }
+    opt.step();
+    ref_opt.step();
+  }
+  // Same parameters on every rank after the steps (the collective orders
+  // itself after `side`, this thread's current stream).
+  for (const auto& p : model->parameters()) {
+    std::vector<at::Tensor> t{p.detach().clone()};
+    const auto mine = p.detach().cpu();
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    pg->allreduce(t, o)->wait();
+    EXPECT_TRUE(at::equal(t[0].cpu(), mine));
+  }
+}
+
+TEST(GradSyncCuda, GlooOnASideStreamMatchesOneProcess) { expect_matches_one_process("gloo", false); }
+
+TEST(GradSyncCuda, GlooZeroGradInPlace) { expect_matches_one_process("gloo", true); }
+
+TEST(GradSyncCuda, DdpxMpiOnASideStreamMatchesOneProcess) {
+  expect_matches_one_process("ddpx_mpi", false);
+}
+
+}  // namespace
