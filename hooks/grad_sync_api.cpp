@@ -45,6 +45,7 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
                 "GradSync: every channel must span the same ranks as pg");
     I.channels.push_back(std::make_unique<hooks::Channel>(c));
   }
+  hooks::require_backends(*pg, options.channels, params);
   hooks::verify_same_parameters(*pg, names, params);
   I.profiler->agree(*pg);
   if (options.broadcast_on_init_) {

@@ -4,6 +4,7 @@
 #include <c10/util/hash.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <algorithm>
 #include <map>
 #include <sstream>
 
@@ -25,7 +26,37 @@ std::string describe(const at::Tensor& t) {
   return s.str();
 }
 
+// Does `pg` take tensors of device type `d`? (NCCL is registered for CPU
+// tensors by a spec such as "nccl", and rejects them at the first call.)
+bool takes(c10d::ProcessGroup& pg, c10::DeviceType d) {
+  if (!pg.hasBackendForDeviceType(d)) return false;
+  return d != c10::DeviceType::CPU || pg.getBackend(d)->getBackendName() != "nccl";
+}
+
 }  // namespace
+
+void require_backends(c10d::ProcessGroup& pg,
+                      const std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>& channels,
+                      const std::vector<at::Tensor>& params) {
+  TORCH_CHECK(takes(pg, c10::DeviceType::CPU), "GradSync: process group '", pg.getGroupName(),
+              "' has no backend for CPU tensors, which GradSync's step agreements are; give it "
+              "one, e.g. ddpx::comm::make(\"cpu:gloo,cuda:nccl\") (what init_from_env() makes "
+              "under torchrun)");
+  std::vector<c10::DeviceType> types;
+  for (const auto& p : params) {
+    if (std::find(types.begin(), types.end(), p.device().type()) == types.end()) {
+      types.push_back(p.device().type());
+    }
+  }
+  for (size_t c = 0; c <= channels.size(); ++c) {
+    c10d::ProcessGroup& g = c == 0 ? pg : *channels[c - 1];
+    for (auto d : types) {
+      TORCH_CHECK(takes(g, d), "GradSync: ", c == 0 ? "process group '" : "channel '",
+                  g.getGroupName(), "' has no backend for ", c10::DeviceTypeName(d),
+                  " tensors, and the model has ", c10::DeviceTypeName(d), " parameters");
+    }
+  }
+}
 
 void verify_same_parameters(c10d::ProcessGroup& pg, const std::vector<std::string>& names,
                             const std::vector<at::Tensor>& params) {

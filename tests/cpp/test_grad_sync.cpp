@@ -283,6 +283,35 @@ TEST(GradSync, MismatchedModelsNameTheParameter) {
   }
 }
 
+// A group with no backend for CPU tensors (here Gloo for CUDA only; "nccl"
+// alone is another) cannot carry the step agreements, and a channel with none
+// for the parameters' device cannot carry their buckets: both are named at
+// construction, before any collective, on every rank.
+TEST(GradSync, AGroupWithoutABackendForTheTensorsIsNamed) {
+  ddpx::comm::MakeOptions o;
+  o.name = "cuda_only";
+  auto cuda_only = ddpx::comm::make("cuda:gloo", o);
+  MLP m;
+  try {
+    GradSync sync(m->named_parameters(), cuda_only);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("process group 'cuda_only' has no backend for CPU tensors"),
+              std::string::npos)
+        << e.what();
+  }
+  GradSyncOptions with_channel;
+  with_channel.channels.push_back(cuda_only);
+  try {
+    GradSync sync(m->named_parameters(), world(), with_channel);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("channel 'cuda_only' has no backend for CPU tensors"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 
 // The hooks stay on the parameters after GradSync is gone: a later backward
