@@ -199,7 +199,9 @@ void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
     }
     if (opts.gradient_as_bucket_view_ && grad_in_slot[p]) continue;  // the average is there
     auto& g = params[p].mutable_grad();
-    if (opts.gradient_as_bucket_view_) {
+    if (sparse_dim[p] > 0) {
+      g = views[p].to_sparse(sparse_dim[p]);  // the average's nonzero rows
+    } else if (opts.gradient_as_bucket_view_) {
       // .grad becomes the slot (DDP's gradient_as_bucket_view): the average
       // is already there, and the next backward accumulates into the bucket.
       if (!is_slot(i, g)) g = views[p];

@@ -88,6 +88,11 @@ struct GradSync::Impl {
   // nothing to do for it and does not read .grad again (many520: write-back
   // 25 us -> 1 us a step).
   std::vector<char> grad_in_slot;
+  // Per parameter: the sparse_dim of its last sparse (COO) gradient, e.g.
+  // Embedding(sparse=true)'s; 0: dense. Buckets are dense: a sparse gradient
+  // is added into its zeroed slot and written back as the sparse form of the
+  // average, so optimizers that take sparse gradients still get one.
+  std::vector<int8_t> sparse_dim;
   std::vector<int> pending;  // per bucket: gradients still missing
   int next_launch = 0;
   std::vector<int> arrival;
@@ -119,7 +124,8 @@ struct GradSync::Impl {
         carry(n),
         predictor(n),
         used_anywhere(n),
-        accumulated(new std::atomic<bool>[n]()) {}
+        accumulated(new std::atomic<bool>[n]()),
+        sparse_dim(n, 0) {}
 
   int64_t first_cap_bytes() const { return static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)); }
   int64_t cap_bytes() const { return static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)); }
@@ -174,7 +180,7 @@ struct GradSync::Impl {
     // large kernel are cache (and TLB) misses.
     if (!g.defined()) return false;
     if (g.unsafeGetTensorImpl() == views[p].unsafeGetTensorImpl()) return true;
-    return g.data_ptr() == views[p].data_ptr() && g.strides() == views[p].strides();
+    return g.layout() == at::kStrided && g.data_ptr() == views[p].data_ptr() && g.strides() == views[p].strides();
   }
 
   // Gradient `g` into p's slot. at::copy_ costs about a microsecond of
@@ -201,6 +207,13 @@ struct GradSync::Impl {
         return;
       }
     }
+    if (g.is_sparse()) {
+      slot.zero_().add_(g);  // dense += sparse: no dense temporary
+      return;
+    }
+    TORCH_CHECK(g.layout() == at::kStrided, "GradSync: parameter '", names[p],
+                "' got a gradient of layout ", g.layout(),
+                "; GradSync reduces strided and sparse COO gradients");
     slot.copy_(g);
   }
 
@@ -261,6 +274,7 @@ struct GradSync::Impl {
       // that is this rank's contribution (and it counts as used).
       const at::Tensor& g = params[p].grad();
       if (!is_slot(p, g)) copy_to_slot(p, g);
+      sparse_dim[p] = g.is_sparse() ? static_cast<int8_t>(g.sparse_dim()) : 0;
       carried.push_back(p);
     } else if (plan[bucket_of[p]].late) {
       // Its slot goes on the wire only if some rank used it: zeroed then
@@ -346,12 +360,15 @@ struct GradSync::Impl {
     // the step boundary, after every hook of the step has run.
     const bool in_slot = is_slot(p, g);
     if (g.defined() && !in_slot) copy_to_slot(p, g);
+    const int8_t sd =
+        in_slot || !g.defined() || !g.is_sparse() ? 0 : static_cast<int8_t>(g.sparse_dim());
     std::lock_guard<std::mutex> lock(mu);
     if (!active) {
       begin_step_locked();
       begin_us = hooks::us_since(h0, Clock::now());  // per step, not per parameter
     }
     grad_in_slot[p] = in_slot ? 1 : 0;
+    if (g.defined()) sparse_dim[p] = sd;
     if (g.defined() && ready[p] && !expected_unused.empty() && expected_unused[p]) {
       surprises.push_back(p);  // an error at the step's end, on every rank
     }
