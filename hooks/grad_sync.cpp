@@ -4,6 +4,7 @@
 #include <exception>
 
 #include "hooks/grad_sync_impl.h"
+#include "hooks/grad_sync_setup.h"
 
 namespace ddpx {
 
@@ -163,6 +164,24 @@ void GradSync::Impl::finish_step() {
   const bool late_changed =
       opts.replan_ && late_for(predictor) != plan_late && predictor.late_stable_steps() >= 1;
   if (fl[n] != 0 || late_changed) replan_agreed(channels[0]->pg());
+  // Rank 0's buffers for the next forward (DDP does this before each
+  // forward; nothing changes buffers in between). Waiting for the wire here
+  // is exposed communication, not our CPU.
+  double buffers_us = 0;
+  if (opts.broadcast_buffers_ && world > 1 && !buffers.empty()) {
+    const auto b0 = Clock::now();
+    try {
+      hooks::Range r("ddpx::broadcast_buffers");
+      hooks::broadcast_from_rank0(channels[0]->pg(), buffers);
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        active = false;
+      }
+      rethrow_naming_peers(std::current_exception());
+    }
+    buffers_us = us_since(b0, Clock::now());
+  }
 
   std::lock_guard<std::mutex> lock(mu);
   const auto f1 = Clock::now();
@@ -172,7 +191,7 @@ void GradSync::Impl::finish_step() {
     stats.bytes_reduced += b.bytes;
   }
   // Our CPU: the hooks, the final callback up to its wait, and the write-back.
-  stats.hook_cpu_us = hook_cpu_us + cpu_before_wait + us_since(w0, f1);
+  stats.hook_cpu_us = hook_cpu_us + cpu_before_wait + us_since(w0, f1) - buffers_us;
   stats.per_param_hooks_us = hook_cpu_us - begin_us;
   stats.replans = replans;
   last = stats;

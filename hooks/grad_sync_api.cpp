@@ -36,6 +36,9 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
   I.names = names;
   I.params = params;
   I.world = pg->getSize();
+  for (const auto& b : named_buffers) {
+    if (b.value().defined()) I.buffers.push_back(b.value());
+  }
   I.reduce = hooks::make_reduce_fn(options.codec_, &I.wire_stats, &I.take_residuals);
   I.profiler = std::make_unique<hooks::Profiler>(hooks::TraceConfig::from(options), pg->getRank(),
                                                  pg->getSize(), static_cast<int64_t>(params.size()));

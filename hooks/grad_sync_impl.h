@@ -40,6 +40,7 @@ struct GradSync::Impl {
   // ---- fixed at construction ------------------------------------------------
   std::vector<std::string> names;
   std::vector<at::Tensor> params;  // requires_grad parameters only
+  std::vector<at::Tensor> buffers;  // broadcast from rank 0 (broadcast_buffers)
   std::vector<hooks::ParamInfo> info;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;  // keep hooks alive
   std::shared_ptr<std::atomic<Impl*>> alive;  // what the hooks call; null once destroyed

@@ -152,6 +152,40 @@ TEST(GradSync, BuffersAndParametersBroadcastFromRankZero) {
   EXPECT_TRUE(at::equal(m->c1->weight, rank0->c1->weight));
 }
 
+// In training mode BatchNorm updates its running statistics from each rank's
+// own batch. After every synced backward they are rank 0's on every rank (as
+// under DDP's broadcast_buffers): those of rank 0's model run alone on rank
+// 0's batches. With the option off each rank keeps its own.
+TEST(GradSync, BuffersFollowRankZeroAfterEveryStep) {
+  auto& pg = world();
+  const int r = pg->getRank();
+  for (bool on : {true, false}) {
+    torch::manual_seed(3);
+    CNN m;
+    m->train();
+    GradSync sync(m->named_parameters(), pg, GradSyncOptions().broadcast_buffers(on),
+                  m->named_buffers());
+    torch::manual_seed(3);
+    CNN rank0_alone;
+    rank0_alone->train();
+    for (int step = 0; step < 3; ++step) {
+      const auto g = global_batch(16, 40 + step);
+      m->zero_grad();
+      m(shard(g, r)).pow(2).mean().backward();
+      rank0_alone(shard(g, 0));
+      const bool same = at::allclose(m->bn->running_mean, rank0_alone->bn->running_mean, 1e-12, 0) &&
+                        at::allclose(m->bn->running_var, rank0_alone->bn->running_var, 1e-12, 0) &&
+                        at::equal(m->bn->num_batches_tracked, rank0_alone->bn->num_batches_tracked);
+      if (on || r == 0) {
+        EXPECT_TRUE(same) << "broadcast_buffers(" << on << ") step " << step;
+      } else {
+        EXPECT_FALSE(same) << "broadcast_buffers(false) step " << step << ": rank " << r
+                           << " should keep its own statistics";
+      }
+    }
+  }
+}
+
 // Gathers a flat copy of all parameters from every rank; all must be equal.
 void expect_bitwise_equal_across_ranks(torch::nn::Module& m) {
   auto& pg = world();

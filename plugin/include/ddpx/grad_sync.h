@@ -37,7 +37,8 @@
 //     into the bucket); a locally unused parameter whose .grad is its slot
 //     gets a private copy of it before the slot is zeroed. On a device, the
 //     caller's current stream (where the optimizer runs) is first made to
-//     wait for every reduction.
+//     wait for every reduction. Last, rank 0's buffers are broadcast
+//     (broadcast_buffers).
 //  4. Between steps: the order predictor learns from this step's arrival
 //     order and times and which parameters go unused. Buckets close at a cap
 //     and also where the link would otherwise sit idle with gradients ready
@@ -87,6 +88,11 @@ struct GradSyncOptions {
   DDPX_OPT(Unused, unused, Unused::Predict)
   DDPX_OPT(bool, replan, true)            // learn the order and re-plan buckets
   DDPX_OPT(bool, broadcast_on_init, true)
+  // After every synced backward, rank 0's buffers (BatchNorm's running
+  // statistics, ...) are broadcast, so the next forward sees the same buffers
+  // on every rank: DDP's broadcast_buffers, which does it before each
+  // forward (the same values: nothing changes buffers in between).
+  DDPX_OPT(bool, broadcast_buffers, true)
   // Chrome/Perfetto trace of GradSync's phases, merged over ranks by rank 0
   // into this file ("": the DDPX_TRACE environment variable; unset: off).
   DDPX_OPT(std::string, trace, "")
