@@ -1,9 +1,9 @@
 #include "hooks/channel.h"
 
-#include "hooks/stream_handoff.h"
-
 #include <pthread.h>
 #include <sched.h>
+
+#include "hooks/stream_handoff.h"
 
 namespace ddpx::hooks {
 

@@ -181,7 +181,8 @@ struct GradSync::Impl {
     // large kernel are cache (and TLB) misses.
     if (!g.defined()) return false;
     if (g.unsafeGetTensorImpl() == views[p].unsafeGetTensorImpl()) return true;
-    return g.layout() == at::kStrided && g.data_ptr() == views[p].data_ptr() && g.strides() == views[p].strides();
+    return g.layout() == at::kStrided && g.data_ptr() == views[p].data_ptr() &&
+           g.strides() == views[p].strides();
   }
 
   // Gradient `g` into p's slot. at::copy_ costs about a microsecond of

@@ -76,14 +76,15 @@ void GradSync::Impl::launch_locked(int b, std::vector<Run> runs) {
   };
   const int c = b % static_cast<int>(channels.size());
   if (!hooks::has_streams(plan[b].device)) {
-    futures[b] = channels[c]->submit([body = std::move(body), complete, start,
-                                      ctx = profiler->launch_context(b)](c10d::ProcessGroup& pg) mutable {
-      {
-        hooks::ReduceScope scope(ctx);
-        body(pg);
-      }
-      *complete = hooks::us_since(start, Clock::now());
-    });
+    futures[b] =
+        channels[c]->submit([body = std::move(body), complete, start,
+                             ctx = profiler->launch_context(b)](c10d::ProcessGroup& pg) mutable {
+          {
+            hooks::ReduceScope scope(ctx);
+            body(pg);
+          }
+          *complete = hooks::us_since(start, Clock::now());
+        });
     return;
   }
   // A device bucket: its reduction runs on the channel's stream, after the
@@ -96,10 +97,12 @@ void GradSync::Impl::launch_locked(int b, std::vector<Run> runs) {
   reduced[b] = done;
   futures[b] = channels[c]->submit(
       [body = std::move(body), complete, start, ctx = profiler->launch_context(b), before, done,
-       keep = std::move(keep), comm = channels[c]->stream(plan[b].device)](c10d::ProcessGroup& pg) mutable {
+       keep = std::move(keep),
+       comm = channels[c]->stream(plan[b].device)](c10d::ProcessGroup& pg) mutable {
         {
           hooks::ReduceScope scope(ctx);
-          hooks::run_on_stream(comm, *before, keep, [&] { body(pg); }, done.get());
+          hooks::run_on_stream(
+              comm, *before, keep, [&] { body(pg); }, done.get());
         }
         *complete = hooks::us_since(start, Clock::now());
       });

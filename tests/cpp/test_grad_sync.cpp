@@ -173,9 +173,10 @@ TEST(GradSync, BuffersFollowRankZeroAfterEveryStep) {
       m->zero_grad();
       m(shard(g, r)).pow(2).mean().backward();
       rank0_alone(shard(g, 0));
-      const bool same = at::allclose(m->bn->running_mean, rank0_alone->bn->running_mean, 1e-12, 0) &&
-                        at::allclose(m->bn->running_var, rank0_alone->bn->running_var, 1e-12, 0) &&
-                        at::equal(m->bn->num_batches_tracked, rank0_alone->bn->num_batches_tracked);
+      const bool same =
+          at::allclose(m->bn->running_mean, rank0_alone->bn->running_mean, 1e-12, 0) &&
+          at::allclose(m->bn->running_var, rank0_alone->bn->running_var, 1e-12, 0) &&
+          at::equal(m->bn->num_batches_tracked, rank0_alone->bn->num_batches_tracked);
       if (on || r == 0) {
         EXPECT_TRUE(same) << "broadcast_buffers(" << on << ") step " << step;
       } else {
@@ -330,8 +331,9 @@ TEST(GradSync, AGroupWithoutABackendForTheTensorsIsNamed) {
     GradSync sync(m->named_parameters(), cuda_only);
     ADD_FAILURE() << "no error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("process group 'cuda_only' has no backend for CPU tensors"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("process group 'cuda_only' has no backend for CPU tensors"),
+        std::string::npos)
         << e.what();
   }
   GradSyncOptions with_channel;

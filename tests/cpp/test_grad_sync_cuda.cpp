@@ -93,7 +93,9 @@ void expect_matches_one_process(const std::string& backend, bool zero_in_place) 
   }
 }
 
-TEST(GradSyncCuda, GlooOnASideStreamMatchesOneProcess) { expect_matches_one_process("gloo", false); }
+TEST(GradSyncCuda, GlooOnASideStreamMatchesOneProcess) {
+  expect_matches_one_process("gloo", false);
+}
 
 TEST(GradSyncCuda, GlooZeroGradInPlace) { expect_matches_one_process("gloo", true); }
 

@@ -18,7 +18,8 @@ struct BagImpl : torch::nn::Module {
   torch::nn::Embedding emb{nullptr};
   torch::nn::Linear head{nullptr};
   BagImpl() {
-    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(40, 6).sparse(true)));
+    emb = register_module("emb",
+                          torch::nn::Embedding(torch::nn::EmbeddingOptions(40, 6).sparse(true)));
     head = register_module("head", torch::nn::Linear(6, 3));
     to(at::kDouble);
   }
@@ -57,8 +58,10 @@ TEST(GradSync, SparseEmbeddingGradientsMatchOneProcessAndStaySparse) {
       m(ids.narrow(0, r * kB, kB)).backward();
       const auto& got = m->emb->weight.grad();
       const auto& want = ref->emb->weight.grad();
-      ASSERT_TRUE(got.is_sparse()) << mode << " step " << step << ": the optimizer must get a sparse gradient";
-      EXPECT_TRUE(at::allclose(got.to_dense(), want.to_dense(), 1e-10, 1e-12)) << mode << " step " << step;
+      ASSERT_TRUE(got.is_sparse())
+          << mode << " step " << step << ": the optimizer must get a sparse gradient";
+      EXPECT_TRUE(at::allclose(got.to_dense(), want.to_dense(), 1e-10, 1e-12))
+          << mode << " step " << step;
       EXPECT_TRUE(at::allclose(m->head->weight.grad(), ref->head->weight.grad(), 1e-10, 1e-12))
           << mode << " step " << step;
       opt.step();

@@ -151,13 +151,16 @@ TEST_F(StreamHandoff, ReductionRunsAfterTheWritersAndTheConsumerAfterIt) {
     before.add(ddpx::hooks::current_stream(kDev));
   }
   c10::Stream inside = consumer;
-  ddpx::hooks::run_on_stream(comm, before, {}, [&] {
-    inside = ddpx::hooks::current_stream(kDev);
-    enqueue([&] {
-      seen_by_reduction = slot;
-      slot *= 2;
-    });
-  }, &done);
+  ddpx::hooks::run_on_stream(
+      comm, before, {},
+      [&] {
+        inside = ddpx::hooks::current_stream(kDev);
+        enqueue([&] {
+          seen_by_reduction = slot;
+          slot *= 2;
+        });
+      },
+      &done);
   EXPECT_EQ(inside, comm) << "the reduction must be queued on the channel's stream";
   EXPECT_EQ(ddpx::hooks::current_stream(kDev), consumer) << "the caller's stream is restored";
   done.block(consumer);
@@ -189,7 +192,8 @@ TEST_F(StreamHandoff, EveryWriterStreamIsWaitedForAtItsLatestWork) {
     before.add(s2);
   }
   EXPECT_EQ(before.size(), 2u);
-  ddpx::hooks::run_on_stream(comm, before, {}, [&] { enqueue([&] { sum = a + b; }); }, &done);
+  ddpx::hooks::run_on_stream(
+      comm, before, {}, [&] { enqueue([&] { sum = a + b; }); }, &done);
   sim().drain({comm.id(), s2.id(), s1.id()});
   EXPECT_EQ(sum, 15);
 }
@@ -212,7 +216,8 @@ TEST_F(StreamHandoff, StorageUsedByTheReductionIsRecordedOnItsStream) {
   const c10::Stream comm = ddpx::hooks::pool_stream(kDev);
   auto residual = torch::ones({4});
   ddpx::hooks::StreamFence before, done;
-  ddpx::hooks::run_on_stream(comm, before, {residual.storage()}, [] {}, &done);
+  ddpx::hooks::run_on_stream(
+      comm, before, {residual.storage()}, [] {}, &done);
   ASSERT_EQ(sim().recorded_ptrs.size(), 1u);
   EXPECT_EQ(sim().recorded_ptrs[0].first, residual.storage().data_ptr().get());
   EXPECT_EQ(sim().recorded_ptrs[0].second, comm.id());
