@@ -36,8 +36,11 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
   I.names = names;
   I.params = params;
   I.world = pg->getSize();
+  std::vector<std::string> buffer_names;
   for (const auto& b : named_buffers) {
-    if (b.value().defined()) I.buffers.push_back(b.value());
+    if (!b.value().defined()) continue;
+    buffer_names.push_back(b.key());
+    I.buffers.push_back(b.value());
   }
   I.reduce = hooks::make_reduce_fn(options.codec_, &I.wire_stats, &I.take_residuals);
   I.profiler = std::make_unique<hooks::Profiler>(hooks::TraceConfig::from(options), pg->getRank(),
@@ -49,11 +52,16 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     I.channels.push_back(std::make_unique<hooks::Channel>(c));
   }
   hooks::require_backends(*pg, options.channels, params);
-  hooks::verify_same_parameters(*pg, names, params);
+  hooks::verify_same_tensors(*pg, names, params, hooks::kParameters);
+  // Buffers are broadcast: a rank whose buffers differ must fail here, by
+  // name, not inside the broadcast.
+  if (options.broadcast_on_init_ || options.broadcast_buffers_) {
+    hooks::verify_same_tensors(*pg, buffer_names, I.buffers, hooks::kBuffers);
+  }
   I.profiler->agree(*pg);
   if (options.broadcast_on_init_) {
     std::vector<at::Tensor> state = params;
-    for (const auto& b : named_buffers) state.push_back(b.value());
+    state.insert(state.end(), I.buffers.begin(), I.buffers.end());
     hooks::broadcast_from_rank0(*pg, state);
   }
   for (const auto& p : params) I.info.push_back({p.numel(), p.scalar_type(), p.device()});

@@ -58,15 +58,15 @@ void require_backends(c10d::ProcessGroup& pg,
   }
 }
 
-void verify_same_parameters(c10d::ProcessGroup& pg, const std::vector<std::string>& names,
-                            const std::vector<at::Tensor>& params) {
+void verify_same_tensors(c10d::ProcessGroup& pg, const std::vector<std::string>& names,
+                         const std::vector<at::Tensor>& params, const TensorKind& kind) {
   const int n = pg.getSize();
   const int64_t count = static_cast<int64_t>(params.size());
   auto counts = allgather(pg, at::full({1}, count, at::kLong));
   for (int r = 0; r < n; ++r) {
     const int64_t c = counts[r][0].item<int64_t>();
     TORCH_CHECK(c == counts[0][0].item<int64_t>(), "GradSync: rank 0 has ",
-                counts[0][0].item<int64_t>(), " parameters that require grad but rank ", r,
+                counts[0][0].item<int64_t>(), " ", kind.plural, " but rank ", r,
                 " has ", c, "; every rank must wrap the same model");
   }
   // A fingerprint per parameter: its shape and dtype.
@@ -81,7 +81,7 @@ void verify_same_parameters(c10d::ProcessGroup& pg, const std::vector<std::strin
   for (int64_t i = 0; i < count; ++i) {
     for (int r = 1; r < n; ++r) {
       if (all[r][i].item<int64_t>() != all[0][i].item<int64_t>()) {
-        TORCH_CHECK(false, "GradSync: parameter '", names[i], "' (index ", i,
+        TORCH_CHECK(false, "GradSync: ", kind.singular, " '", names[i], "' (index ", i,
                     ") differs between rank 0 and rank ", r, " (this rank ", pg.getRank(),
                     " has ", describe(params[i]),
                     "); every rank must wrap the same model with the same shapes and dtypes");

@@ -17,11 +17,19 @@ void require_backends(c10d::ProcessGroup& pg,
                       const std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>& channels,
                       const std::vector<at::Tensor>& params);
 
-// Throws naming the first parameter whose shape or dtype differs, and the
-// ranks, or the ranks whose parameter counts differ. Never hangs: every
+// What verify_same_tensors checks, for its messages.
+struct TensorKind {
+  const char* singular;  // "parameter"
+  const char* plural;    // "parameters that require grad"
+};
+inline constexpr TensorKind kParameters{"parameter", "parameters that require grad"};
+inline constexpr TensorKind kBuffers{"buffer", "buffers"};
+
+// Throws naming the first tensor whose shape or dtype differs, and the
+// ranks, or the ranks whose tensor counts differ. Never hangs: every
 // collective here has the same size on all ranks.
-void verify_same_parameters(c10d::ProcessGroup& pg, const std::vector<std::string>& names,
-                            const std::vector<at::Tensor>& params);
+void verify_same_tensors(c10d::ProcessGroup& pg, const std::vector<std::string>& names,
+                         const std::vector<at::Tensor>& tensors, const TensorKind& kind);
 
 // Broadcasts rank 0's values of `tensors` (coalesced per dtype).
 void broadcast_from_rank0(c10d::ProcessGroup& pg, const std::vector<at::Tensor>& tensors);

@@ -316,6 +316,16 @@ TEST(GradSync, MismatchedModelsNameTheParameter) {
               std::string::npos)
         << e.what();
   }
+  // Buffers are broadcast every step: one that differs is named up front.
+  torch::nn::Linear lin(4, 4);
+  lin->register_buffer("stat", torch::zeros({pg->getRank() == 1 ? 3 : 2}));
+  try {
+    GradSync sync(lin->named_parameters(), pg, {}, lin->named_buffers());
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("buffer 'stat'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+  }
 }
 
 // A group with no backend for CPU tensors (here Gloo for CUDA only; "nccl"

@@ -8,8 +8,9 @@
 //   loss.backward();   // gradients are averaged across ranks when backward returns
 //
 // Protocol, one step (every rank runs the same steps in the same order):
-//  1. Construction: parameter count, shapes and dtypes are compared across
-//     ranks (an error names the first differing parameter and the ranks);
+//  1. Construction: parameter (and buffer) counts, shapes and dtypes are
+//     compared across ranks (an error names the first differing one and the
+//     ranks);
 //     rank 0's parameters and buffers are broadcast. Buckets are planned in
 //     reverse registration order (the usual backward order).
 //  2. Backward: a post-hook on each parameter's gradient accumulator copies
