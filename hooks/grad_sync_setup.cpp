@@ -66,10 +66,10 @@ void verify_same_tensors(c10d::ProcessGroup& pg, const std::vector<std::string>&
   for (int r = 0; r < n; ++r) {
     const int64_t c = counts[r][0].item<int64_t>();
     TORCH_CHECK(c == counts[0][0].item<int64_t>(), "GradSync: rank 0 has ",
-                counts[0][0].item<int64_t>(), " ", kind.plural, " but rank ", r,
-                " has ", c, "; every rank must wrap the same model");
+                counts[0][0].item<int64_t>(), " ", kind.plural, " but rank ", r, " has ", c,
+                "; every rank must wrap the same model");
   }
-  // A fingerprint per parameter: its shape and dtype.
+  // A fingerprint per tensor: its shape and dtype.
   auto fp = at::empty({count}, at::kLong);
   auto* f = fp.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
@@ -82,8 +82,8 @@ void verify_same_tensors(c10d::ProcessGroup& pg, const std::vector<std::string>&
     for (int r = 1; r < n; ++r) {
       if (all[r][i].item<int64_t>() != all[0][i].item<int64_t>()) {
         TORCH_CHECK(false, "GradSync: ", kind.singular, " '", names[i], "' (index ", i,
-                    ") differs between rank 0 and rank ", r, " (this rank ", pg.getRank(),
-                    " has ", describe(params[i]),
+                    ") differs between rank 0 and rank ", r, " (this rank ", pg.getRank(), " has ",
+                    describe(params[i]),
                     "); every rank must wrap the same model with the same shapes and dtypes");
       }
     }
