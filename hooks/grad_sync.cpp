@@ -10,12 +10,17 @@ namespace ddpx {
 
 using hooks::us_since;
 
-// A reduction failed. Where the transport could not say which peer is gone
+// A reduction failed: the step ends (a later backward starts a new one) and
+// the error is rethrown. Where the transport could not say which peer is gone
 // (Gloo, NCCL: "timed out", "connection reset"), the ranks that saw the
 // failure ask each other on the group's store, and the answer joins the
 // error. A plain c10::Error (bad input, a codec's check) is rethrown as is:
 // no peer is to blame, and every rank would wait out the roll call for nothing.
-void GradSync::Impl::rethrow_naming_peers(std::exception_ptr error) {
+void GradSync::Impl::fail_step(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    active = false;
+  }
   std::string what;
   try {
     std::rethrow_exception(error);
@@ -119,13 +124,7 @@ void GradSync::Impl::finish_step() {
   for (auto& f : futures) take(f);
   if (!agreed) take(agree);
   wait_range.end();
-  if (error) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      active = false;
-    }
-    rethrow_naming_peers(error);
-  }
+  if (error) fail_step(error);
   // Device buckets: what runs after backward on this thread's streams (the
   // caller's, as autograd sets them for final callbacks), the optimizer
   // among it, runs after the reductions.
@@ -174,11 +173,7 @@ void GradSync::Impl::finish_step() {
       hooks::Range r("ddpx::broadcast_buffers");
       hooks::broadcast_from_rank0(channels[0]->pg(), buffers);
     } catch (...) {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        active = false;
-      }
-      rethrow_naming_peers(std::current_exception());
+      fail_step(std::current_exception());
     }
     buffers_us = us_since(b0, Clock::now());
   }

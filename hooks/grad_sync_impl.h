@@ -219,6 +219,18 @@ struct GradSync::Impl {
     slot.copy_(g);
   }
 
+  // Brings p's gradient `g` (defined) into its slot and records whether it
+  // is sparse; returns whether `g` already was the slot (nothing copied).
+  bool gather_grad(int p, const at::Tensor& g) {
+    if (is_slot(p, g)) {
+      sparse_dim[p] = 0;
+      return true;
+    }
+    sparse_dim[p] = g.is_sparse() ? static_cast<int8_t>(g.sparse_dim()) : 0;
+    copy_to_slot(p, g);
+    return false;
+  }
+
   // First hook of a backward: reset the step and queue the final callback.
   void begin_step_locked() {
     active = true;
@@ -274,9 +286,7 @@ struct GradSync::Impl {
     } else if (accumulated[p].load(std::memory_order_relaxed) && params[p].grad().defined()) {
       // Not in this backward, but its no_sync micro-batches left a gradient:
       // that is this rank's contribution (and it counts as used).
-      const at::Tensor& g = params[p].grad();
-      if (!is_slot(p, g)) copy_to_slot(p, g);
-      sparse_dim[p] = g.is_sparse() ? static_cast<int8_t>(g.sparse_dim()) : 0;
+      gather_grad(p, params[p].grad());
       carried.push_back(p);
     } else if (plan[bucket_of[p]].late) {
       // Its slot goes on the wire only if some rank used it: zeroed then
@@ -358,19 +368,16 @@ struct GradSync::Impl {
     const auto h0 = Clock::now();
     hooks::Range range("ddpx::hook");
     const at::Tensor& g = params[p].grad();
-    // The copy needs no lock: slots are disjoint and the plan only changes at
-    // the step boundary, after every hook of the step has run.
-    const bool in_slot = is_slot(p, g);
-    if (g.defined() && !in_slot) copy_to_slot(p, g);
-    const int8_t sd =
-        in_slot || !g.defined() || !g.is_sparse() ? 0 : static_cast<int8_t>(g.sparse_dim());
+    // The copy needs no lock: slots (and sparse_dim entries) are per
+    // parameter, and the plan only changes at the step boundary, after every
+    // hook of the step has run.
+    const bool in_slot = g.defined() && gather_grad(p, g);
     std::lock_guard<std::mutex> lock(mu);
     if (!active) {
       begin_step_locked();
       begin_us = hooks::us_since(h0, Clock::now());  // per step, not per parameter
     }
     grad_in_slot[p] = in_slot ? 1 : 0;
-    if (g.defined()) sparse_dim[p] = sd;
     if (g.defined() && ready[p] && !expected_unused.empty() && expected_unused[p]) {
       surprises.push_back(p);  // an error at the step's end, on every rank
     }
@@ -489,7 +496,7 @@ struct GradSync::Impl {
   }
 
   void finish_step();
-  [[noreturn]] void rethrow_naming_peers(std::exception_ptr error);
+  [[noreturn]] void fail_step(std::exception_ptr error);
   void flush_trace() {
     channels[0]->submit([this](c10d::ProcessGroup& pg) { profiler->flush(&pg); }).get();
   }
