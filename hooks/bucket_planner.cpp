@@ -11,6 +11,7 @@ namespace ddpx::hooks {
 namespace {
 
 double bytes_of(const ParamInfo& p) {
+  if (p.sparse) return 0;  // its own bucket, of rows unknown here
   return static_cast<double>(p.numel) * static_cast<double>(c10::elementSize(p.dtype));
 }
 
@@ -184,6 +185,23 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
     const bool is_late = !late.empty() && late[p];
     const double t = timing && !timing->arrival_us.empty() ? timing->arrival_us[p] : -1;
     if (!cuts.empty() && cuts[k]) close_all();
+    if (info.sparse) {
+      // A bucket of its own, complete now: listed before the buckets still
+      // open (launches keep plan order, and they are not complete yet).
+      BucketPlan b;
+      b.params.push_back(p);
+      b.dtype = info.dtype;
+      b.device = info.device;
+      b.sparse = true;
+      size_t at = out.size();
+      for (const auto& [key, i] : open) at = std::min(at, i);
+      for (auto& [key, i] : open) i += 1;
+      out.insert(out.begin() + static_cast<std::ptrdiff_t>(at), b);
+      first.insert(first.begin() + static_cast<std::ptrdiff_t>(at), t);
+      ready.insert(ready.begin() + static_cast<std::ptrdiff_t>(at), t);
+      link.send(out[at], t);
+      continue;
+    }
     if (is_late != late_section) {  // a late parameter never shares a bucket with a reliable one
       close_all();
       late_section = is_late;

@@ -13,6 +13,10 @@ struct ParamInfo {
   int64_t numel;
   c10::ScalarType dtype;
   c10::Device device;
+  // Its gradients are sparse (COO, e.g. Embedding(sparse=true)): it gets a
+  // bucket of its own, reduced as rows (sparse_reduce.h), with no dense
+  // storage; as the rows sent are unknown, it counts no bytes in plans.
+  bool sparse = false;
 };
 
 struct BucketPlan {
@@ -24,6 +28,8 @@ struct BucketPlan {
   bool late = false;
   c10::ScalarType dtype = c10::ScalarType::Float;
   c10::Device device = c10::Device(c10::DeviceType::CPU);
+  // One sparse parameter (ParamInfo::sparse), numel 0: no dense storage.
+  bool sparse = false;
 };
 
 // Arrival-time planning: when gradients are predicted to arrive and what the
@@ -44,18 +50,18 @@ struct PlanTiming {
   std::vector<double> late_bytes;
 };
 
-// Walks `order`; a bucket holds one dtype and device and closes when it would
-// exceed its cap (the first bucket's cap is `first_cap_bytes`, so
-// communication starts early). late[p] (empty: none) marks late parameters:
-// they never share a bucket with the others. cuts[k] (empty: none) closes
-// every open bucket before order[k]. With `timing`, every open bucket also
-// closes before order[k] when, by the time order[k] arrives, the link would
-// have sat idle with gradients ready to send for more than timing->gap_us:
-// since the later of the link being free (buckets sent as they close, at the
-// link's rate) and the open bucket's first arrival. An unknown rate: since
-// the open bucket's last arrival, i.e. a pause in backward. `timing_cuts` (optional) gets those cuts, so that
-// `cuts` reproduces the plan without the timing (another rank's). Buckets
-// are listed in launch order.
+// Walks `order`; a sparse parameter gets a bucket of its own where it comes
+// (in late and reliable sections alike: it is never late, as its reduction
+// tells every rank who used it), and the other buckets stay open around it.
+// A bucket holds one dtype and device and closes when it would exceed its cap (the first bucket's
+// cap is `first_cap_bytes`, so communication starts early). late[p] (empty: none) marks late
+// parameters: they never share a bucket with the others. cuts[k] (empty: none) closes every open
+// bucket before order[k]. With `timing`, every open bucket also closes before order[k] when, by the
+// time order[k] arrives, the link would have sat idle with gradients ready to send for more than
+// timing->gap_us: since the later of the link being free (buckets sent as they close, at the link's
+// rate) and the open bucket's first arrival. An unknown rate: since the open bucket's last arrival,
+// i.e. a pause in backward. `timing_cuts` (optional) gets those cuts, so that `cuts` reproduces the
+// plan without the timing (another rank's). Buckets are listed in launch order.
 std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
                                      const std::vector<ParamInfo>& params,
                                      int64_t first_cap_bytes, int64_t cap_bytes,

@@ -71,13 +71,14 @@ void GradSync::Impl::finish_step() {
   // flags), and rank 0's re-plan proposal.
   const int n = static_cast<int>(params.size());
   const bool propose = should_replan();
-  // [used here (n) | rank 0's proposal | a surprise gradient | unused here (n)
-  //  | -(the last agreement's round trip here, us)]
+  // [used here (n): 1 + the gradient's sparse_dim (0: dense) | rank 0's
+  //  proposal | a surprise gradient | unused here (n) | -(the last
+  //  agreement's round trip here, us)]
   auto flags = at::zeros({2 * n + 3}, at::kInt);
   {
     auto* f = flags.data_ptr<int>();
-    for (int p : arrival) f[p] = 1;
-    for (int p : carried) f[p] = 1;
+    for (int p : arrival) f[p] = 1 + sparse_dim[p];
+    for (int p : carried) f[p] = 1 + sparse_dim[p];
     f[n] = propose && channels[0]->pg().getRank() == 0 ? 1 : 0;  // only rank 0's counts
     f[n + 1] = surprises.empty() ? 0 : 1;
     for (int p = 0; p < n; ++p) f[n + 2 + p] = f[p] ? 0 : 1;
@@ -129,7 +130,11 @@ void GradSync::Impl::finish_step() {
   // caller's, as autograd sets them for final callbacks), the optimizer
   // among it, runs after the reductions.
   for (size_t b = 0; b < reduced.size(); ++b) {
-    if (reduced[b]) reduced[b]->block(hooks::current_stream(plan[b].device));
+    if (!reduced[b]) continue;
+    const auto here = hooks::current_stream(plan[b].device);
+    reduced[b]->block(here);
+    // A sparse average, made on the channel's stream, becomes .grad here.
+    if (plan[b].sparse) hooks::mark_in_use(sparse_out[plan[b].params.front()], here);
   }
   const auto w0 = Clock::now();
   std::vector<char> used(n);
@@ -162,7 +167,8 @@ void GradSync::Impl::finish_step() {
   last_trip_us = us_since(agree_t0, agree_t1);
   const bool late_changed =
       opts.replan_ && late_for(predictor) != plan_late && predictor.late_stable_steps() >= 1;
-  if (fl[n] != 0 || late_changed) replan_agreed(channels[0]->pg());
+  const bool sparse_changed = opts.replan_ && learn_sparse(fl);
+  if (fl[n] != 0 || late_changed || sparse_changed) replan_agreed(channels[0]->pg());
   // Rank 0's buffers for the next forward (DDP does this before each
   // forward; nothing changes buffers in between). Waiting for the wire here
   // is exposed communication, not our CPU.
@@ -208,7 +214,12 @@ void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
       // bucket its slot was sent all the same, carrying the codec's residual
       // for it; the mean of what the ranks sent is owed again, so error
       // feedback loses nothing (over the ranks, the sum is conserved).
-      if (take_residuals && !plan[bucket_of[p]].late) owe(i, views[p]);
+      if (take_residuals && !plan[bucket_of[p]].late && !info[p].sparse) owe(i, views[p]);
+      continue;
+    }
+    if (info[p].sparse) {
+      sparse_in[p] = at::Tensor();  // this rank's gradient: no longer needed
+      if (sparse_out[p].defined()) params[p].mutable_grad() = std::move(sparse_out[p]);
       continue;
     }
     if (opts.gradient_as_bucket_view_ && grad_in_slot[p]) continue;  // the average is there
@@ -225,6 +236,28 @@ void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
       g = views[p].clone();
     }
   }
+}
+
+bool GradSync::Impl::learn_sparse(const int* used_flags) {
+  // A parameter some rank used this step: sparse if some rank's gradient
+  // was (used_flags[p] = 1 + sparse_dim, MAX over ranks), so every rank
+  // learns alike. Unused ones keep what they had.
+  bool changed = false;
+  for (size_t p = 0; p < params.size(); ++p) {
+    if (used_flags[p] == 0) continue;
+    const int sd = used_flags[p] - 1;
+    if ((sd > 0) == info[p].sparse && (sd == 0 || sd == planned_sparse_dim[p])) continue;
+    info[p].sparse = sd > 0;
+    planned_sparse_dim[p] = static_cast<int8_t>(sd);
+    changed = true;
+  }
+  if (changed) {
+    sparse_params.clear();
+    for (size_t p = 0; p < params.size(); ++p) {
+      if (info[p].sparse) sparse_params.push_back(static_cast<int>(p));
+    }
+  }
+  return changed;
 }
 
 void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {

@@ -94,6 +94,14 @@ struct GradSync::Impl {
   // is added into its zeroed slot and written back as the sparse form of the
   // average, so optimizers that take sparse gradients still get one.
   std::vector<int8_t> sparse_dim;
+  // Parameters planned sparse (info[p].sparse: a bucket of their own,
+  // reduced by rows, sparse_reduce.h), learnt from the step-end agreement
+  // once their gradients came sparse; the index dimensions of their rows.
+  std::vector<int> sparse_params;
+  std::vector<int8_t> planned_sparse_dim;
+  // Per planned-sparse parameter: this step's gradient (.grad itself:
+  // nothing is copied; undefined: none here) and the average for .grad.
+  std::vector<at::Tensor> sparse_in, sparse_out;
   std::vector<int> pending;  // per bucket: gradients still missing
   int next_launch = 0;
   std::vector<int> arrival;
@@ -126,7 +134,10 @@ struct GradSync::Impl {
         predictor(n),
         used_anywhere(n),
         accumulated(new std::atomic<bool>[n]()),
-        sparse_dim(n, 0) {}
+        sparse_dim(n, 0),
+        planned_sparse_dim(n, 0),
+        sparse_in(n),
+        sparse_out(n) {}
 
   int64_t first_cap_bytes() const { return static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)); }
   int64_t cap_bytes() const { return static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)); }
@@ -154,6 +165,7 @@ struct GradSync::Impl {
       int64_t off = 0;
       for (int p : plan[b].params) {
         bucket_of[p] = static_cast<int>(b);
+        if (plan[b].sparse) continue;  // no slot: its rows travel apart
         offset_of[p] = static_cast<int>(off);
         // detach(): an alias, not an autograd view; LibTorch's
         // Optimizer::zero_grad calls detach_() on .grad, which views reject.
@@ -222,6 +234,14 @@ struct GradSync::Impl {
   // Brings p's gradient `g` (defined) into its slot and records whether it
   // is sparse; returns whether `g` already was the slot (nothing copied).
   bool gather_grad(int p, const at::Tensor& g) {
+    if (info[p].sparse) {
+      TORCH_CHECK(g.layout() == at::kStrided || g.is_sparse(), "GradSync: parameter '", names[p],
+                  "' got a gradient of layout ", g.layout(),
+                  "; GradSync reduces strided and sparse COO gradients");
+      sparse_dim[p] = g.is_sparse() ? static_cast<int8_t>(g.sparse_dim()) : 0;
+      sparse_in[p] = g;  // read by its reduction; backward will not touch it again
+      return false;
+    }
     if (is_slot(p, g)) {
       sparse_dim[p] = 0;
       return true;
@@ -246,6 +266,7 @@ struct GradSync::Impl {
     surprises.clear();
     pending.assign(plan.size(), 0);
     for (size_t b = 0; b < plan.size(); ++b) pending[b] = static_cast<int>(plan[b].params.size());
+    for (int p : sparse_params) sparse_in[p] = sparse_out[p] = at::Tensor();
     next_launch = 0;
     futures.clear();
     futures.resize(plan.size());
@@ -288,6 +309,8 @@ struct GradSync::Impl {
       // that is this rank's contribution (and it counts as used).
       gather_grad(p, params[p].grad());
       carried.push_back(p);
+    } else if (info[p].sparse) {
+      // Sends no rows; its reduction tells the ranks whether any rank had some.
     } else if (plan[bucket_of[p]].late) {
       // Its slot goes on the wire only if some rank used it: zeroed then
       // (now if that is known, else in finish_step after the agreement),
@@ -350,6 +373,13 @@ struct GradSync::Impl {
   // late bucket) only the runs of slots of parameters used on some rank
   // (`runs` empty: the whole bucket).
   void launch_locked(int b, std::vector<Run> runs = {});
+  // Sparse bucket b's reduction: its parameter's rows (sparse_reduce.h).
+  void launch_sparse_locked(int b);
+  // Queues `body` (bucket b's reduction) on b's channel; on a device, on the
+  // channel's stream after the streams that wrote b, with `keep` (storages
+  // made on other streams that body uses) marked in use there.
+  void submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
+                     std::vector<c10::Storage> keep);
 
   // (slot, residual) of the parameters in bucket b's `runs` that owe a
   // residual from before a re-plan; they owe nothing afterwards.
@@ -467,7 +497,9 @@ struct GradSync::Impl {
     std::vector<std::pair<double, double>> samples;
     double free_at = 0;
     for (const auto& b : stats.buckets) {
-      if (b.bytes == 0) continue;
+      // (A sparse bucket's collectives are gathers of rows, not the link's
+      // all-reduce rate.)
+      if (b.bytes == 0 || plan[b.index].sparse) continue;
       const double start = std::max(b.launch_us, free_at);
       samples.emplace_back(static_cast<double>(b.bytes), b.complete_us - start);
       free_at = std::max(free_at, b.complete_us);
@@ -501,6 +533,10 @@ struct GradSync::Impl {
     channels[0]->submit([this](c10d::ProcessGroup& pg) { profiler->flush(&pg); }).get();
   }
   void write_back(const std::vector<char>& globally_used);
+  // From the step-end agreement's used flags (1 + sparse_dim): parameters
+  // whose gradients came sparse get (or lose) a sparse bucket; true if the
+  // set changed (a re-plan is due).
+  bool learn_sparse(const int* used_flags);
   void replan_agreed(c10d::ProcessGroup& pg);
 };
 

@@ -3,6 +3,7 @@
 // leaves owed to parameters, added to their slots when next sent. Called
 // under Impl::mu from the hooks and the final callback (grad_sync_impl.h).
 #include "hooks/grad_sync_impl.h"
+#include "hooks/sparse_reduce.h"
 
 namespace ddpx {
 
@@ -38,6 +39,10 @@ void GradSync::Impl::owe(int p, const at::Tensor& r) {
 }
 
 void GradSync::Impl::launch_locked(int b, std::vector<Run> runs) {
+  if (plan[b].sparse) {
+    launch_sparse_locked(b);
+    return;
+  }
   hooks::Range range("ddpx::bucket_launch");
   auto& bs = stats.buckets[b];
   bs.launch_us = hooks::us_since(t0, Clock::now());
@@ -60,8 +65,6 @@ void GradSync::Impl::launch_locked(int b, std::vector<Run> runs) {
   for (const auto& o : owed) keep.push_back(o.second.storage());
   at::Tensor flat = storage[b];
   const std::string* key = &keys[b];
-  auto* complete = &bs.complete_us;
-  const auto start = t0;
   auto body = [this, flat, key, runs = std::move(runs), run_keys = std::move(run_keys),
                owed = std::move(owed)](c10d::ProcessGroup& pg) mutable {
     for (auto& [slot, r] : owed) slot.add_(r.view(slot.sizes()));
@@ -74,6 +77,37 @@ void GradSync::Impl::launch_locked(int b, std::vector<Run> runs) {
       }
     }
   };
+  submit_locked(b, std::move(body), std::move(keep));
+}
+
+void GradSync::Impl::launch_sparse_locked(int b) {
+  hooks::Range range("ddpx::bucket_launch");
+  auto& bs = stats.buckets[b];
+  bs.launch_us = hooks::us_since(t0, Clock::now());
+  const int p = plan[b].params.front();
+  std::vector<c10::Storage> keep;  // the gradient, made on backward's stream
+  if (const auto& g = sparse_in[p]; g.defined()) {
+    if (g.is_sparse()) {
+      keep.push_back(g._indices().storage());
+      keep.push_back(g._values().storage());
+    } else {
+      keep.push_back(g.storage());
+    }
+  }
+  // Written on the channel thread before the future is ready; read after it.
+  auto body = [local = sparse_in[p], param = params[p], sd = planned_sparse_dim[p],
+               out = &sparse_out[p], bytes = &bs.bytes](c10d::ProcessGroup& pg) {
+    auto r = hooks::sparse_average(pg, local, param, sd);
+    *out = std::move(r.avg);
+    *bytes = r.wire_bytes;
+  };
+  submit_locked(b, std::move(body), std::move(keep));
+}
+
+void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
+                                   std::vector<c10::Storage> keep) {
+  auto* complete = &stats.buckets[b].complete_us;
+  const auto start = t0;
   const int c = b % static_cast<int>(channels.size());
   if (!hooks::has_streams(plan[b].device)) {
     futures[b] =

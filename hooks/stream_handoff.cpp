@@ -32,6 +32,17 @@ void StreamFence::block(const c10::Stream& s) const {
   }
 }
 
+void mark_in_use(const at::Tensor& t, const c10::Stream& s) {
+  if (!t.defined() || !has_streams(t.device())) return;
+  c10::impl::VirtualGuardImpl impl(s.device_type());
+  if (t.is_sparse()) {
+    impl.recordDataPtrOnStream(t._indices().storage().data_ptr(), s);
+    impl.recordDataPtrOnStream(t._values().storage().data_ptr(), s);
+  } else {
+    impl.recordDataPtrOnStream(t.storage().data_ptr(), s);
+  }
+}
+
 void run_on_stream(const c10::Stream& comm, const StreamFence& before,
                    const std::vector<c10::Storage>& keep, const std::function<void()>& fn,
                    StreamFence* done) {

@@ -13,6 +13,7 @@
 //
 // Written against c10's device-generic Stream/Event interface, so it needs no
 // CUDA headers and the tests drive it with a recording guard implementation.
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
 #include <c10/core/Storage.h>
@@ -55,6 +56,11 @@ class StreamFence {
 // storages allocated on other streams that fn's work uses, marked in use on
 // `comm` so the caching allocator does not hand them out again before that
 // work is done.
+// Marks `t`'s memory (a sparse tensor's indices and values) in use on
+// stream `s`, where it was not allocated, for the caching allocator. A no-op
+// for an undefined tensor or one without streams.
+void mark_in_use(const at::Tensor& t, const c10::Stream& s);
+
 void run_on_stream(const c10::Stream& comm, const StreamFence& before,
                    const std::vector<c10::Storage>& keep, const std::function<void()>& fn,
                    StreamFence* done);

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include "grad_sync_test_models.h"
+#include "hooks/sparse_reduce.h"
 
 namespace {
 
@@ -72,6 +73,203 @@ TEST(GradSync, SparseEmbeddingGradientsMatchOneProcessAndStaySparse) {
           << mode << " " << item.key();
     }
   }
+}
+
+// Two sparse tables and a dense head: `big` (5000 rows) of which a step
+// touches a few, and `small` (10 rows) which every rank touches whole, and
+// which a sample may skip (`use_small` false: it gets no gradient).
+struct TablesImpl : torch::nn::Module {
+  torch::nn::Embedding big{nullptr}, small{nullptr};
+  torch::nn::Linear head{nullptr};
+  TablesImpl() {
+    big = register_module("big",
+                          torch::nn::Embedding(torch::nn::EmbeddingOptions(5000, 8).sparse(true)));
+    small = register_module("small",
+                            torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 6).sparse(true)));
+    head = register_module("head", torch::nn::Linear(14, 2));
+    to(at::kDouble);
+  }
+  // ids: [batch, 10]: 5 rows of big, then 5 of small
+  at::Tensor forward(const at::Tensor& ids, bool use_small = true) {
+    auto b = big(ids.narrow(1, 0, 5)).sum(1);
+    auto s =
+        use_small ? small(ids.narrow(1, 5, 5)).sum(1) : at::zeros({ids.size(0), 6}, b.options());
+    return head(at::cat({b, s}, 1)).pow(2).mean();
+  }
+};
+TORCH_MODULE(Tables);
+
+// Rank r's rows: big's spread over the table, small's all 10 of them.
+at::Tensor table_ids(int r, int64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed + 7 * r);
+  auto big = at::randint(0, 5000, {kB, 5}, gen, at::kLong);
+  auto small = (at::arange(kB * 5, at::kLong) + r).remainder(10).view({kB, 5});
+  return at::cat({big, small}, 1);
+}
+
+void expect_tables_match(Tables& m, Tables& ref, const std::string& where) {
+  auto rp = ref->named_parameters();
+  for (const auto& item : m->named_parameters()) {
+    const auto& want = rp[item.key()].grad();
+    const auto& got = item.value().grad();
+    ASSERT_EQ(got.defined(), want.defined()) << item.key() << " " << where;
+    if (!want.defined()) continue;
+    EXPECT_EQ(got.is_sparse(), want.is_sparse()) << item.key() << " " << where;
+    EXPECT_TRUE(at::allclose(got.to_dense(), want.to_dense(), 1e-10, 1e-12))
+        << item.key() << " " << where;
+  }
+}
+
+// The bytes bucket b of the last step put on the wire, b the bucket that
+// holds `name` alone (-1: none does).
+int64_t own_bucket_bytes(const GradSync& sync, const std::string& name) {
+  const auto plan = sync.bucket_plan();
+  for (size_t b = 0; b < plan.size(); ++b) {
+    if (plan[b] == std::vector<std::string>{name}) return sync.last_step().buckets[b].bytes;
+  }
+  return -1;
+}
+
+// After the first step shows them sparse, each table gets a bucket of its
+// own (one re-plan, then none) and travels as rows: big's few, small's as a
+// dense all-reduce, where every rank's rows would cost more.
+TEST(GradSync, SparseGradientsTravelAsRowsInBucketsOfTheirOwn) {
+  auto& pg = world();
+  const int r = pg->getRank(), n = pg->getSize();
+  for (bool in_place : {false, true}) {
+    SCOPED_TRACE(in_place ? "zero in place" : "set_to_none");
+    torch::manual_seed(3);
+    Tables ref;
+    torch::manual_seed(3);
+    Tables m;
+    GradSync sync(m->named_parameters(), pg);
+    torch::optim::SGD opt(m->parameters(), 0.05);
+    torch::optim::SGD ref_opt(ref->parameters(), 0.05);
+    for (int step = 0; step < 5; ++step) {
+      ref_opt.zero_grad(!in_place);
+      for (int k = 0; k < n; ++k) (ref(table_ids(k, 40 + step)) / n).backward();
+      opt.zero_grad(!in_place);
+      m(table_ids(r, 40 + step)).backward();
+      expect_tables_match(m, ref, "step " + std::to_string(step));
+      if (step > 0) {
+        // big: at most kB * 5 rows of 8 doubles and one index each, plus the
+        // row count; its dense table is 320000 bytes.
+        const int64_t big = own_bucket_bytes(sync, "big.weight");
+        EXPECT_GT(big, 8) << "step " << step;
+        EXPECT_LE(big, 8 + kB * 5 * (8 * 8 + 8)) << "step " << step;
+        // small: 10 rows from each rank cost more than its 480 dense bytes.
+        EXPECT_EQ(own_bucket_bytes(sync, "small.weight"), 8 + 10 * 6 * 8) << "step " << step;
+      }
+      opt.step();
+      ref_opt.step();
+    }
+    EXPECT_EQ(sync.replans(), 1);
+    for (const auto& item : m->named_parameters()) {
+      EXPECT_TRUE(at::allclose(item.value(), ref->named_parameters()[item.key()], 1e-10, 1e-12))
+          << item.key();
+    }
+  }
+}
+
+// A sparse table some ranks skip contributes nothing from them; one that no
+// rank touched keeps its .grad; one touched only under no_sync contributes
+// what accumulated -- in every unused mode, with sparse buckets.
+TEST(GradSync, SparseTablesUnusedOnSomeRanksOrAccumulatedStayExact) {
+  auto& pg = world();
+  const int r = pg->getRank(), n = pg->getSize();
+  for (Unused u : {Unused::Predict, Unused::Exact}) {
+    SCOPED_TRACE(u == Unused::Predict ? "Predict" : "Exact");
+    torch::manual_seed(4);
+    Tables ref;
+    torch::manual_seed(4);
+    Tables m;
+    GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(u));
+    // Per step, who uses small: everyone (twice, to plan sparse buckets),
+    // rank 0 only, nobody, then everyone again.
+    auto uses = [](int step, int k) { return step < 2 || step == 4 || (step == 2 && k == 0); };
+    for (int step = 0; step < 5; ++step) {
+      const std::string where = "step " + std::to_string(step);
+      ref->zero_grad(false);  // in place: an untouched .grad keeps its zeros
+      m->zero_grad(false);
+      for (int k = 0; k < n; ++k) (ref(table_ids(k, 60 + step), uses(step, k)) / n).backward();
+      auto loss = m(table_ids(r, 60 + step), uses(step, r));
+      if (u == Unused::Exact) sync.prepare_for_backward({loss});
+      loss.backward();
+      expect_tables_match(m, ref, where);
+      if (step > 0) EXPECT_GE(own_bucket_bytes(sync, "small.weight"), 0) << "sparse: " << where;
+      if (step == 3) {
+        EXPECT_EQ(m->small->weight.grad()._nnz(), 0) << "untouched: " << where;
+      }
+    }
+    // no_sync: rank 1 (or the only rank) touches small in the first
+    // micro-batch; the synced one touches it nowhere.
+    const int toucher = n > 1 ? 1 : 0;
+    ref->zero_grad(false);
+    m->zero_grad(false);
+    for (int k = 0; k < n; ++k) {
+      (ref(table_ids(k, 90), k == toucher) / n).backward();
+      (ref(table_ids(k, 91), false) / n).backward();
+    }
+    {
+      auto guard = sync.no_sync();
+      m(table_ids(r, 90), r == toucher).backward();
+    }
+    auto loss = m(table_ids(r, 91), false);
+    if (u == Unused::Exact) sync.prepare_for_backward({loss});
+    loss.backward();
+    expect_tables_match(m, ref, "no_sync");
+  }
+}
+
+// The row reduction alone, on what ranks may hold: duplicate rows
+// (uncoalesced), no gradient, a dense gradient, another index split, rows
+// on no rank, and a gradient on no rank.
+void expect_sparse_average_means_every_form(c10d::ProcessGroup& pg) {
+  const int r = pg.getRank(), n = pg.getSize();
+  const auto param = at::zeros({7, 3}, at::kDouble);
+  auto local = [&](int k) -> at::Tensor {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(70 + k);
+    auto rows = at::randn({4, 3}, gen, at::kDouble);
+    switch (k % 4) {
+      case 0:  // rows 1 and 5 twice
+        return at::sparse_coo_tensor(at::tensor({1, 5, 1, 5}, at::kLong).view({1, 4}), rows,
+                                     {7, 3});
+      case 1:
+        return at::Tensor();
+      case 2:  // dense, rows 0 and 6 zero
+        return at::cat({at::zeros({1, 3}, at::kDouble), rows, at::randn({1, 3}, gen, at::kDouble),
+                        at::zeros({1, 3}, at::kDouble)});
+      default:  // both dimensions as indices
+        return at::randn({7, 3}, gen, at::kDouble).to_sparse(2);
+    }
+  };
+  for (int shift = 0; shift < 4; ++shift) {  // rank k holds form k + shift: all forms meet
+    auto want = at::zeros({7, 3}, at::kDouble);
+    for (int k = 0; k < n; ++k) {
+      if (local(k + shift).defined()) want += local(k + shift).to_dense();
+    }
+    auto got = ddpx::hooks::sparse_average(pg, local(r + shift), param, 1);
+    ASSERT_TRUE(got.avg.defined());
+    EXPECT_TRUE(got.avg.is_sparse() && got.avg.is_coalesced() && got.avg.sparse_dim() == 1);
+    EXPECT_TRUE(at::allclose(got.avg.to_dense(), want / n, 1e-12, 1e-14)) << "shift " << shift;
+  }
+  // Used, but no rows anywhere: an average with none.
+  auto none =
+      at::sparse_coo_tensor(at::zeros({1, 0}, at::kLong), at::zeros({0, 3}, at::kDouble), {7, 3});
+  auto got = ddpx::hooks::sparse_average(pg, none, param, 1);
+  ASSERT_TRUE(got.avg.defined());
+  EXPECT_EQ(got.avg._nnz(), 0);
+  // No gradient anywhere: none back (.grad stays untouched).
+  got = ddpx::hooks::sparse_average(pg, at::Tensor(), param, 1);
+  EXPECT_FALSE(got.avg.defined());
+  EXPECT_EQ(got.wire_bytes, 8);
+}
+
+TEST(SparseAverage, MeansWhatEveryRankHoldsWhateverItsForm) {
+  SCOPED_TRACE("ddpx_mpi");
+  expect_sparse_average_means_every_form(*world());
+  SCOPED_TRACE("gloo");
+  expect_sparse_average_means_every_form(*ddpx::comm::make("gloo"));
 }
 
 // float32, float64 and bfloat16 layers in one model: one bucket per dtype,

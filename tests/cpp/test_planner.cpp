@@ -163,6 +163,38 @@ TEST(BucketPlanner, LateParametersGetTheirOwnBuckets) {
   EXPECT_DOUBLE_EQ(ddpx::hooks::launch_delay(bad, {0, 1}, 2), 0.5);
 }
 
+TEST(BucketPlanner, SparseParametersGetABucketEachWhereTheyArrive) {
+  // 0 and 2 dense and reliable, 1 sparse, 3 sparse and late, 4 late dense.
+  auto info = floats({1, 100, 1, 100, 1});
+  info[1].sparse = info[3].sparse = true;
+  const std::vector<char> late{0, 0, 0, 1, 1};
+  auto plan = ddpx::hooks::plan_buckets({0, 1, 2, 4, 3}, info, 1 << 20, 1 << 20, late);
+  ASSERT_EQ(plan.size(), 4u);
+  // Listed (so launched) before the dense bucket, open around it until 2 arrives.
+  EXPECT_EQ(plan[0].params, (std::vector<int>{1}));
+  EXPECT_TRUE(plan[0].sparse);
+  EXPECT_EQ(plan[0].numel, 0);  // no dense storage
+  EXPECT_EQ(plan[1].params, (std::vector<int>{0, 2}));
+  EXPECT_FALSE(plan[1].sparse);
+  // Where late dense 4 is open, late sparse 3 goes first; it is never in a
+  // late bucket itself: its own reduction tells the ranks who used it.
+  EXPECT_EQ(plan[2].params, (std::vector<int>{3}));
+  EXPECT_TRUE(plan[2].sparse);
+  EXPECT_FALSE(plan[2].late);
+  EXPECT_EQ(plan[3].params, (std::vector<int>{4}));
+  EXPECT_TRUE(plan[3].late);
+  // Cuts and timing see no bytes in a sparse bucket, only its launch.
+  ddpx::hooks::PlanTiming timing;
+  timing.arrival_us = {100, 200, 300, -1, -1};
+  timing.bytes_per_us = 1;
+  timing.launch_us = 10;
+  timing.late_at_end = true;
+  const double finish = ddpx::hooks::predicted_finish_us(plan, timing);
+  // 1 at 200 (+10), {0, 2} at 300 (+10 + 8 bytes), then the late ones at
+  // the end of backward (300): 3 (+10) and 4 (+10 + 4).
+  EXPECT_DOUBLE_EQ(finish, 300 + 18 + 10 + 14);
+}
+
 TEST(BucketPlanner, LaunchDelayIsZeroForAMatchingOrder) {
   auto plan = ddpx::hooks::plan_buckets({0, 1, 2, 3}, floats({1, 1, 1, 1}), 4, 4);
   EXPECT_DOUBLE_EQ(ddpx::hooks::launch_delay(plan, {0, 1, 2, 3}, 4), 0.0);
