@@ -160,6 +160,7 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
                                      const std::vector<char>& cuts, const PlanTiming* timing,
                                      std::vector<char>* timing_cuts) {
   std::vector<BucketPlan> out;
+  std::vector<std::pair<size_t, BucketPlan>> sparse;  // (position in order, bucket)
   // Per bucket: its earliest and latest predicted arrival (-1: none known).
   std::vector<double> first, ready;
   LinkModel link{timing};
@@ -185,21 +186,14 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
     const bool is_late = !late.empty() && late[p];
     const double t = timing && !timing->arrival_us.empty() ? timing->arrival_us[p] : -1;
     if (!cuts.empty() && cuts[k]) close_all();
-    if (info.sparse) {
-      // A bucket of its own, complete now: listed before the buckets still
-      // open (launches keep plan order, and they are not complete yet).
+    if (info.sparse) {  // a bucket of its own, complete now; placed below
       BucketPlan b;
       b.params.push_back(p);
       b.dtype = info.dtype;
       b.device = info.device;
       b.sparse = true;
-      size_t at = out.size();
-      for (const auto& [key, i] : open) at = std::min(at, i);
-      for (auto& [key, i] : open) i += 1;
-      out.insert(out.begin() + static_cast<std::ptrdiff_t>(at), b);
-      first.insert(first.begin() + static_cast<std::ptrdiff_t>(at), t);
-      ready.insert(ready.begin() + static_cast<std::ptrdiff_t>(at), t);
-      link.send(out[at], t);
+      link.send(b, t);
+      sparse.emplace_back(k, std::move(b));
       continue;
     }
     if (is_late != late_section) {  // a late parameter never shares a bucket with a reliable one
@@ -255,7 +249,24 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
       ready[i] = std::max(ready[i], t);
     }
   }
-  return out;
+  if (sparse.empty()) return out;
+  // A sparse bucket launches before the first bucket that is not complete
+  // when its parameter arrives (launches keep plan order): after those
+  // whose last parameter comes earlier in `order`.
+  std::vector<size_t> pos(params.size(), 0);
+  for (size_t k = 0; k < order.size(); ++k) pos[order[k]] = k;
+  std::vector<BucketPlan> merged;
+  size_t s = 0;
+  for (auto& b : out) {
+    size_t last = 0;
+    for (int p : b.params) last = std::max(last, pos[p]);
+    for (; s < sparse.size() && sparse[s].first < last; ++s) {
+      merged.push_back(std::move(sparse[s].second));
+    }
+    merged.push_back(std::move(b));
+  }
+  for (; s < sparse.size(); ++s) merged.push_back(std::move(sparse[s].second));
+  return merged;
 }
 
 double predicted_finish_us(const std::vector<BucketPlan>& plan, const PlanTiming& timing) {

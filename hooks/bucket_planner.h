@@ -50,9 +50,9 @@ struct PlanTiming {
   std::vector<double> late_bytes;
 };
 
-// Walks `order`; a sparse parameter gets a bucket of its own where it comes
-// (in late and reliable sections alike: it is never late, as its reduction
-// tells every rank who used it), and the other buckets stay open around it.
+// Walks `order`; a sparse parameter gets a bucket of its own (never late: its
+// reduction tells every rank who used it), listed before the first other
+// bucket whose last parameter comes after it, which stays open around it.
 // A bucket holds one dtype and device and closes when it would exceed its cap (the first bucket's
 // cap is `first_cap_bytes`, so communication starts early). late[p] (empty: none) marks late
 // parameters: they never share a bucket with the others. cuts[k] (empty: none) closes every open

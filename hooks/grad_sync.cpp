@@ -207,6 +207,7 @@ void GradSync::Impl::finish_step() {
 
 void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
   at::NoGradGuard no_grad;
+  for (int p : sparse_params) sparse_in[p] = at::Tensor();  // reduced: not ours to keep
   for (size_t p = 0; p < params.size(); ++p) {
     const int i = static_cast<int>(p);
     if (!globally_used[p]) {
@@ -218,7 +219,6 @@ void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
       continue;
     }
     if (info[p].sparse) {
-      sparse_in[p] = at::Tensor();  // this rank's gradient: no longer needed
       if (sparse_out[p].defined()) params[p].mutable_grad() = std::move(sparse_out[p]);
       continue;
     }

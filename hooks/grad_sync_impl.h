@@ -266,7 +266,6 @@ struct GradSync::Impl {
     surprises.clear();
     pending.assign(plan.size(), 0);
     for (size_t b = 0; b < plan.size(); ++b) pending[b] = static_cast<int>(plan[b].params.size());
-    for (int p : sparse_params) sparse_in[p] = sparse_out[p] = at::Tensor();
     next_launch = 0;
     futures.clear();
     futures.resize(plan.size());
@@ -310,7 +309,10 @@ struct GradSync::Impl {
       gather_grad(p, params[p].grad());
       carried.push_back(p);
     } else if (info[p].sparse) {
-      // Sends no rows; its reduction tells the ranks whether any rank had some.
+      // Sends no rows; its reduction tells the ranks whether any rank had
+      // some. (Not reset when a step starts: the hook that starts it may
+      // have just gathered its gradient.)
+      sparse_in[p] = at::Tensor();
     } else if (plan[bucket_of[p]].late) {
       // Its slot goes on the wire only if some rank used it: zeroed then
       // (now if that is known, else in finish_step after the agreement),

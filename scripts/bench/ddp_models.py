@@ -171,6 +171,38 @@ class Reordered(nn.Module):
         return self.l0(h).pow(2).mean()
 
 
+class SparseTable(nn.Module):
+    """A recommender's shape: a 250k x 32 embedding table with sparse
+    gradients (Embedding(sparse=True); a step touches 10240 rows per rank,
+    1.3 MB of its 32 MB) and a dense MLP head (1.1M parameters). DDP
+    all-reduces the table with Gloo's sparse all-reduce, GradSync gathers its
+    rows (hooks/sparse_reduce.h); comm (dense buckets) is what sending the
+    table whole would cost. Not in the issue's suite (SUITE): run it with
+    --models embedding."""
+
+    def __init__(self, batch: int = 512, rows: int = 250_000, dim: int = 32, ids: int = 20):
+        super().__init__()
+        self.batch = batch
+        self.rows = rows
+        self.ids = ids
+        self.emb = nn.Embedding(rows, dim, sparse=True)
+        self.l1 = nn.Linear(dim, 1024)
+        self.l2 = nn.Linear(1024, 1024)
+        self.l3 = nn.Linear(1024, 1)
+
+    @torch.jit.export
+    def inputs(self, step: int, rank: int) -> Tensor:
+        # distinct rows (7919 is prime to rows), shifted per step and rank
+        i = torch.arange(self.batch * self.ids, dtype=torch.int64)
+        return ((i * 7919 + step * 104729 + rank * 1299709) % self.rows).view(self.batch, self.ids)
+
+    def forward(self, x: Tensor, step: int) -> Tensor:
+        h = self.emb(x).sum(1)
+        h = torch.relu(self.l1(h))
+        h = torch.relu(self.l2(h))
+        return self.l3(h).pow(2).mean()
+
+
 # name -> (constructor, find_unused_parameters needed by DDP)
 MODELS = {
     "mlp25m": (MLP25M, False),
@@ -178,7 +210,15 @@ MODELS = {
     "many520": (ManyTensors, False),
     "unused": (Unused, True),
     "reordered": (Reordered, False),
+    "embedding": (SparseTable, False),
 }
+# Models with sparse gradients. DDP recognises a sparse parameter by its
+# module (an nn.Embedding with sparse=True), so it runs these eagerly, not
+# scripted, and without gradient_as_bucket_view, which sparse gradients
+# cannot be.
+SPARSE = {"embedding"}
+# The issue's benchmark suite, run by default (and the geomean's models).
+SUITE = ["mlp25m", "cnn", "many520", "unused", "reordered"]
 
 
 def make(name: str) -> nn.Module:

@@ -92,10 +92,15 @@ struct TablesImpl : torch::nn::Module {
   // ids: [batch, 10]: 5 rows of big, then 5 of small
   at::Tensor forward(const at::Tensor& ids, bool use_small = true) {
     auto b = big(ids.narrow(1, 0, 5)).sum(1);
-    auto s =
-        use_small ? small(ids.narrow(1, 5, 5)).sum(1) : at::zeros({ids.size(0), 6}, b.options());
-    return head(at::cat({b, s}, 1)).pow(2).mean();
+    auto s = use_small && !small_last ? small(ids.narrow(1, 5, 5)).sum(1)
+                                      : at::zeros({ids.size(0), 6}, b.options());
+    auto loss = head(at::cat({b, s}, 1)).pow(2).mean();
+    // small looked up last, so backward starts with it: its gradient
+    // arrives first, in the hook that starts the step.
+    if (!use_small || !small_last) return loss;
+    return loss * (1 + small(ids.narrow(1, 5, 5)).pow(2).mean());
   }
+  bool small_last = false;
 };
 TORCH_MODULE(Tables);
 
@@ -136,12 +141,15 @@ int64_t own_bucket_bytes(const GradSync& sync, const std::string& name) {
 TEST(GradSync, SparseGradientsTravelAsRowsInBucketsOfTheirOwn) {
   auto& pg = world();
   const int r = pg->getRank(), n = pg->getSize();
-  for (bool in_place : {false, true}) {
-    SCOPED_TRACE(in_place ? "zero in place" : "set_to_none");
+  for (const auto& [in_place, small_last] :
+       std::vector<std::pair<bool, bool>>{{false, false}, {true, false}, {false, true}}) {
+    SCOPED_TRACE(std::string(in_place ? "zero in place" : "set_to_none") +
+                 (small_last ? ", small's gradient first" : ""));
     torch::manual_seed(3);
     Tables ref;
     torch::manual_seed(3);
     Tables m;
+    ref->small_last = m->small_last = small_last;
     GradSync sync(m->named_parameters(), pg);
     torch::optim::SGD opt(m->parameters(), 0.05);
     torch::optim::SGD ref_opt(ref->parameters(), 0.05);

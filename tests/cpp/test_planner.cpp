@@ -176,13 +176,18 @@ TEST(BucketPlanner, SparseParametersGetABucketEachWhereTheyArrive) {
   EXPECT_EQ(plan[0].numel, 0);  // no dense storage
   EXPECT_EQ(plan[1].params, (std::vector<int>{0, 2}));
   EXPECT_FALSE(plan[1].sparse);
-  // Where late dense 4 is open, late sparse 3 goes first; it is never in a
-  // late bucket itself: its own reduction tells the ranks who used it.
-  EXPECT_EQ(plan[2].params, (std::vector<int>{3}));
-  EXPECT_TRUE(plan[2].sparse);
-  EXPECT_FALSE(plan[2].late);
-  EXPECT_EQ(plan[3].params, (std::vector<int>{4}));
-  EXPECT_TRUE(plan[3].late);
+  // Late dense 4 came before late sparse 3, which goes after it; it is
+  // never in a late bucket itself: its own reduction tells the ranks who used it.
+  EXPECT_EQ(plan[2].params, (std::vector<int>{4}));
+  EXPECT_TRUE(plan[2].late);
+  EXPECT_EQ(plan[3].params, (std::vector<int>{3}));
+  EXPECT_TRUE(plan[3].sparse);
+  EXPECT_FALSE(plan[3].late);
+  // Last in backward after a bucket that is complete: after it.
+  auto tail = ddpx::hooks::plan_buckets({0, 2, 1}, info, 1 << 20, 1 << 20);
+  ASSERT_EQ(tail.size(), 2u);
+  EXPECT_EQ(tail[0].params, (std::vector<int>{0, 2}));
+  EXPECT_EQ(tail[1].params, (std::vector<int>{1}));
   // Cuts and timing see no bytes in a sparse bucket, only its launch.
   ddpx::hooks::PlanTiming timing;
   timing.arrival_us = {100, 200, 300, -1, -1};
@@ -191,8 +196,8 @@ TEST(BucketPlanner, SparseParametersGetABucketEachWhereTheyArrive) {
   timing.late_at_end = true;
   const double finish = ddpx::hooks::predicted_finish_us(plan, timing);
   // 1 at 200 (+10), {0, 2} at 300 (+10 + 8 bytes), then the late ones at
-  // the end of backward (300): 3 (+10) and 4 (+10 + 4).
-  EXPECT_DOUBLE_EQ(finish, 300 + 18 + 10 + 14);
+  // the end of backward (300): 4 (+10 + 4) and 3 (+10).
+  EXPECT_DOUBLE_EQ(finish, 300 + 18 + 14 + 10);
 }
 
 TEST(BucketPlanner, LaunchDelayIsZeroForAMatchingOrder) {
