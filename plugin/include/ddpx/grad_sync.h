@@ -18,7 +18,10 @@
 //     bucket slot, see gradient_as_bucket_view) and marks it ready. A bucket launches its
 //     reduction (codec -> collective, on the bucket's channel thread) once it
 //     is complete and every bucket before it has launched, so the launch
-//     order is the plan's order on every rank. On a device with streams
+//     order is the plan's order on every rank. A parameter whose gradients
+//     come sparse (learnt from the step-end agreement) has a bucket of its
+//     own: its .grad is referenced, not copied, and its reduction gathers
+//     every rank's rows (hooks/sparse_reduce.h). On a device with streams
 //     (CUDA) the reduction runs on the channel's stream after events on the
 //     streams that wrote the bucket (hooks/stream_handoff.h).
 //  3. End of backward (autograd final callback): parameters that never
@@ -50,7 +53,7 @@
 //     predicted order would launch buckets materially later than a re-plan
 //     would, or a model of the link (its rate as measured) says the re-plan's
 //     reductions would finish materially earlier, or the set of late
-//     parameters has changed, rank 0's proposal is broadcast and every rank
+//     parameters has changed, or that of sparse ones, rank 0's proposal is broadcast and every rank
 //     adopts the same plan at the step boundary. Re-planning changes
 //     timing, never exact results; a lossy codec's error-feedback residuals
 //     move with their parameters to the new buckets, so no compression error

@@ -1,0 +1,203 @@
+// GradSync's per-parameter path, run by backward: a gradient hook brings the
+// gradient into its bucket (or, sparse, references it), marks it ready, and
+// launches the buckets that are complete, in plan order; the first hook of a
+// step starts it (grad_sync_impl.h has the state and the protocol).
+#include "hooks/grad_sync_impl.h"
+
+namespace ddpx {
+
+bool GradSync::Impl::is_slot(int p, const at::Tensor& g) const {
+  // Write-back makes .grad share the slot's TensorImpl: comparing pointers
+  // first spares the hook two reads of tensor metadata, which after a
+  // large kernel are cache (and TLB) misses.
+  if (!g.defined()) return false;
+  if (g.unsafeGetTensorImpl() == views[p].unsafeGetTensorImpl()) return true;
+  return g.layout() == at::kStrided && g.data_ptr() == views[p].data_ptr() &&
+         g.strides() == views[p].strides();
+}
+
+void GradSync::Impl::copy_to_slot(int p, const at::Tensor& g) {
+  // at::internal::GRAIN_SIZE (TensorIterator.h): above it copy_ goes parallel.
+  constexpr int64_t kMemcpyMaxNumel = 32768;
+  at::Tensor& slot = views[p];
+  if (g.is_cpu() && slot.is_cpu() && g.layout() == at::kStrided && g.has_storage() &&
+      g.scalar_type() == slot.scalar_type() && g.numel() <= kMemcpyMaxNumel &&
+      g.sizes() == slot.sizes() && g.is_contiguous() && !g.is_conj() && !g.is_neg() &&
+      !g._is_zerotensor()) {
+    const size_t n = g.nbytes();
+    auto* dst = static_cast<char*>(slot.data_ptr());
+    const auto* src = static_cast<const char*>(g.const_data_ptr());
+    if (src + n <= dst || dst + n <= src) {
+      if (n > 0) std::memcpy(dst, src, n);
+      slot.unsafeGetTensorImpl()->bump_version();  // as an in-place copy_ would
+      return;
+    }
+  }
+  if (g.is_sparse()) {
+    slot.zero_().add_(g);  // dense += sparse: no dense temporary
+    return;
+  }
+  TORCH_CHECK(g.layout() == at::kStrided, "GradSync: parameter '", names[p],
+              "' got a gradient of layout ", g.layout(),
+              "; GradSync reduces strided and sparse COO gradients");
+  slot.copy_(g);
+}
+
+bool GradSync::Impl::gather_grad(int p, const at::Tensor& g) {
+  if (info[p].sparse) {
+    TORCH_CHECK(g.layout() == at::kStrided || g.is_sparse(), "GradSync: parameter '", names[p],
+                "' got a gradient of layout ", g.layout(),
+                "; GradSync reduces strided and sparse COO gradients");
+    sparse_dim[p] = g.is_sparse() ? static_cast<int8_t>(g.sparse_dim()) : 0;
+    sparse_in[p] = g;  // read by its reduction; backward will not touch it again
+    return false;
+  }
+  if (is_slot(p, g)) {
+    sparse_dim[p] = 0;
+    return true;
+  }
+  sparse_dim[p] = g.is_sparse() ? static_cast<int8_t>(g.sparse_dim()) : 0;
+  copy_to_slot(p, g);
+  return false;
+}
+
+void GradSync::Impl::begin_step_locked() {
+  active = true;
+  t0 = Clock::now();
+  stats = StepStats{};
+  stats.step = last.step + 1;
+  ready.assign(params.size(), 0);
+  grad_in_slot.assign(params.size(), 0);
+  arrival.clear();
+  arrival_us.assign(params.size(), -1.0);
+  idle_late.clear();
+  carried.clear();
+  surprises.clear();
+  pending.assign(plan.size(), 0);
+  for (size_t b = 0; b < plan.size(); ++b) pending[b] = static_cast<int>(plan[b].params.size());
+  next_launch = 0;
+  futures.clear();
+  futures.resize(plan.size());
+  wrote_on.assign(plan.size(), {});
+  reduced.assign(plan.size(), nullptr);
+  stats.buckets.assign(plan.size(), {});
+  for (size_t b = 0; b < plan.size(); ++b) {
+    stats.buckets[b].index = static_cast<int>(b);
+    stats.buckets[b].channel = static_cast<int>(b % channels.size());
+    stats.buckets[b].bytes = plan[b].numel * c10::elementSize(plan[b].dtype);
+  }
+  hook_cpu_us = 0;
+  profiler->begin_step(stats.step, t0, static_cast<int>(plan.size()));
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_step(); });
+  if (!expected_unused.empty()) {
+    for (size_t p = 0; p < params.size(); ++p) {
+      if (expected_unused[p]) mark_ready_locked(static_cast<int>(p), /*used=*/false);
+    }
+  }
+}
+
+void GradSync::Impl::note_writer_locked(int b) {
+  const c10::Device d = plan[b].device;
+  if (!hooks::has_streams(d)) return;
+  const c10::Stream s = hooks::current_stream(d);
+  auto& w = wrote_on[b];
+  if (std::find(w.begin(), w.end(), s) == w.end()) w.push_back(s);
+}
+
+void GradSync::Impl::mark_ready_locked(int p, bool used) {
+  note_writer_locked(bucket_of[p]);  // the hook's copy, or the zeroing below
+  if (ready[p]) return;
+  ready[p] = 1;
+  if (used) {
+    arrival.push_back(p);
+    arrival_us[p] = hooks::us_since(t0, Clock::now());
+  } else if (accumulated[p].load(std::memory_order_relaxed) && params[p].grad().defined()) {
+    // Not in this backward, but its no_sync micro-batches left a gradient:
+    // that is this rank's contribution (and it counts as used).
+    gather_grad(p, params[p].grad());
+    carried.push_back(p);
+  } else if (info[p].sparse) {
+    // Sends no rows; its reduction tells the ranks whether any rank had
+    // some. (Not reset when a step starts: the hook that starts it may
+    // have just gathered its gradient.)
+    sparse_in[p] = at::Tensor();
+  } else if (plan[bucket_of[p]].late) {
+    // Its slot goes on the wire only if some rank used it: zeroed then
+    // (now if that is known, else in finish_step after the agreement),
+    // else neither sent nor touched, so no copy.
+    if (early_used.empty()) {
+      idle_late.push_back(p);
+    } else if (early_used[p]) {
+      views[p].zero_();
+    }
+  } else {
+    // A locally unused parameter contributes zeros. If its .grad is the
+    // slot, zeroing would clobber it (and a globally unused .grad must stay
+    // untouched): give it its own copy first. Unless the slot holds zeros
+    // already (zero_grad in place) and the codec is exact: then a globally
+    // unused slot comes back as zeros, .grad untouched, and nothing is
+    // copied (a lossy codec may send residuals into it). CPU only: on a
+    // device, reading "any" would wait for the stream; the copy does not.
+    auto& g = params[p].mutable_grad();
+    const bool slot = is_slot(p, g);
+    if (!slot || take_residuals || !g.is_cpu() || g.any().item<bool>()) {
+      if (slot) g = g.clone();
+      views[p].zero_();
+    }
+  }
+  const int b = bucket_of[p];
+  if (--pending[b] == 0) stats.buckets[b].ready_us = hooks::us_since(t0, Clock::now());
+  // Late buckets wait for the used-parameter agreement: from
+  // prepare_for_backward (Exact), else finish_step's. Under Predict they
+  // come after every reliable bucket in the plan; under Exact, where their
+  // gradients usually arrive (order_of).
+  while (next_launch < static_cast<int>(plan.size()) && pending[next_launch] == 0 &&
+         (!plan[next_launch].late || !early_used.empty())) {
+    launch_bucket_locked(next_launch++, early_used);
+  }
+}
+
+void GradSync::Impl::launch_bucket_locked(int b, const std::vector<char>& anywhere) {
+  if (!plan[b].late) {
+    launch_locked(b);
+    return;
+  }
+  auto runs = used_runs(b, anywhere);
+  if (!runs.empty()) {
+    launch_locked(b, std::move(runs));
+    return;
+  }
+  auto& bs = stats.buckets[b];
+  bs.launch_us = bs.complete_us = hooks::us_since(t0, Clock::now());
+  bs.bytes = 0;
+}
+
+void GradSync::Impl::on_grad(int p) {
+  if (no_sync.load(std::memory_order_relaxed)) {
+    accumulated[p].store(true, std::memory_order_relaxed);
+    return;
+  }
+  const auto h0 = Clock::now();
+  hooks::Range range("ddpx::hook");
+  const at::Tensor& g = params[p].grad();
+  // The copy needs no lock: slots (and sparse_dim entries) are per
+  // parameter, and the plan only changes at the step boundary, after every
+  // hook of the step has run.
+  const bool in_slot = g.defined() && gather_grad(p, g);
+  std::lock_guard<std::mutex> lock(mu);
+  if (!active) {
+    begin_step_locked();
+    begin_us = hooks::us_since(h0, Clock::now());  // per step, not per parameter
+  }
+  grad_in_slot[p] = in_slot ? 1 : 0;
+  if (g.defined() && ready[p] && !expected_unused.empty() && expected_unused[p]) {
+    surprises.push_back(p);  // an error at the step's end, on every rank
+  }
+  if (g.defined()) mark_ready_locked(p, /*used=*/true);
+  ++stats.hook_calls;
+  const auto h1 = Clock::now();
+  hook_cpu_us = hook_cpu_us + hooks::us_since(h0, h1);
+  if (profiler->tracing()) profiler->on_hook(bucket_of[p], h0, h1);
+}
+
+}  // namespace ddpx
