@@ -167,6 +167,9 @@ void GradSync::Impl::finish_step() {
   last_trip_us = us_since(agree_t0, agree_t1);
   const bool late_changed =
       opts.replan_ && late_for(predictor) != plan_late && predictor.late_stable_steps() >= 1;
+  for (size_t b = 0; b < plan.size(); ++b) {  // (before a re-plan changes the plan)
+    if (plan[b].sparse) sparse_bytes += stats.buckets[b].bytes;
+  }
   const bool sparse_changed = opts.replan_ && learn_sparse(fl);
   if (fl[n] != 0 || late_changed || sparse_changed) replan_agreed(channels[0]->pg());
   // Rank 0's buffers for the next forward (DDP does this before each
@@ -196,8 +199,10 @@ void GradSync::Impl::finish_step() {
   stats.per_param_hooks_us = hook_cpu_us - begin_us;
   stats.replans = replans;
   last = stats;
-  profiler->end_step(stats, {t0, f0, wait0, w0, f1, agree_t0, agree_t1}, hook_cpu_us,
-                     wire_stats());
+  auto wire = wire_stats();  // the codec's traffic, and the sparse rows (uncompressed)
+  wire.bytes_sent += sparse_bytes;
+  wire.bytes_raw += sparse_bytes;
+  profiler->end_step(stats, {t0, f0, wait0, w0, f1, agree_t0, agree_t1}, hook_cpu_us, wire);
   expected_unused.clear();
   early_used.clear();
   for (int p = 0; p < n; ++p) accumulated[p].store(false, std::memory_order_relaxed);

@@ -102,6 +102,7 @@ struct GradSync::Impl {
   // Per planned-sparse parameter: this step's gradient (.grad itself:
   // nothing is copied; undefined: none here) and the average for .grad.
   std::vector<at::Tensor> sparse_in, sparse_out;
+  int64_t sparse_bytes = 0;  // sent by sparse buckets so far (the codec counts the rest)
   std::vector<int> pending;  // per bucket: gradients still missing
   int next_launch = 0;
   std::vector<int> arrival;

@@ -172,6 +172,12 @@ TEST(GradSync, SparseGradientsTravelAsRowsInBucketsOfTheirOwn) {
       ref_opt.step();
     }
     EXPECT_EQ(sync.replans(), 1);
+    // The profile counts the rows with the head's 30 doubles: per step
+    // (median of 4 sparse steps and the dense first one) small's 488 bytes
+    // and big's 8 to 8 + 20 rows of 72.
+    const double bytes = sync.profile().bytes_sent;
+    EXPECT_GE(bytes, 240 + 488 + 8 + 72);
+    EXPECT_LE(bytes, 240 + 488 + 8 + kB * 5 * 72);
     for (const auto& item : m->named_parameters()) {
       EXPECT_TRUE(at::allclose(item.value(), ref->named_parameters()[item.key()], 1e-10, 1e-12))
           << item.key();
