@@ -70,7 +70,6 @@ SparseAverage sparse_average(c10d::ProcessGroup& pg, const at::Tensor& local,
     }
     out.avg = dense.to_sparse(sparse_dim);
     out.wire_bytes += dense_bytes;
-    out.dense = true;
     return out;
   }
   // Rows padded to the most any rank has; each rank keeps its own count.

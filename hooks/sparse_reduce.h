@@ -15,7 +15,6 @@ namespace ddpx::hooks {
 struct SparseAverage {
   at::Tensor avg;          // coalesced sparse COO; undefined: no rank had a gradient
   int64_t wire_bytes = 0;  // what this rank put on the wire
-  bool dense = false;      // went as a dense all-reduce
 };
 
 // The mean over pg's ranks of `local`, a gradient of `param` (shape, dtype

@@ -61,17 +61,20 @@ void backward_global(Model& ref, const at::Tensor& g, int n, double scale = 1.0)
   total.backward();
 }
 
-// m's gradients against ref's: defined alike, and within atol + rtol |want|.
-inline void expect_grads_match(Experts& m, Experts& ref, double rtol, double atol,
-                        const std::string& where) {
+// m's gradients against ref's: defined alike, of the same layout (sparse
+// ones compared densely), and within atol + rtol |want|.
+template <class Model>
+void expect_grads_match(Model& m, Model& ref, double rtol, double atol, const std::string& where) {
   auto rp = ref->named_parameters();
   for (const auto& item : m->named_parameters()) {
     const auto& want = rp[item.key()].grad();
     const auto& got = item.value().grad();
     ASSERT_EQ(got.defined(), want.defined()) << item.key() << " " << where;
     if (!want.defined()) continue;
-    EXPECT_TRUE(at::allclose(got, want, rtol, atol))
-        << item.key() << " " << where << ": max diff " << (got - want).abs().max().item<double>();
+    EXPECT_EQ(got.is_sparse(), want.is_sparse()) << item.key() << " " << where;
+    const at::Tensor g = got.to_dense(), w = want.to_dense();
+    EXPECT_TRUE(at::allclose(g, w, rtol, atol))
+        << item.key() << " " << where << ": max diff " << (g - w).abs().max().item<double>();
   }
 }
 

@@ -112,19 +112,6 @@ at::Tensor table_ids(int r, int64_t seed) {
   return at::cat({big, small}, 1);
 }
 
-void expect_tables_match(Tables& m, Tables& ref, const std::string& where) {
-  auto rp = ref->named_parameters();
-  for (const auto& item : m->named_parameters()) {
-    const auto& want = rp[item.key()].grad();
-    const auto& got = item.value().grad();
-    ASSERT_EQ(got.defined(), want.defined()) << item.key() << " " << where;
-    if (!want.defined()) continue;
-    EXPECT_EQ(got.is_sparse(), want.is_sparse()) << item.key() << " " << where;
-    EXPECT_TRUE(at::allclose(got.to_dense(), want.to_dense(), 1e-10, 1e-12))
-        << item.key() << " " << where;
-  }
-}
-
 // The bytes bucket b of the last step put on the wire, b the bucket that
 // holds `name` alone (-1: none does).
 int64_t own_bucket_bytes(const GradSync& sync, const std::string& name) {
@@ -158,7 +145,7 @@ TEST(GradSync, SparseGradientsTravelAsRowsInBucketsOfTheirOwn) {
       for (int k = 0; k < n; ++k) (ref(table_ids(k, 40 + step)) / n).backward();
       opt.zero_grad(!in_place);
       m(table_ids(r, 40 + step)).backward();
-      expect_tables_match(m, ref, "step " + std::to_string(step));
+      expect_grads_match(m, ref, 1e-10, 1e-12, "step " + std::to_string(step));
       if (step > 0) {
         // big: at most kB * 5 rows of 8 doubles and one index each, plus the
         // row count; its dense table is 320000 bytes.
@@ -209,7 +196,7 @@ TEST(GradSync, SparseTablesUnusedOnSomeRanksOrAccumulatedStayExact) {
       auto loss = m(table_ids(r, 60 + step), uses(step, r));
       if (u == Unused::Exact) sync.prepare_for_backward({loss});
       loss.backward();
-      expect_tables_match(m, ref, where);
+      expect_grads_match(m, ref, 1e-10, 1e-12, where);
       if (step > 0) EXPECT_GE(own_bucket_bytes(sync, "small.weight"), 0) << "sparse: " << where;
       if (step == 3) {
         EXPECT_EQ(m->small->weight.grad()._nnz(), 0) << "untouched: " << where;
@@ -231,7 +218,7 @@ TEST(GradSync, SparseTablesUnusedOnSomeRanksOrAccumulatedStayExact) {
     auto loss = m(table_ids(r, 91), false);
     if (u == Unused::Exact) sync.prepare_for_backward({loss});
     loss.backward();
-    expect_tables_match(m, ref, "no_sync");
+    expect_grads_match(m, ref, 1e-10, 1e-12, "no_sync");
   }
 }
 
