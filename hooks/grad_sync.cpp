@@ -243,6 +243,23 @@ void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
   }
 }
 
+void GradSync::Impl::declare_sparse(c10d::ProcessGroup& pg,
+                                    const std::vector<std::string>& declared) {
+  auto flags = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+  int* f = flags.data_ptr<int>();
+  for (const auto& name : declared) {
+    const auto it = std::find(names.begin(), names.end(), name);
+    TORCH_CHECK(it != names.end(), "GradSync: sparse_params names '", name,
+                "', which is not a parameter that requires grad");
+    f[it - names.begin()] = 1 + 1;  // used, with rows along dimension 0
+  }
+  std::vector<at::Tensor> t{flags};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  pg.allreduce(t, o)->wait();
+  learn_sparse(f);
+}
+
 bool GradSync::Impl::learn_sparse(const int* used_flags) {
   // A parameter some rank used this step: sparse if some rank's gradient
   // was (used_flags[p] = 1 + sparse_dim, MAX over ranks), so every rank

@@ -65,6 +65,7 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     hooks::broadcast_from_rank0(*pg, state);
   }
   for (const auto& p : params) I.info.push_back({p.numel(), p.scalar_type(), p.device()});
+  I.declare_sparse(*pg, options.sparse_params_);
   I.replan(I.order_of(I.predictor), I.late_for(I.predictor));
   // The hooks outlive GradSync on the parameters' accumulators (autograd has
   // no way to remove one); they reach it through a pointer the destructor
@@ -93,12 +94,34 @@ torch::OrderedDict<std::string, at::Tensor> jit_named(const torch::jit::Module& 
   }
   return out;
 }
+
+// `o` with the weights of `m`'s submodules whose constant `sparse` is true
+// (nn.Embedding and nn.EmbeddingBag keep it among their __constants__) and
+// that require grad.
+GradSyncOptions with_sparse_modules(const torch::jit::Module& m, GradSyncOptions o) {
+  for (const auto& sub : m.named_modules()) {
+    const auto& type = sub.value.type();
+    if (!type->hasConstant("sparse") || !sub.value.hasattr("weight")) continue;
+    const c10::IValue sparse = type->getConstant("sparse");
+    const c10::IValue weight = sub.value.attr("weight");
+    if (!sparse.isBool() || !sparse.toBool() || !weight.isTensor() ||
+        !weight.toTensor().requires_grad()) {
+      continue;
+    }
+    const std::string name = sub.name.empty() ? "weight" : sub.name + ".weight";
+    auto& declared = o.sparse_params_;
+    if (std::find(declared.begin(), declared.end(), name) == declared.end()) {
+      declared.push_back(name);
+    }
+  }
+  return o;
+}
 }  // namespace
 
 GradSync::GradSync(const torch::jit::Module& module, comm::ProcessGroupPtr pg,
                    GradSyncOptions options)
-    : GradSync(jit_named(module, true), std::move(pg), std::move(options),
-               jit_named(module, false)) {}
+    : GradSync(jit_named(module, true), std::move(pg),
+               with_sparse_modules(module, std::move(options)), jit_named(module, false)) {}
 
 GradSync::~GradSync() {
   impl_->alive->store(nullptr, std::memory_order_release);

@@ -358,6 +358,10 @@ struct GradSync::Impl {
     channels[0]->submit([this](c10d::ProcessGroup& pg) { profiler->flush(&pg); }).get();
   }
   void write_back(const std::vector<char>& globally_used);
+  // At construction: the parameters `declared` sparse on any rank (a MAX
+  // over pg, so every rank plans alike) get sparse buckets from the start,
+  // with rows along their first dimension (an embedding's).
+  void declare_sparse(c10d::ProcessGroup& pg, const std::vector<std::string>& declared);
   // From the step-end agreement's used flags (1 + sparse_dim): parameters
   // whose gradients came sparse get (or lose) a sparse bucket; true if the
   // set changed (a re-plan is due).

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <tuple>
+
 #include "grad_sync_test_models.h"
 #include "hooks/sparse_reduce.h"
 
@@ -128,16 +130,23 @@ int64_t own_bucket_bytes(const GradSync& sync, const std::string& name) {
 TEST(GradSync, SparseGradientsTravelAsRowsInBucketsOfTheirOwn) {
   auto& pg = world();
   const int r = pg->getRank(), n = pg->getSize();
-  for (const auto& [in_place, small_last] :
-       std::vector<std::pair<bool, bool>>{{false, false}, {true, false}, {false, true}}) {
+  // (zero_grad in place, small's gradient first, the tables declared sparse)
+  for (const auto& [in_place, small_last, declared] :
+       std::vector<std::tuple<bool, bool, bool>>{
+           {false, false, false}, {true, false, false}, {false, true, false}, {false, false, true}}) {
     SCOPED_TRACE(std::string(in_place ? "zero in place" : "set_to_none") +
-                 (small_last ? ", small's gradient first" : ""));
+                 (small_last ? ", small's gradient first" : "") + (declared ? ", declared" : ""));
     torch::manual_seed(3);
     Tables ref;
     torch::manual_seed(3);
     Tables m;
     ref->small_last = m->small_last = small_last;
-    GradSync sync(m->named_parameters(), pg);
+    // Declared: sparse buckets from the first step (one rank's declaration
+    // is enough: the constructor takes the union).
+    GradSync sync(m->named_parameters(), pg,
+                  GradSyncOptions().sparse_params(
+                      declared && r == 0 ? std::vector<std::string>{"big.weight", "small.weight"}
+                                         : std::vector<std::string>{}));
     torch::optim::SGD opt(m->parameters(), 0.05);
     torch::optim::SGD ref_opt(ref->parameters(), 0.05);
     for (int step = 0; step < 5; ++step) {
@@ -146,7 +155,7 @@ TEST(GradSync, SparseGradientsTravelAsRowsInBucketsOfTheirOwn) {
       opt.zero_grad(!in_place);
       m(table_ids(r, 40 + step)).backward();
       expect_grads_match(m, ref, 1e-10, 1e-12, "step " + std::to_string(step));
-      if (step > 0) {
+      if (step > 0 || declared) {
         // big: at most kB * 5 rows of 8 doubles and one index each, plus the
         // row count; its dense table is 320000 bytes.
         const int64_t big = own_bucket_bytes(sync, "big.weight");
@@ -158,7 +167,7 @@ TEST(GradSync, SparseGradientsTravelAsRowsInBucketsOfTheirOwn) {
       opt.step();
       ref_opt.step();
     }
-    EXPECT_EQ(sync.replans(), 1);
+    EXPECT_EQ(sync.replans(), declared ? 0 : 1);
     // The profile counts the rows with the head's 30 doubles: per step
     // (median of 4 sparse steps and the dense first one) small's 488 bytes
     // and big's 8 to 8 + 20 rows of 72.
@@ -168,6 +177,21 @@ TEST(GradSync, SparseGradientsTravelAsRowsInBucketsOfTheirOwn) {
     for (const auto& item : m->named_parameters()) {
       EXPECT_TRUE(at::allclose(item.value(), ref->named_parameters()[item.key()], 1e-10, 1e-12))
           << item.key();
+    }
+  }
+}
+
+TEST(GradSync, SparseParamsNamesAnUnknownParameter) {
+  Tables m;
+  m->head->bias.set_requires_grad(false);
+  for (const std::string name : {"emb.weight", "head.bias"}) {
+    try {
+      GradSync sync(m->named_parameters(), world(), GradSyncOptions().sparse_params({name}));
+      ADD_FAILURE() << "no error for " << name;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("sparse_params names '" + name + "'"),
+                std::string::npos)
+          << e.what();
     }
   }
 }

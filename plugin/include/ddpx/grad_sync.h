@@ -108,6 +108,13 @@ struct GradSyncOptions {
   // gradient_as_bucket_view): no copy into the bucket or back. Its storage is
   // overwritten by the next synced backward; clone a .grad to keep it.
   DDPX_OPT(bool, gradient_as_bucket_view, true)
+  // Parameters whose gradients are sparse (an Embedding(sparse=true)'s
+  // "weight"): a bucket of their own, reduced as rows, from the first step.
+  // Others are learnt from their first sparse gradient, after one step
+  // through a dense slot. The torch::jit::Module constructor adds the
+  // weights of submodules whose constant `sparse` is true, as DDP finds
+  // nn.Embedding(sparse=True).
+  DDPX_OPT(std::vector<std::string>, sparse_params, {})
 #undef DDPX_OPT
   // Extra process groups: buckets go round-robin over {pg, channels...}.
   std::vector<comm::ProcessGroupPtr> channels;
