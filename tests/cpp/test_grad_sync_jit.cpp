@@ -83,8 +83,7 @@ TEST_P(GradSyncJit, MatchesOneProcessWithUnusedHeadsAndBroadcast) {
     zero_grad(m, !in_place);
     loss_of(m, batch.narrow(0, r * kB, kB), step).backward();
     if (step == 0) {  // (the plan it ran on; a re-plan may follow)
-      EXPECT_LE(sync.last_step().buckets[e_bucket - plan.begin()].bytes,
-                8 + 2 * kB * (16 * 8 + 8));
+      EXPECT_LE(sync.last_step().buckets[e_bucket - plan.begin()].bytes, 8 + 2 * kB * (16 * 8 + 8));
     }
 
     std::map<std::string, at::Tensor> want;

@@ -132,8 +132,10 @@ TEST(GradSync, SparseGradientsTravelAsRowsInBucketsOfTheirOwn) {
   const int r = pg->getRank(), n = pg->getSize();
   // (zero_grad in place, small's gradient first, the tables declared sparse)
   for (const auto& [in_place, small_last, declared] :
-       std::vector<std::tuple<bool, bool, bool>>{
-           {false, false, false}, {true, false, false}, {false, true, false}, {false, false, true}}) {
+       std::vector<std::tuple<bool, bool, bool>>{{false, false, false},
+                                                 {true, false, false},
+                                                 {false, true, false},
+                                                 {false, false, true}}) {
     SCOPED_TRACE(std::string(in_place ? "zero in place" : "set_to_none") +
                  (small_last ? ", small's gradient first" : "") + (declared ? ", declared" : ""));
     torch::manual_seed(3);
@@ -189,8 +191,7 @@ TEST(GradSync, SparseParamsNamesAnUnknownParameter) {
       GradSync sync(m->named_parameters(), world(), GradSyncOptions().sparse_params({name}));
       ADD_FAILURE() << "no error for " << name;
     } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("sparse_params names '" + name + "'"),
-                std::string::npos)
+      EXPECT_NE(std::string(e.what()).find("sparse_params names '" + name + "'"), std::string::npos)
           << e.what();
     }
   }
