@@ -85,15 +85,7 @@ void GradSync::Impl::launch_sparse_locked(int b) {
   auto& bs = stats.buckets[b];
   bs.launch_us = hooks::us_since(t0, Clock::now());
   const int p = plan[b].params.front();
-  std::vector<c10::Storage> keep;  // the gradient, made on backward's stream
-  if (const auto& g = sparse_in[p]; g.defined()) {
-    if (g.is_sparse()) {
-      keep.push_back(g._indices().storage());
-      keep.push_back(g._values().storage());
-    } else {
-      keep.push_back(g.storage());
-    }
-  }
+  auto keep = hooks::storages_of(sparse_in[p]);  // the gradient, made on backward's stream
   // Written on the channel thread before the future is ready; read after it.
   auto body = [local = sparse_in[p], param = params[p], sd = planned_sparse_dim[p],
                out = &sparse_out[p], bytes = &bs.bytes](c10d::ProcessGroup& pg) {

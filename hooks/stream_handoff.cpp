@@ -32,15 +32,16 @@ void StreamFence::block(const c10::Stream& s) const {
   }
 }
 
+std::vector<c10::Storage> storages_of(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  if (t.is_sparse()) return {t._indices().storage(), t._values().storage()};
+  return {t.storage()};
+}
+
 void mark_in_use(const at::Tensor& t, const c10::Stream& s) {
   if (!t.defined() || !has_streams(t.device())) return;
   c10::impl::VirtualGuardImpl impl(s.device_type());
-  if (t.is_sparse()) {
-    impl.recordDataPtrOnStream(t._indices().storage().data_ptr(), s);
-    impl.recordDataPtrOnStream(t._values().storage().data_ptr(), s);
-  } else {
-    impl.recordDataPtrOnStream(t.storage().data_ptr(), s);
-  }
+  for (const auto& st : storages_of(t)) impl.recordDataPtrOnStream(st.data_ptr(), s);
 }
 
 void run_on_stream(const c10::Stream& comm, const StreamFence& before,

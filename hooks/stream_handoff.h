@@ -56,9 +56,13 @@ class StreamFence {
 // storages allocated on other streams that fn's work uses, marked in use on
 // `comm` so the caching allocator does not hand them out again before that
 // work is done.
-// Marks `t`'s memory (a sparse tensor's indices and values) in use on
-// stream `s`, where it was not allocated, for the caching allocator. A no-op
-// for an undefined tensor or one without streams.
+// The storages holding `t`'s data: a sparse tensor's indices and values, a
+// strided tensor's one; none for an undefined tensor.
+std::vector<c10::Storage> storages_of(const at::Tensor& t);
+
+// Marks `t`'s memory (storages_of) in use on stream `s`, where it was not
+// allocated, for the caching allocator. A no-op for an undefined tensor or
+// one without streams.
 void mark_in_use(const at::Tensor& t, const c10::Stream& s);
 
 void run_on_stream(const c10::Stream& comm, const StreamFence& before,
