@@ -19,12 +19,20 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
                    comm::ProcessGroupPtr pg, GradSyncOptions options,
                    const torch::OrderedDict<std::string, at::Tensor>& named_buffers) {
   TORCH_CHECK(pg, "GradSync: pg is null");
-  std::vector<std::string> names;
-  std::vector<at::Tensor> params;
+  // Every parameter is verified across ranks and broadcast from rank 0, the
+  // frozen ones too (as DDP does): ranks that initialise a frozen layer
+  // differently would otherwise each compute another function while their
+  // gradients are averaged as if they did not. Only trainable parameters get
+  // hooks and buckets.
+  std::vector<std::string> names, all_names;
+  std::vector<at::Tensor> params, all_params;
   std::unordered_set<c10::TensorImpl*> seen;  // tied weights appear once
   for (const auto& item : named_parameters) {
     const at::Tensor& t = item.value();
-    if (!t.requires_grad() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    if (!t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    all_names.push_back(item.key());
+    all_params.push_back(t);
+    if (!t.requires_grad()) continue;
     TORCH_CHECK(t.is_leaf(), "GradSync: parameter '", item.key(), "' is not a leaf tensor");
     names.push_back(item.key());
     params.push_back(t);
@@ -43,16 +51,17 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     I.buffers.push_back(b.value());
   }
   I.reduce = hooks::make_reduce_fn(options.codec_, &I.wire_stats, &I.take_residuals);
-  I.profiler = std::make_unique<hooks::Profiler>(hooks::TraceConfig::from(options), pg->getRank(),
-                                                 pg->getSize(), static_cast<int64_t>(params.size()));
+  I.profiler =
+      std::make_unique<hooks::Profiler>(hooks::TraceConfig::from(options), pg->getRank(),
+                                        pg->getSize(), static_cast<int64_t>(params.size()));
   I.channels.push_back(std::make_unique<hooks::Channel>(pg));
   for (auto& c : options.channels) {
     TORCH_CHECK(c && c->getSize() == pg->getSize() && c->getRank() == pg->getRank(),
                 "GradSync: every channel must span the same ranks as pg");
     I.channels.push_back(std::make_unique<hooks::Channel>(c));
   }
-  hooks::require_backends(*pg, options.channels, params);
-  hooks::verify_same_tensors(*pg, names, params, hooks::kParameters);
+  hooks::require_backends(*pg, options.channels, all_params);
+  hooks::verify_same_tensors(*pg, all_names, all_params, hooks::kParameters);
   // Buffers are broadcast: a rank whose buffers differ must fail here, by
   // name, not inside the broadcast.
   if (options.broadcast_on_init_ || options.broadcast_buffers_) {
@@ -60,7 +69,7 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
   }
   I.profiler->agree(*pg);
   if (options.broadcast_on_init_) {
-    std::vector<at::Tensor> state = params;
+    std::vector<at::Tensor> state = all_params;
     state.insert(state.end(), I.buffers.begin(), I.buffers.end());
     hooks::broadcast_from_rank0(*pg, state);
   }
@@ -187,7 +196,8 @@ GradSync::NoSyncGuard::~NoSyncGuard() { s_.impl_->no_sync = false; }
 GradSync::State GradSync::state() const {
   const auto& I = *impl_;
   State s;
-  for (const auto& b : I.plan) s.plan_order.insert(s.plan_order.end(), b.params.begin(), b.params.end());
+  for (const auto& b : I.plan)
+    s.plan_order.insert(s.plan_order.end(), b.params.begin(), b.params.end());
   s.predictor = I.predictor.state();
   s.steps = I.predictor.steps_observed();
   return s;

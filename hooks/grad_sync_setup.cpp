@@ -69,22 +69,33 @@ void verify_same_tensors(c10d::ProcessGroup& pg, const std::vector<std::string>&
                 counts[0][0].item<int64_t>(), " ", kind.plural, " but rank ", r, " has ", c,
                 "; every rank must wrap the same model");
   }
-  // A fingerprint per tensor: its shape and dtype.
-  auto fp = at::empty({count}, at::kLong);
+  // Per tensor: a fingerprint of its shape and dtype, then whether it is
+  // trainable (a layer frozen on one rank only would train on the others).
+  auto fp = at::empty({2 * count}, at::kLong);
   auto* f = fp.data_ptr<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
     size_t h = c10::hash_combine(0, static_cast<size_t>(params[i].scalar_type()));
     for (auto s : params[i].sizes()) h = c10::hash_combine(h, static_cast<size_t>(s));
     f[i] = static_cast<int64_t>(h);
+    f[count + i] = params[i].requires_grad() ? 1 : 0;
   }
-  auto all = allgather(pg, fp);  // [ranks, count]
+  const auto all = allgather(pg, fp).contiguous();  // [ranks, 2 * count]
+  const int64_t* a = all.data_ptr<int64_t>();
+  auto at_rank = [&](int r, int64_t j) { return a[r * 2 * count + j]; };
   for (int64_t i = 0; i < count; ++i) {
     for (int r = 1; r < n; ++r) {
-      if (all[r][i].item<int64_t>() != all[0][i].item<int64_t>()) {
+      if (at_rank(r, i) != at_rank(0, i)) {
         TORCH_CHECK(false, "GradSync: ", kind.singular, " '", names[i], "' (index ", i,
                     ") differs between rank 0 and rank ", r, " (this rank ", pg.getRank(), " has ",
                     describe(params[i]),
                     "); every rank must wrap the same model with the same shapes and dtypes");
+      }
+      const int64_t here = at_rank(0, count + i);
+      if (at_rank(r, count + i) != here) {
+        TORCH_CHECK(false, "GradSync: ", kind.singular, " '", names[i], "' (index ", i, ") is ",
+                    here ? "trainable" : "frozen", " on rank 0 but ", here ? "frozen" : "trainable",
+                    " on rank ", r,
+                    " (requires_grad differs); freeze the same parameters on every rank");
       }
     }
   }

@@ -22,11 +22,12 @@ struct TensorKind {
   const char* singular;  // "parameter"
   const char* plural;    // "parameters that require grad"
 };
-inline constexpr TensorKind kParameters{"parameter", "parameters that require grad"};
+inline constexpr TensorKind kParameters{"parameter", "parameters"};
 inline constexpr TensorKind kBuffers{"buffer", "buffers"};
 
-// Throws naming the first tensor whose shape or dtype differs, and the
-// ranks, or the ranks whose tensor counts differ. Never hangs: every
+// Throws naming the first tensor whose shape, dtype or requires_grad (frozen
+// on one rank, trainable on another) differs, and the ranks, or the ranks
+// whose tensor counts differ. Never hangs: every
 // collective here has the same size on all ranks.
 void verify_same_tensors(c10d::ProcessGroup& pg, const std::vector<std::string>& names,
                          const std::vector<at::Tensor>& tensors, const TensorKind& kind);

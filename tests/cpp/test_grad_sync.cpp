@@ -3,7 +3,6 @@
 // N ranks x batch B must give the gradients of 1 process x batch N*B.
 #include <ddpx/grad_sync.h>
 #include <gtest/gtest.h>
-
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -30,15 +29,14 @@ struct MLPImpl : torch::nn::Module {
 TORCH_MODULE(MLP);
 
 TEST(GradSync, MLPMatchesOneProcess) {
-  expect_matches_reference<MLP>([] { return MLP(); },
-                                [](MLP& m, const at::Tensor& x, int) { return m(x).pow(2).mean(); },
-                                8);
+  expect_matches_reference<MLP>(
+      [] { return MLP(); }, [](MLP& m, const at::Tensor& x, int) { return m(x).pow(2).mean(); }, 8);
 }
 
 TEST(GradSync, MLPGradAsBucketViewZeroedInPlace) {
-  expect_matches_reference<MLP>([] { return MLP(); },
-                                [](MLP& m, const at::Tensor& x, int) { return m(x).pow(2).mean(); },
-                                8, GradSyncOptions().bucket_cap_mb(0.002), 4, /*zero_in_place=*/true);
+  expect_matches_reference<MLP>(
+      [] { return MLP(); }, [](MLP& m, const at::Tensor& x, int) { return m(x).pow(2).mean(); }, 8,
+      GradSyncOptions().bucket_cap_mb(0.002), 4, /*zero_in_place=*/true);
 }
 
 TEST(GradSync, MLPWithoutGradAsBucketView) {
@@ -116,7 +114,6 @@ TEST(GradSync, ChannelsLastAndLargeGradientsMatchOneProcess) {
   }
 }
 
-
 // Tied weights (one tensor registered twice) and a frozen layer.
 struct TiedImpl : torch::nn::Module {
   torch::nn::Linear enc{nullptr}, frozen{nullptr};
@@ -138,6 +135,78 @@ TORCH_MODULE(Tied);
 TEST(GradSync, TiedAndFrozenParameters) {
   expect_matches_reference<Tied>([] { return Tied(); },
                                  [](Tied& m, const at::Tensor& x, int) { return m(x); }, 5);
+}
+
+// A frozen layer between trainable ones, on ranks seeded differently: the
+// frozen weights must be rank 0's everywhere (verified and broadcast like the
+// trainable ones, as under DDP), else every rank computes another function
+// and the averaged gradients match no single model.
+struct FrozenMidImpl : torch::nn::Module {
+  torch::nn::Linear in{nullptr}, frozen{nullptr}, out{nullptr};
+  FrozenMidImpl() {
+    in = register_module("in", torch::nn::Linear(6, 7));
+    frozen = register_module("frozen", torch::nn::Linear(7, 7));
+    out = register_module("out", torch::nn::Linear(7, 3));
+    to(at::kDouble);
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return out(torch::tanh(frozen(torch::tanh(in(x))))).pow(2).mean();
+  }
+};
+TORCH_MODULE(FrozenMid);
+
+TEST(GradSync, FrozenParametersAreBroadcastFromRankZero) {
+  auto& pg = world();
+  const int r = pg->getRank(), n = pg->getSize();
+  ddpx::comm::MakeOptions o;
+  o.name = "frozen_gloo";
+  const auto gloo = ddpx::comm::make("gloo", o);
+  for (const auto& [backend, group] : {std::pair{"ddpx_mpi", pg}, std::pair{"gloo", gloo}}) {
+    for (const Unused unused : {Unused::Predict, Unused::Exact}) {
+      const std::string where =
+          std::string(backend) + (unused == Unused::Exact ? " Exact" : " Predict");
+      torch::manual_seed(21);
+      FrozenMid ref;
+      torch::manual_seed(21 + 1000 * r);  // rank 0's model is the reference's
+      FrozenMid m;
+      GradSync sync(m->named_parameters(), group, GradSyncOptions().unused(unused));
+      for (const auto& item : ref->named_parameters()) {
+        EXPECT_TRUE(at::equal(m->named_parameters()[item.key()], item.value()))
+            << item.key() << " " << where;
+      }
+      torch::optim::SGD ref_opt(ref->parameters(), 0.1), opt(m->parameters(), 0.1);
+      for (int step = 0; step < 3; ++step) {
+        const auto g = global_batch(6, 60 + step);
+        ref_opt.zero_grad();
+        backward_global(ref, g, n);
+        opt.zero_grad();
+        auto loss = m(shard(g, r));
+        if (unused == Unused::Exact) sync.prepare_for_backward({loss});
+        loss.backward();
+        expect_grads_match(m, ref, 1e-5, 1e-12, where + " step " + std::to_string(step));
+        ref_opt.step();
+        opt.step();
+      }
+    }
+  }
+}
+
+// A parameter frozen on one rank but trainable on another would train on
+// some ranks only: named at construction.
+TEST(GradSync, FrozenOnOneRankOnlyNamesTheParameter) {
+  auto& pg = world();
+  if (pg->getSize() < 2) GTEST_SKIP() << "needs 2 ranks";
+  FrozenMid m;
+  if (pg->getRank() == 1) m->frozen->bias.set_requires_grad(true);
+  try {
+    GradSync sync(m->named_parameters(), pg);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'frozen.bias'"), std::string::npos) << what;
+    EXPECT_NE(what.find("frozen on rank 0 but trainable on rank 1"), std::string::npos) << what;
+  }
 }
 
 TEST(GradSync, BuffersAndParametersBroadcastFromRankZero) {
@@ -298,7 +367,8 @@ TEST(GradSync, NoSyncAccumulationEqualsOneLargeBatch) {
 TEST(GradSync, MismatchedModelsNameTheParameter) {
   auto& pg = world();
   if (pg->getSize() < 2) GTEST_SKIP() << "needs 2 ranks";
-  torch::nn::Sequential m(torch::nn::Linear(4, pg->getRank() == 1 ? 5 : 4), torch::nn::Linear(4, 4));
+  torch::nn::Sequential m(torch::nn::Linear(4, pg->getRank() == 1 ? 5 : 4),
+                          torch::nn::Linear(4, 4));
   try {
     GradSync sync(m->named_parameters(), pg);
     ADD_FAILURE() << "no error";
@@ -312,8 +382,7 @@ TEST(GradSync, MismatchedModelsNameTheParameter) {
     GradSync sync(extra->named_parameters(), pg);
     ADD_FAILURE() << "no error";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("parameters that require grad but rank 1 has 4"),
-              std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("parameters but rank 1 has 4"), std::string::npos)
         << e.what();
   }
   // Buffers are broadcast every step: one that differs is named up front.
