@@ -39,7 +39,7 @@ struct GradSync::Impl {
   using Clock = hooks::Clock;
   // ---- fixed at construction ------------------------------------------------
   std::vector<std::string> names;
-  std::vector<at::Tensor> params;  // requires_grad parameters only
+  std::vector<at::Tensor> params;   // requires_grad parameters only
   std::vector<at::Tensor> buffers;  // broadcast from rank 0 (broadcast_buffers)
   std::vector<hooks::ParamInfo> info;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;  // keep hooks alive
@@ -54,10 +54,11 @@ struct GradSync::Impl {
 
   // ---- the plan (changes only at step boundaries) ---------------------------
   std::vector<hooks::BucketPlan> plan;
-  std::vector<at::Tensor> storage;       // flat bucket tensors
+  std::vector<at::Tensor> storage;        // flat bucket tensors
   std::vector<int> bucket_of, offset_of;  // per parameter
   std::vector<at::Tensor> views;          // per parameter: its slot, shaped like it
   std::vector<std::string> keys;          // per bucket: the codec's state key
+  std::vector<hooks::Shapes> shapes;      // per bucket: its parameters' shapes, slot order
   std::vector<char> plan_late;            // per parameter: late when the plan was made
   // Partial-run codec keys of late buckets (bucketB@off+len) -> (bucket,
   // offset), for carrying their residuals over a re-plan.
@@ -107,9 +108,9 @@ struct GradSync::Impl {
   int next_launch = 0;
   std::vector<int> arrival;
   std::vector<double> arrival_us;  // per parameter: us after t0; -1: none yet
-  std::vector<int> idle_late;  // locally unused parameters of late buckets
-  std::vector<int> carried;    // unused in this backward, accumulated under no_sync
-  std::vector<int> surprises;  // Exact: gradients for parameters expected unused
+  std::vector<int> idle_late;      // locally unused parameters of late buckets
+  std::vector<int> carried;        // unused in this backward, accumulated under no_sync
+  std::vector<int> surprises;      // Exact: gradients for parameters expected unused
   std::vector<std::future<void>> futures;
   // Per bucket on a device with streams (stream_handoff.h): the streams that
   // wrote its slots this step, and the end of its reduction on its channel's
@@ -140,7 +141,9 @@ struct GradSync::Impl {
         sparse_in(n),
         sparse_out(n) {}
 
-  int64_t first_cap_bytes() const { return static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20)); }
+  int64_t first_cap_bytes() const {
+    return static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20));
+  }
   int64_t cap_bytes() const { return static_cast<int64_t>(opts.bucket_cap_mb_ * (1 << 20)); }
 
   // late[p]: plan p into a late bucket (empty: none). Only Predict and Exact
@@ -156,6 +159,7 @@ struct GradSync::Impl {
     plan_late = late.empty() ? std::vector<char>(params.size(), 0) : std::move(late);
     storage.clear();
     keys.clear();
+    shapes.assign(plan.size(), {});
     bucket_of.assign(params.size(), -1);
     offset_of.assign(params.size(), 0);
     views.assign(params.size(), at::Tensor());
@@ -168,6 +172,7 @@ struct GradSync::Impl {
         bucket_of[p] = static_cast<int>(b);
         if (plan[b].sparse) continue;  // no slot: its rows travel apart
         offset_of[p] = static_cast<int>(off);
+        shapes[b].push_back(params[p].sizes().vec());
         // detach(): an alias, not an autograd view; LibTorch's
         // Optimizer::zero_grad calls detach_() on .grad, which views reject.
         views[p] = storage[b].narrow(0, off, info[p].numel).view(params[p].sizes()).detach();
@@ -258,8 +263,8 @@ struct GradSync::Impl {
                       static_cast<double>(c10::elementSize(info[q].dtype)) *
                       used_anywhere[static_cast<int>(q)];
     }
-    return hooks::PlanTiming{t, gap, link.bytes_per_us(), link.launch_us(), late_at_end(),
-                             std::move(late_bytes)};
+    return hooks::PlanTiming{
+        t, gap, link.bytes_per_us(), link.launch_us(), late_at_end(), std::move(late_bytes)};
   }
 
   // Under Exact the ranks agree on use in prepare_for_backward, so a late
@@ -273,7 +278,8 @@ struct GradSync::Impl {
   // The plan for `order` under `timing` (timing_of; none: sizes alone);
   // `timing_cuts` gets the cuts its timing made.
   std::vector<hooks::BucketPlan> plan_of(const std::optional<hooks::PlanTiming>& timing,
-                                         const std::vector<int>& order, const std::vector<char>& late,
+                                         const std::vector<int>& order,
+                                         const std::vector<char>& late,
                                          std::vector<char>* timing_cuts = nullptr) const {
     if (!timing) return hooks::plan_buckets(order, info, first_cap_bytes(), cap_bytes(), late);
     return hooks::plan_buckets_cheapest(order, info, first_cap_bytes(), cap_bytes(), late, *timing,
@@ -335,8 +341,8 @@ struct GradSync::Impl {
   // MAX-allreduces int flags in place on channel 0 (after what is queued
   // there), in a torch.profiler range named `range`; t0/t1 (if given) get
   // the collective's start and end.
-  std::future<void> agree_max(at::Tensor flags, const char* range,
-                              Clock::time_point* t0 = nullptr, Clock::time_point* t1 = nullptr) {
+  std::future<void> agree_max(at::Tensor flags, const char* range, Clock::time_point* t0 = nullptr,
+                              Clock::time_point* t1 = nullptr) {
     return channels[0]->submit([flags, range, t0, t1](c10d::ProcessGroup& pg) mutable {
       hooks::Range r(range);
       if (t0) *t0 = Clock::now();
@@ -368,6 +374,5 @@ struct GradSync::Impl {
   bool learn_sparse(const int* used_flags);
   void replan_agreed(c10d::ProcessGroup& pg);
 };
-
 
 }  // namespace ddpx

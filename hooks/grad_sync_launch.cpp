@@ -54,26 +54,36 @@ void GradSync::Impl::launch_locked(int b, std::vector<Run> runs) {
   // seen). The whole bucket uses the bucket's key, which only changes at a
   // re-plan, after every future.
   std::vector<std::string> run_keys;
+  std::vector<hooks::Shapes> run_shapes;  // of the parameters in each run
   if (numel != plan[b].numel) {
     for (const auto& r : runs) {
       run_keys.push_back(keys[b] + "@" + std::to_string(r.offset) + "+" + std::to_string(r.numel));
       run_origin.emplace(run_keys.back(), std::make_pair(b, r.offset));
+      run_shapes.emplace_back();
+      for (int p : plan[b].params) {
+        if (offset_of[p] >= r.offset && offset_of[p] < r.offset + r.numel) {
+          run_shapes.back().push_back(params[p].sizes().vec());
+        }
+      }
     }
   }
   auto owed = take_carries_locked(b, runs);
   std::vector<c10::Storage> keep;  // device residuals: made on this stream, freed on the channel's
   for (const auto& o : owed) keep.push_back(o.second.storage());
   at::Tensor flat = storage[b];
+  // (The bucket's key and shapes change only at a re-plan, after every future.)
   const std::string* key = &keys[b];
-  auto body = [this, flat, key, runs = std::move(runs), run_keys = std::move(run_keys),
+  const hooks::Shapes* bucket_shapes = &shapes[b];
+  auto body = [this, flat, key, bucket_shapes, runs = std::move(runs),
+               run_keys = std::move(run_keys), run_shapes = std::move(run_shapes),
                owed = std::move(owed)](c10d::ProcessGroup& pg) mutable {
     for (auto& [slot, r] : owed) slot.add_(r.view(slot.sizes()));
     if (run_keys.empty()) {
-      reduce(flat, *key, pg);
+      reduce(flat, *key, *bucket_shapes, pg);
     } else {
       for (size_t i = 0; i < runs.size(); ++i) {
         at::Tensor part = flat.narrow(0, runs[i].offset, runs[i].numel);
-        reduce(part, run_keys[i], pg);
+        reduce(part, run_keys[i], run_shapes[i], pg);
       }
     }
   };

@@ -17,8 +17,9 @@ ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats,
     std::shared_ptr<comm::Codec> c = comm::make_codec(codec);
     if (stats) *stats = [c] { return c->stats(); };
     if (take_residuals) *take_residuals = [c] { return c->take_residuals(); };
-    return [c](at::Tensor& flat, const std::string& key, c10d::ProcessGroup& pg) {
-      flat.copy_(c->allreduce_mean(flat, key, pg));
+    return [c](at::Tensor& flat, const std::string& key, const Shapes& shapes,
+               c10d::ProcessGroup& pg) {
+      flat.copy_(c->allreduce_mean_packed(flat, shapes, key, pg));
     };
   }
   struct Counters {
@@ -26,7 +27,7 @@ ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats,
   };
   auto n = std::make_shared<Counters>();
   if (stats) *stats = [n] { return comm::CodecStats{n->calls, n->sent, n->raw}; };
-  return [n](at::Tensor& flat, const std::string&, c10d::ProcessGroup& pg) {
+  return [n](at::Tensor& flat, const std::string&, const Shapes&, c10d::ProcessGroup& pg) {
     // Divide before summing: a low-precision bucket cannot overflow, and the
     // result is the same on every rank bit for bit (all receive one sum).
     // (One rank: nothing to average, and no pass over the bucket.)

@@ -8,12 +8,18 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace ddpx::hooks {
 
+// The shapes of the parameters packed in a bucket (or a run of it), in slot
+// order: a codec that compresses per matrix (PowerSGD) needs them.
+using Shapes = std::vector<std::vector<int64_t>>;
+
 // flat: [numel] bucket, averaged in place; key: stable name of the bucket
-// (error-feedback state is kept per key).
-using ReduceFn = std::function<void(at::Tensor& flat, const std::string& key, c10d::ProcessGroup&)>;
+// (error-feedback state is kept per key); shapes: what flat packs.
+using ReduceFn = std::function<void(at::Tensor& flat, const std::string& key, const Shapes& shapes,
+                                    c10d::ProcessGroup&)>;
 
 // Totals since make_reduce_fn: bytes this rank put on the wire and their
 // float32-equivalent (the codec's stats; counted here for "none"). Read at a

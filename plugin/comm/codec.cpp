@@ -94,10 +94,29 @@ void check_input(const at::Tensor& input, const std::string& spec) {
               st);
 }
 
+void check_packed(const at::Tensor& flat, const std::vector<std::vector<int64_t>>& shapes,
+                  const std::string& spec) {
+  check_input(flat, spec);
+  TORCH_CHECK(flat.dim() == 1, "ddpx codec '", spec, "': a packed input must be 1-D, got ",
+              flat.sizes());
+  int64_t total = 0;
+  for (const auto& s : shapes) {
+    int64_t numel = 1;
+    for (int64_t d : s) {
+      TORCH_CHECK(d >= 0, "ddpx codec '", spec,
+                  "': a part's shape has a negative size: ", c10::IntArrayRef(s));
+      numel *= d;
+    }
+    total += numel;
+  }
+  TORCH_CHECK(total == flat.numel(), "ddpx codec '", spec, "': the parts' shapes hold ", total,
+              " elements but the packed input has ", flat.numel());
+}
+
 int64_t check_agreement(c10d::ProcessGroup& pg, const at::Tensor& input, const std::string& spec,
-                        const std::string& key) {
+                        const std::string& key, const std::string& layout) {
   std::ostringstream shape;
-  shape << input.sizes();
+  shape << input.sizes() << layout;
   const int64_t fields[6] = {input.numel(),     static_cast<int64_t>(input.scalar_type()),
                              input.dim(),       stable_hash(shape.str()),
                              stable_hash(spec), stable_hash(key)};
@@ -192,6 +211,13 @@ at::Tensor to_output(const at::Tensor& flat, const at::Tensor& input) {
 }
 
 }  // namespace detail
+
+at::Tensor Codec::allreduce_mean_packed(const at::Tensor& flat,
+                                        const std::vector<std::vector<int64_t>>& shapes,
+                                        const std::string& key, c10d::ProcessGroup& pg) {
+  detail::check_packed(flat, shapes, spec());
+  return allreduce_mean(flat, key, pg);  // element-wise: the parts' shapes do not matter
+}
 
 CodecStats Codec::stats() const {
   std::lock_guard<std::mutex> lock(mu_);

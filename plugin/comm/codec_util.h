@@ -5,13 +5,13 @@
 // error-feedback base of the lossy codecs.
 #include <ddpx/codec.h>
 
-#include "plugin/comm/wire_span.h"
-
 #include <functional>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "plugin/comm/wire_span.h"
 
 namespace ddpx::comm::detail {
 
@@ -31,9 +31,15 @@ int64_t parse_int(const std::string& arg, const std::string& what);
 // Door check of allreduce_mean: a dense floating tensor.
 void check_input(const at::Tensor& input, const std::string& spec);
 
-// Step 1 of the protocol; returns the bytes this rank sent.
+// Door check of allreduce_mean_packed: flat is 1-D and the parts' numels
+// (non-negative sizes) add up to its own.
+void check_packed(const at::Tensor& flat, const std::vector<std::vector<int64_t>>& shapes,
+                  const std::string& spec);
+
+// Step 1 of the protocol; returns the bytes this rank sent. `layout` (the
+// parts of a packed call) is agreed on with the shape.
 int64_t check_agreement(c10d::ProcessGroup& pg, const at::Tensor& input, const std::string& spec,
-                        const std::string& key);
+                        const std::string& key, const std::string& layout = "");
 
 // In-place SUM allreduce of a contiguous tensor, waited on; returns bytes sent.
 int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t);

@@ -205,6 +205,51 @@ TEST_P(CodecTest, PowerSgdExactOnLowRankInputs) {
   }
 }
 
+// A packed call (a GradSync bucket) compresses each matrix part as a call
+// on that part alone would, in two collectives for all of them, and sends
+// the 1-D parts and those that would not shrink as they are. Element-wise
+// codecs are indifferent to the packing.
+TEST_P(CodecTest, PackedPartsCompressEachMatrix) {
+  const std::vector<std::vector<int64_t>> shapes{{40, 30}, {17}, {12, 3, 2, 2}, {3, 5}, {0, 4}};
+  std::vector<at::Tensor> parts;
+  for (size_t i = 0; i < shapes.size(); ++i) parts.push_back(input_of(rank(), 330 + i, shapes[i]));
+  std::vector<at::Tensor> flat_parts;
+  for (const auto& t : parts) flat_parts.push_back(t.reshape(-1));
+  const at::Tensor flat = at::cat(flat_parts);
+  for (const std::string spec : {"powersgd:2", "int8"}) {
+    auto packed = make_codec(spec), alone = make_codec(spec);
+    const at::Tensor got = packed->allreduce_mean_packed(flat, shapes, "", pg());
+    const auto s = packed->stats();
+    EXPECT_EQ(s.calls, 1);
+    EXPECT_EQ(s.bytes_raw, 4 * flat.numel());
+    if (spec == "int8") {
+      EXPECT_TRUE(at::equal(got, alone->allreduce_mean(flat, "", pg()))) << spec;
+      continue;
+    }
+    int64_t off = 0;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const at::Tensor want = alone->allreduce_mean(parts[i], "", pg()).reshape(-1);
+      EXPECT_TRUE(at::allclose(got.narrow(0, off, want.numel()), want, 1e-5, 1e-6))
+          << spec << " part " << i << " " << at::IntArrayRef(shapes[i]);
+      off += want.numel();
+    }
+    // [40,30] -> 2 * (40 + 30); [12,12] -> 2 * (12 + 12); 17 + 15 + 0 as is.
+    EXPECT_EQ(s.bytes_sent, 96 + 4 * (2 * (40 + 30) + 2 * (12 + 12) + 17 + 15)) << spec;
+  }
+  // The parts must fill the input, and every rank must pack alike.
+  auto c = make_codec("powersgd:2");
+  EXPECT_NE(error_of([&] {
+              c->allreduce_mean_packed(flat, {{40, 30}}, "", pg());
+            }).find("the parts' shapes hold 1200 elements but the packed input has"),
+            std::string::npos);
+  const std::vector<std::vector<int64_t>> mine = rank() == 0
+                                                     ? std::vector<std::vector<int64_t>>{{4, 6}}
+                                                     : std::vector<std::vector<int64_t>>{{6, 4}};
+  const std::string err =
+      error_of([&] { c->allreduce_mean_packed(at::ones({24}), mine, "", pg()); });
+  EXPECT_NE(err.find("disagree on the shape"), std::string::npos) << err;
+}
+
 // Error feedback: x_t = c_rank + noise; without feedback, what the codec drops
 // of the constant part drifts away linearly; with it, sum(result) - sum(mean)
 // = -mean(residual_T) stays bounded.

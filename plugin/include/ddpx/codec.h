@@ -14,7 +14,9 @@
 //                      allreduce P, orthogonalise, Q = M^T P, allreduce Q; Q is
 //                      the warm start of the next call; tensors that would not
 //                      shrink (1-D, or (rows + cols) * r >= rows * cols) are
-//                      sent uncompressed
+//                      sent uncompressed. A packed call (allreduce_mean_packed)
+//                      does this per part, all parts' P in one allreduce (with
+//                      the uncompressed parts) and all Q in another
 // Every lossy codec keeps an error-feedback residual per key: the part of
 // (input + residual) that this rank's contribution did not carry is added to
 // the next call's input, so over many calls the sum of the results tracks the
@@ -41,6 +43,7 @@
 #include <mutex>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
 
 namespace ddpx::comm {
 
@@ -59,6 +62,16 @@ class Codec {
   // dtype and device. `key` names the persistent state ("" = stateless).
   virtual at::Tensor allreduce_mean(const at::Tensor& input, const std::string& key,
                                     c10d::ProcessGroup& pg) = 0;
+  // The mean of several tensors packed end to end into the 1-D `flat` (a
+  // GradSync bucket): `shapes` are theirs, in order, their numels summing to
+  // flat's. Element-wise codecs (none, fp16, bf16, int8, top-k) see one
+  // tensor (this default); a codec whose compression depends on shape
+  // (PowerSGD: a matrix per part of 2 or more dimensions, viewed as [size(0),
+  // numel / size(0)], a conv weight as [out, in * kh * kw]) overrides it.
+  // The ranks must agree on `shapes` too (part of the agreement).
+  virtual at::Tensor allreduce_mean_packed(const at::Tensor& flat,
+                                           const std::vector<std::vector<int64_t>>& shapes,
+                                           const std::string& key, c10d::ProcessGroup& pg);
 
   CodecStats stats() const;
   // Drops one key's state ("" = every key's).
