@@ -2,6 +2,8 @@
 max pooling): conv 5x5 (pad 2) 1->6, pool, conv 5x5 6->16, pool, then fully
 connected 400->120->84->10. The convolutions run on ddpx::tiled_conv2d
 (aten=True: F.conv2d)."""
+from typing import List
+
 import torch
 from torch import nn
 
@@ -14,6 +16,7 @@ class LeNet(nn.Module):
         # Read by ddpx-train through module.attr(name).
         self.ddpx_input = "image"
         self.num_classes = num_classes
+        self.image_shape: List[int] = [1, 28, 28]  # [C, H, W] of one sample
         self.aten_reference = aten  # exported with --aten
         self.conv1 = Conv2d(1, 6, 5, padding=2, aten=aten)
         self.conv2 = Conv2d(6, 16, 5, aten=aten)

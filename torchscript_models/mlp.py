@@ -1,6 +1,8 @@
 """A multilayer perceptron for 28x28 single-channel images: 784->512->256->10
 with ReLU. No ddpx op inside (Linear layers only); its ~0.5 M parameters in
 few large tensors make it the communication-heavy model of the three."""
+from typing import List
+
 import torch
 from torch import nn
 
@@ -13,6 +15,7 @@ class MLP(nn.Module):
         # Read by ddpx-train through module.attr(name).
         self.ddpx_input = "image"
         self.num_classes = num_classes
+        self.image_shape: List[int] = [1, 28, 28]  # [C, H, W] of one sample
         self.aten_reference = aten  # exported with --aten
         self.fc1 = nn.Linear(28 * 28, hidden)
         self.fc2 = nn.Linear(hidden, hidden // 2)

@@ -1,6 +1,8 @@
-// The image set: generation into MNIST idx files, validation, loading.
+// The generated image set, written as MNIST idx files (read back by
+// data_files.cpp like any other idx directory).
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
-#include <torch/data/datasets/mnist.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -8,7 +10,6 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
-#include <unistd.h>
 
 #include "plugin/trainer/data.h"
 
@@ -18,7 +19,7 @@ namespace {
 namespace fs = std::filesystem;
 constexpr int kSide = 28, kPixels = kSide * kSide, kClasses = 10;
 constexpr uint32_t kImageMagic = 2051, kLabelMagic = 2049;
-constexpr uint32_t kTrainCount = 60000, kTestCount = 10000;  // fixed by LibTorch's reader
+constexpr uint32_t kTrainCount = 60000, kTestCount = 10000;  // MNIST's counts
 
 using Image = std::array<float, kPixels>;
 
@@ -57,12 +58,6 @@ void put_be32(std::ofstream& f, uint32_t v) {
   f.write(b, 4);
 }
 
-uint32_t get_be32(std::ifstream& f) {
-  unsigned char b[4] = {0, 0, 0, 0};
-  f.read(reinterpret_cast<char*>(b), 4);
-  return (uint32_t(b[0]) << 24) | (uint32_t(b[1]) << 16) | (uint32_t(b[2]) << 8) | b[3];
-}
-
 // Temporary name + rename: a reader never sees a half-written file.
 void write_atomically(const fs::path& path, const std::vector<uint32_t>& header,
                       const std::vector<uint8_t>& body) {
@@ -77,8 +72,8 @@ void write_atomically(const fs::path& path, const std::vector<uint32_t>& header,
   fs::rename(tmp, path);
 }
 
-void generate_split(std::mt19937_64& rng, const std::array<Image, kClasses>& protos,
-                    uint32_t count, std::vector<uint8_t>& pixels, std::vector<uint8_t>& labels) {
+void generate_split(std::mt19937_64& rng, const std::array<Image, kClasses>& protos, uint32_t count,
+                    std::vector<uint8_t>& pixels, std::vector<uint8_t>& labels) {
   pixels.resize(size_t(count) * kPixels);
   labels.resize(count);
   std::uniform_int_distribution<int> cls(0, kClasses - 1), shift(-3, 3);
@@ -100,19 +95,22 @@ void generate_split(std::mt19937_64& rng, const std::array<Image, kClasses>& pro
   }
 }
 
-bool idx_files_valid(const std::string& dir) {
-  try {
-    check_idx_files(dir);
-    return true;
-  } catch (const c10::Error&) {
-    return false;
+// The generator's files, complete (they are renamed into place whole). A
+// damaged file of the right size is reported when it is read.
+bool generated_files_present(const std::string& dir) {
+  const uint64_t sizes[4] = {16 + uint64_t(kTrainCount) * kPixels, 8 + uint64_t(kTrainCount),
+                             16 + uint64_t(kTestCount) * kPixels, 8 + uint64_t(kTestCount)};
+  for (int i = 0; i < 4; ++i) {
+    std::error_code ec;
+    if (fs::file_size(fs::path(dir) / kIdxFiles[i], ec) != sizes[i] || ec) return false;
   }
+  return true;
 }
 
 }  // namespace
 
 void ensure_synthetic_images(const std::string& dir, uint64_t seed) {
-  if (idx_files_valid(dir)) return;
+  if (generated_files_present(dir)) return;
   fs::create_directories(dir);
   std::mt19937_64 rng(seed);
   const auto protos = make_prototypes(rng);
@@ -123,58 +121,6 @@ void ensure_synthetic_images(const std::string& dir, uint64_t seed) {
     write_atomically(fs::path(dir) / kIdxFiles[file], {kImageMagic, count, kSide, kSide}, pixels);
     write_atomically(fs::path(dir) / kIdxFiles[file + 1], {kLabelMagic, count}, labels);
   }
-}
-
-void check_idx_files(const std::string& dir) {
-  TORCH_CHECK(fs::is_directory(dir), "ddpx-train: data directory '", dir, "' does not exist");
-  for (int i = 0; i < 4; ++i) {
-    const fs::path path = fs::path(dir) / kIdxFiles[i];
-    TORCH_CHECK(fs::exists(path), "ddpx-train: missing data file ", path.string(),
-                " (an MNIST idx directory holds ", kIdxFiles[0], ", ", kIdxFiles[1], ", ",
-                kIdxFiles[2], ", ", kIdxFiles[3], ")");
-    const bool images = i % 2 == 0;
-    const uint32_t want_count = i < 2 ? kTrainCount : kTestCount;
-    const uint64_t header = images ? 16 : 8, item = images ? kPixels : 1;
-    const uint64_t size = fs::file_size(path);
-    std::ifstream f(path, std::ios::binary);
-    const uint32_t magic = get_be32(f), count = get_be32(f);
-    TORCH_CHECK(f.good() && magic == (images ? kImageMagic : kLabelMagic),
-                "ddpx-train: corrupt idx file ", path.string(), ": magic number ", magic,
-                ", expected ", images ? kImageMagic : kLabelMagic);
-    TORCH_CHECK(count == want_count, "ddpx-train: idx file ", path.string(), " holds ", count,
-                " items; LibTorch's MNIST reader needs ", want_count);
-    if (images) {
-      const uint32_t rows = get_be32(f), cols = get_be32(f);
-      TORCH_CHECK(rows == kSide && cols == kSide, "ddpx-train: corrupt idx file ", path.string(),
-                  ": images are ", rows, "x", cols, ", expected 28x28");
-    }
-    TORCH_CHECK(size == header + uint64_t(count) * item, "ddpx-train: corrupt idx file ",
-                path.string(), ": ", size, " bytes, its header promises ",
-                header + uint64_t(count) * item, " (truncated?)");
-    if (!images) {
-      std::vector<uint8_t> labels(count);
-      f.read(reinterpret_cast<char*>(labels.data()), count);
-      const auto bad = std::find_if(labels.begin(), labels.end(), [](uint8_t l) { return l >= 10; });
-      TORCH_CHECK(bad == labels.end(), "ddpx-train: corrupt idx file ", path.string(), ": label ",
-                  int(*bad), " at item ", bad - labels.begin(), " is not a class 0..9");
-    }
-  }
-}
-
-DataSplit load_images(const std::string& dir) {
-  check_idx_files(dir);
-  using torch::data::datasets::MNIST;
-  DataSplit out;
-  out.num_classes = kClasses;
-  const std::pair<MNIST::Mode, Dataset*> parts[] = {{MNIST::Mode::kTrain, &out.train},
-                                                    {MNIST::Mode::kTest, &out.test}};
-  for (const auto& [mode, ds] : parts) {
-    MNIST mnist(dir, mode);
-    // MNIST's own mean and deviation, as every MNIST example normalises.
-    ds->inputs = mnist.images().sub(0.1307).div_(0.3081);
-    ds->targets = mnist.targets();
-  }
-  return out;
 }
 
 at::Tensor shard_indices(int64_t n, int rank, int world, int64_t epoch, uint64_t seed) {

@@ -10,15 +10,14 @@ namespace ddpx::trainer {
 
 struct ScriptedModel {
   torch::jit::Module module;
-  std::string input;  // "image" or "tokens"
-  int64_t num_classes = 0;
-  DocSpec doc;        // tokens only
+  InputSpec spec;  // what forward takes and how many classes it scores
 };
 
 // Loads `path` (plugin ops resolve: libddpx is linked) and checks the
 // contract of scripts/export_models.py: forward(x) -> logits plus the
 // attributes ddpx_input and num_classes (and vocab_size, sentences, words for
-// token models). Throws naming the file and what is missing.
+// token models; optionally image_shape, [C, H, W], for image models, 1x28x28
+// when absent). Throws naming the file and what is missing.
 ScriptedModel load_model(const std::string& path);
 
 }  // namespace ddpx::trainer

@@ -1,7 +1,6 @@
 #include "plugin/trainer/options.h"
 
 #include <CLI/CLI.hpp>
-
 #include <cstdlib>
 
 namespace ddpx::trainer {
@@ -18,9 +17,10 @@ Options parse_options(int argc, char** argv) {
   data->add_option("--model", o.model, "scripted model file (.pt) with forward(x) -> logits")
       ->required();
   data->add_option("--data", o.data,
-                   "MNIST idx directory (train-images-idx3-ubyte, ...); "
-                   "default: a generated 10-class set")
-      ->check(CLI::ExistingDirectory);
+                   "an idx directory (train-images-idx3-ubyte, ... of any count and size) or a "
+                   "torch.save file of {train_x, train_y, test_x, test_y}; default: a generated "
+                   "10-class image set, or generated documents for token models")
+      ->check(CLI::ExistingPath);
   data->add_option("--data-cache", o.data_cache,
                    "where the generated image set is written (default: $TMPDIR/ddpx-data-<seed>)");
   data->add_option("--train-samples", o.train_samples,
@@ -42,8 +42,12 @@ Options parse_options(int argc, char** argv) {
   run->add_option("--optimizer", o.optimizer, "sgd (with momentum) or adam")
       ->check(CLI::IsMember({"sgd", "adam"}))
       ->capture_default_str();
-  run->add_option("--lr", o.lr, "peak learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  run->add_option("--momentum", o.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  run->add_option("--lr", o.lr, "peak learning rate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  run->add_option("--momentum", o.momentum, "SGD momentum")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   run->add_option("--weight-decay", o.weight_decay)->check(CLI::NonNegativeNumber);
   run->add_option("--lr-schedule", o.lr_schedule, "constant | cosine | step (x0.1 at 50% and 75%)")
       ->check(CLI::IsMember({"constant", "cosine", "step"}))
@@ -56,8 +60,12 @@ Options parse_options(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
 
   auto* sync = app.add_option_group("GradSync");
-  sync->add_option("--bucket-cap-mb", o.bucket_cap_mb)->check(CLI::PositiveNumber)->capture_default_str();
-  sync->add_option("--first-bucket-mb", o.first_bucket_mb)->check(CLI::PositiveNumber)->capture_default_str();
+  sync->add_option("--bucket-cap-mb", o.bucket_cap_mb)
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sync->add_option("--first-bucket-mb", o.first_bucket_mb)
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   sync->add_option("--codec", o.codec, "none | fp16 | bf16 | int8 | topk:<ratio> | powersgd:<rank>")
       ->capture_default_str();
   sync->add_option("--unused", o.unused, "off | predict | exact")
@@ -72,7 +80,8 @@ Options parse_options(int argc, char** argv) {
 
   auto* out = app.add_option_group("output");
   out->add_option("--checkpoint", o.checkpoint, "checkpoint file (written atomically by rank 0)");
-  out->add_option("--checkpoint-every", o.checkpoint_every, "steps between checkpoints (0: end only)")
+  out->add_option("--checkpoint-every", o.checkpoint_every,
+                  "steps between checkpoints (0: end only)")
       ->check(CLI::NonNegativeNumber);
   out->add_flag("--resume", o.resume, "continue from --checkpoint when it exists");
   out->add_option("--trace", o.trace,

@@ -7,15 +7,15 @@ namespace ddpx::trainer {
 
 struct Options {
   // What to train on.
-  std::string model;      // scripted model (.pt), e.g. build/torchscript_models/lenet.pt
-  std::string data;       // MNIST idx directory; empty: generate a synthetic set
-  std::string data_cache; // where generated idx files are written (per host)
+  std::string model;          // scripted model (.pt), e.g. build/torchscript_models/lenet.pt
+  std::string data;           // idx directory or torch.save file; empty: generate a set
+  std::string data_cache;     // where generated idx files are written (per host)
   int64_t train_samples = 0;  // documents to generate (token models); images are always 60k/10k
 
   // How long, how fast.
   std::string mode = "sync";
   int64_t epochs = 1;
-  int64_t steps = 0;  // > 0: stop after this many steps (overrides epochs)
+  int64_t steps = 0;        // > 0: stop after this many steps (overrides epochs)
   int64_t batch_size = 64;  // per rank
   std::string optimizer = "sgd";
   double lr = 0.05;

@@ -5,14 +5,13 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/torch.h>
 
-#include <nlohmann/json.hpp>
-
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "plugin/trainer/checkpoint.h"
@@ -39,18 +38,14 @@ std::string default_data_cache(uint64_t seed) {
 }
 
 DataSplit load_data(const Options& o, const ScriptedModel& m) {
-  if (m.input == "tokens") {
-    TORCH_CHECK(o.data.empty(), "ddpx-train: --data holds MNIST images, but ", o.model,
-                " is a token model (it trains on generated documents)");
+  if (!o.data.empty()) return load_data_path(o.data, m.spec);
+  if (m.spec.kind == "tokens") {
     const int64_t n = o.train_samples > 0 ? o.train_samples : 20000;
-    return make_documents(m.doc, n, std::max<int64_t>(n / 10, 1), o.seed);
+    return make_documents(m.spec.doc, n, std::max<int64_t>(n / 10, 1), o.seed);
   }
-  std::string dir = o.data;
-  if (dir.empty()) {
-    dir = o.data_cache.empty() ? default_data_cache(o.seed) : o.data_cache;
-    ensure_synthetic_images(dir, o.seed);
-  }
-  return load_images(dir);
+  const std::string dir = o.data_cache.empty() ? default_data_cache(o.seed) : o.data_cache;
+  ensure_synthetic_images(dir, o.seed);
+  return load_data_path(dir, m.spec);
 }
 
 Unused parse_unused(const std::string& s) {
@@ -119,8 +114,6 @@ void run(const Options& o) {
   torch::jit::Module& model = sm.module;
   model.train();
   const DataSplit data = load_data(o, sm);
-  TORCH_CHECK(data.num_classes == sm.num_classes, "ddpx-train: data has ", data.num_classes,
-              " classes, the model ", sm.num_classes);
   const int64_t per_rank = data.train.size() / world;
   const int64_t steps_per_epoch = per_rank / o.batch_size;
   TORCH_CHECK(steps_per_epoch > 0, "ddpx-train: --batch-size ", o.batch_size, " exceeds the ",
@@ -134,10 +127,11 @@ void run(const Options& o) {
   auto opt = make_optimizer(params, o);
   GradSyncOptions so;
   so.trace(o.trace).trace_steps(o.trace_steps);
-  so.bucket_cap_mb(o.bucket_cap_mb).first_bucket_mb(o.first_bucket_mb).codec(o.codec)
+  so.bucket_cap_mb(o.bucket_cap_mb)
+      .first_bucket_mb(o.first_bucket_mb)
+      .codec(o.codec)
       .unused(parse_unused(o.unused));
-  const std::string backend =
-      comm::detect_launcher() == comm::Launcher::Mpi ? "ddpx_mpi" : "gloo";
+  const std::string backend = comm::detect_launcher() == comm::Launcher::Mpi ? "ddpx_mpi" : "gloo";
   for (int c = 1; c < o.channels; ++c) {
     comm::MakeOptions mo;
     mo.timeout = timeout;
@@ -153,8 +147,8 @@ void run(const Options& o) {
       const bool resumed = load_checkpoint(o.checkpoint, *pg, objs, pos);
       if (lead) {
         std::cout << (resumed ? "[ddpx-train] resumed from " : "[ddpx-train] no checkpoint at ")
-                  << o.checkpoint << (resumed ? " at step " + std::to_string(pos.step)
-                                              : ": starting at step 0")
+                  << o.checkpoint
+                  << (resumed ? " at step " + std::to_string(pos.step) : ": starting at step 0")
                   << std::endl;
       }
     } else {
@@ -168,7 +162,7 @@ void run(const Options& o) {
   }
   if (lead && !o.quiet) {
     std::cout << "[ddpx-train] " << o.model << ": " << params.size() << " parameter tensors, "
-               << world << " rank(s) over " << (world > 1 ? backend : "one process") << ", " << total
+              << world << " rank(s) over " << (world > 1 ? backend : "one process") << ", " << total
               << " steps of " << o.batch_size << " x " << world << " samples, codec " << o.codec
               << std::endl;
   }
@@ -228,12 +222,17 @@ void run(const Options& o) {
       }
       if (metrics.is_open()) {
         const auto& st = sync.last_step();
-        metrics << nlohmann::json{{"step", pos.step}, {"epoch", pos.epoch},
-                                  {"loss", last_loss}, {"accuracy", last_acc},
-                                  {"samples_per_s", rate}, {"lr", lr_at(pos.step - 1, total, o)},
-                                  {"elapsed_s", elapsed}, {"backward_us", st.backward_us},
+        metrics << nlohmann::json{{"step", pos.step},
+                                  {"epoch", pos.epoch},
+                                  {"loss", last_loss},
+                                  {"accuracy", last_acc},
+                                  {"samples_per_s", rate},
+                                  {"lr", lr_at(pos.step - 1, total, o)},
+                                  {"elapsed_s", elapsed},
+                                  {"backward_us", st.backward_us},
                                   {"exposed_comm_us", st.exposed_comm_us},
-                                  {"hook_cpu_us", st.hook_cpu_us}, {"replans", st.replans}}
+                                  {"hook_cpu_us", st.hook_cpu_us},
+                                  {"replans", st.replans}}
                        .dump()
                 << std::endl;
       }
@@ -262,9 +261,16 @@ void run(const Options& o) {
       if (!o.trace.empty()) std::cout << "[ddpx-train] trace: " << o.trace << std::endl;
     }
     if (metrics.is_open()) {
-      metrics << nlohmann::json{{"event", "end"}, {"step", pos.step}, {"loss", last_loss},
-                                {"accuracy", last_acc}, {"test_accuracy", test_acc},
-                                {"elapsed_s", elapsed}}
+      // What the codec achieved (a codec that compresses nothing shows 1).
+      const auto prof = sync.profile();
+      metrics << nlohmann::json{{"event", "end"},
+                                {"step", pos.step},
+                                {"loss", last_loss},
+                                {"accuracy", last_acc},
+                                {"test_accuracy", test_acc},
+                                {"elapsed_s", elapsed},
+                                {"bytes_sent_per_step", prof.bytes_sent},
+                                {"compression", prof.compression}}
                      .dump()
               << std::endl;
     }
