@@ -71,11 +71,17 @@ def report(name, columns, rows, ratio_key="ratio", extra=None):
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
-    g = geomean([r[ratio_key] for r in rows if r.get(ratio_key) is not None])
+    rated = [r for r in rows if r.get(ratio_key) is not None]
+    g = geomean([r[ratio_key] for r in rated])
+    worst = max(rated, key=lambda r: r[ratio_key], default=None)
     out = ROOT / "bench_results"
     out.mkdir(exist_ok=True)
     with open(out / f"{name}.json", "w") as f:
-        json.dump({"name": name, "rows": rows, "geomean_ratio": g, **(extra or {})}, f, indent=1)
+        json.dump({"name": name, "rows": rows, "geomean_ratio": g,
+                   "worst_ratio": worst[ratio_key] if worst else None, **(extra or {})}, f,
+                  indent=1)
+    if worst:  # the case a user loses most on, named (the first column)
+        print(f"worst ratio: {worst[ratio_key]:.3f} ({_fmt(worst.get(columns[0]))})")
     print(f"geomean ratio: {g:.3f}")
     return g
 
