@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 
+#include "plugin/comm/mpi_completion.h"
 #include "plugin/comm/mpi_diagnose.h"
 #include "plugin/comm/mpi_env.h"
 #include "plugin/comm/mpi_types.h"
@@ -131,6 +132,8 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
                                              const std::vector<at::Tensor>& inputs,
                                              std::function<void(MpiWorker::Progress&)> task) {
   TORCH_CHECK(comm_ != MPI_COMM_NULL, "ddpx_mpi: the backend was shut down");
+  // Posted from a Future callback, which will likely wait for it next.
+  CompletionQueue::note_blocking();
   TORCH_CHECK(!MpiEnv::get().broken(),
               "ddpx_mpi: an earlier call timed out or failed; the MPI job cannot continue");
   const uint64_t seq = seq_++;
@@ -161,11 +164,16 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
     c10::OptionalStreamGuard guard(stream);
     task(p);
   });
+  if (coalescing_) coalesced_.push_back(work);
   return work;
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
+  // As Gloo: a sparse COO tensor takes the sparse path (c10d sends it here).
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse) {
+    return allreduce_sparse(tensors, opts);
+  }
   check_single(tensors, "tensors");
   const at::Tensor t = tensors[0];
   const int count = to_count(t.numel(), "tensors[0]");
@@ -316,6 +324,12 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reduce_scatter(
   for (const auto& t : inputs[0]) parts.push_back(t.reshape(-1));
   at::Tensor flat = at::cat(parts);
   return _reduce_scatter_base(outputs[0], flat, opts);
+}
+
+void MpiBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool /*wait_all_ranks*/) {
+  // Every missing rank is named either way: the timeout asks all peers.
+  auto work = barrier(opts);
+  work->wait(opts.timeout == c10d::kUnsetTimeout ? timeout_ : opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions&) {
