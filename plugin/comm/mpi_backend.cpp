@@ -3,8 +3,8 @@
 // mpi_backend_p2p.cpp.
 #include "plugin/comm/mpi_backend.h"
 
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <map>
@@ -135,15 +135,16 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
   // Posted from a Future callback, which will likely wait for it next.
   CompletionQueue::note_blocking();
   TORCH_CHECK(!MpiEnv::get().broken(),
-              "ddpx_mpi: an earlier call timed out or failed; the MPI job cannot continue");
+              "ddpx_mpi: an earlier call timed out or failed; the MPI job cannot continue: ",
+              MpiEnv::get().broken_why());
   const uint64_t seq = seq_++;
-  auto work = c10::make_intrusive<MpiWork>(
-      rank_, type, what(type, seq), outputs, timeout_, profiling_title(type),
-      std::optional<std::vector<at::Tensor>>(inputs));
+  auto work = c10::make_intrusive<MpiWork>(rank_, type, what(type, seq), outputs, timeout_,
+                                           profiling_title(type),
+                                           std::optional<std::vector<at::Tensor>>(inputs));
   // Peers that also timed out answer within about the same time; give them
   // half the timeout, between 1 and 10 s.
-  const auto grace = std::clamp(timeout_ / 2, std::chrono::milliseconds(1000),
-                                std::chrono::milliseconds(10000));
+  const auto grace =
+      std::clamp(timeout_ / 2, std::chrono::milliseconds(1000), std::chrono::milliseconds(10000));
   // Collectives are numbered apart from send/recv, whose counts may differ
   // between ranks that are in step.
   const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
@@ -155,7 +156,8 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
   // Device tensors are staged on the worker under the caller's current stream
   // so the copies are ordered after whatever produced the data.
   std::optional<c10::Stream> stream;
-  const at::Tensor* first = !inputs.empty() ? &inputs[0] : (!outputs.empty() ? &outputs[0] : nullptr);
+  const at::Tensor* first =
+      !inputs.empty() ? &inputs[0] : (!outputs.empty() ? &outputs[0] : nullptr);
   if (first && first->defined() && !first->is_cpu()) {
     c10::impl::VirtualGuardImpl impl(first->device().type());
     stream = impl.getStream(first->device());
@@ -199,8 +201,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce_coalesced(
   int64_t total = 0;
   for (const auto& t : tensors) {
     check_same_dtype_numel(t, t, "tensors[i]");
-    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type() &&
-                    t.device() == tensors[0].device(),
+    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device(),
                 "ddpx_mpi: allreduce_coalesced needs tensors of one dtype and device, got ",
                 t.scalar_type(), " on ", t.device(), " and ", tensors[0].scalar_type(), " on ",
                 tensors[0].device());
@@ -213,26 +214,24 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce_coalesced(
   const int64_t op_id = static_cast<int64_t>(opts.reduceOp.op_);
   const int64_t n_tensors = static_cast<int64_t>(tensors.size());
   const int64_t dtype = dtype_id(tensors[0]);
-  return post(c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors,
-              [=, this](MpiWorker::Progress&) {
-                std::vector<at::Tensor> flat_parts;
-                flat_parts.reserve(tensors.size());
-                for (const auto& t : tensors) flat_parts.push_back(t.reshape(-1).cpu());
-                at::Tensor flat = at::cat(flat_parts);
-                check_agreement(comm_, {2, dtype, count, op_id, n_tensors},
-                                "allreduce_coalesced", std::to_string(count) + " elements");
-                if (count == 0) return;
-                MPI_Request req = MPI_REQUEST_NULL;
-                DDPX_MPI_CHECK(
-                    MPI_Iallreduce(MPI_IN_PLACE, flat.data_ptr(), count, dt, op, comm_, &req));
-                await_request(req);
-                if (avg) flat.div_(size_);
-                int64_t offset = 0;
-                for (const auto& t : tensors) {
-                  t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-                  offset += t.numel();
-                }
-              });
+  return post(c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors, [=, this](MpiWorker::Progress&) {
+    std::vector<at::Tensor> flat_parts;
+    flat_parts.reserve(tensors.size());
+    for (const auto& t : tensors) flat_parts.push_back(t.reshape(-1).cpu());
+    at::Tensor flat = at::cat(flat_parts);
+    check_agreement(comm_, {2, dtype, count, op_id, n_tensors}, "allreduce_coalesced",
+                    std::to_string(count) + " elements");
+    if (count == 0) return;
+    MPI_Request req = MPI_REQUEST_NULL;
+    DDPX_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, flat.data_ptr(), count, dt, op, comm_, &req));
+    await_request(req);
+    if (avg) flat.div_(size_);
+    int64_t offset = 0;
+    for (const auto& t : tensors) {
+      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -272,8 +271,8 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reduce(std::vector<at::Tensor>& tenso
     check_agreement(comm_, {4, dtype_id(t), count, op_id, root}, "reduce", describe(t));
     if (count == 0) return;
     MPI_Request req = MPI_REQUEST_NULL;
-    DDPX_MPI_CHECK(MPI_Ireduce(is_root ? MPI_IN_PLACE : h.ptr(), is_root ? h.ptr() : nullptr,
-                               count, dt, op, root, comm_, &req));
+    DDPX_MPI_CHECK(MPI_Ireduce(is_root ? MPI_IN_PLACE : h.ptr(), is_root ? h.ptr() : nullptr, count,
+                               dt, op, root, comm_, &req));
     await_request(req);
     if (is_root) {
       if (avg) h.host().div_(size_);
@@ -304,8 +303,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(
     check_agreement(comm_, {5, dtype_id(out), count, op_id}, "reduce_scatter", describe(out));
     if (count == 0) return;
     MPI_Request req = MPI_REQUEST_NULL;
-    DDPX_MPI_CHECK(
-        MPI_Ireduce_scatter_block(hin.ptr(), hout.ptr(), count, dt, op, comm_, &req));
+    DDPX_MPI_CHECK(MPI_Ireduce_scatter_block(hin.ptr(), hout.ptr(), count, dt, op, comm_, &req));
     await_request(req);
     if (avg) hout.host().div_(size_);
     hout.write_back();
