@@ -99,26 +99,37 @@ std::vector<at::Tensor> allgather_rows(MPI_Comm comm, int size,
   return rows;
 }
 
+// The (output, input) pairs of a coalesced single-tensor call: as many of
+// each, alike in dtype, the larger side of each pair holding group size x the
+// smaller's elements (all-gather: the outputs; reduce-scatter: the inputs).
+void check_pairs(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                 bool outputs_larger, int size, const char* op) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "ddpx_mpi: ", op,
+              " needs the same number of outputs and inputs, got ", outputs.size(), " and ",
+              inputs.size());
+  const char* big = outputs_larger ? "outputs" : "inputs";
+  const char* small = outputs_larger ? "inputs" : "outputs";
+  for (const auto i : c10::irange(inputs.size())) {
+    check_dense(outputs[i], "outputs[i]");
+    TORCH_CHECK(outputs[i].scalar_type() == inputs[i].scalar_type(), "ddpx_mpi: outputs[", i,
+                "] has dtype ", outputs[i].scalar_type(), " but inputs[", i, "] has ",
+                inputs[i].scalar_type());
+    const at::Tensor& b = outputs_larger ? outputs[i] : inputs[i];
+    const at::Tensor& sm = outputs_larger ? inputs[i] : outputs[i];
+    TORCH_CHECK(b.numel() == sm.numel() * size, "ddpx_mpi: ", big, "[", i,
+                "] must have group size (", size, ") x ", small, "[", i,
+                "] elements = ", sm.numel() * size, ", got ", b.numel());
+    mpi_datatype(inputs[i].scalar_type(), "inputs[i]");
+  }
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::all_gather_single_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions&) {
   check_inputs(inputs, "inputs");
-  TORCH_CHECK(outputs.size() == inputs.size(),
-              "ddpx_mpi: all_gather_single_coalesced needs the same number of outputs and "
-              "inputs, got ",
-              outputs.size(), " and ", inputs.size());
-  for (const auto i : c10::irange(inputs.size())) {
-    check_dense(outputs[i], "outputs[i]");
-    TORCH_CHECK(outputs[i].scalar_type() == inputs[i].scalar_type(), "ddpx_mpi: outputs[", i,
-                "] has dtype ", outputs[i].scalar_type(), " but inputs[", i, "] has ",
-                inputs[i].scalar_type());
-    TORCH_CHECK(outputs[i].numel() == inputs[i].numel() * size_, "ddpx_mpi: outputs[", i,
-                "] must have group size (", size_, ") x inputs[", i,
-                "] elements = ", inputs[i].numel() * size_, ", got ", outputs[i].numel());
-    mpi_datatype(inputs[i].scalar_type(), "inputs[i]");
-  }
+  check_pairs(outputs, inputs, /*outputs_larger=*/true, size_, "all_gather_single_coalesced");
   const int64_t id = fingerprint(inputs, 21);
   const std::vector<at::Tensor> ins = inputs;
   const std::vector<at::Tensor> outs = outputs;
@@ -175,20 +186,9 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reduce_scatter_single_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   check_inputs(inputs, "inputs");
-  TORCH_CHECK(outputs.size() == inputs.size(),
-              "ddpx_mpi: reduce_scatter_single_coalesced needs the same number of outputs and "
-              "inputs, got ",
-              outputs.size(), " and ", inputs.size());
-  for (const auto i : c10::irange(inputs.size())) {
-    check_dense(outputs[i], "outputs[i]");
-    TORCH_CHECK(outputs[i].scalar_type() == inputs[i].scalar_type(), "ddpx_mpi: outputs[", i,
-                "] has dtype ", outputs[i].scalar_type(), " but inputs[", i, "] has ",
-                inputs[i].scalar_type());
-    TORCH_CHECK(inputs[i].numel() == outputs[i].numel() * size_, "ddpx_mpi: inputs[", i,
-                "] must have group size (", size_, ") x outputs[", i,
-                "] elements = ", outputs[i].numel() * size_, ", got ", inputs[i].numel());
-    mpi_datatype(inputs[i].scalar_type(), "inputs[i]");
-    mpi_op(opts.reduceOp, inputs[i].scalar_type());  // e.g. AVG on integers: an error here
+  check_pairs(outputs, inputs, /*outputs_larger=*/false, size_, "reduce_scatter_single_coalesced");
+  for (const auto& t : inputs) {
+    mpi_op(opts.reduceOp, t.scalar_type());  // e.g. AVG on integers: an error here
   }
   const c10d::ReduceOp reduce_op = opts.reduceOp;
   const bool avg = is_avg(reduce_op);
