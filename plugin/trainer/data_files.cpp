@@ -199,11 +199,13 @@ at::Tensor read_idx(const std::string& path) {
               " bytes, shorter than its header (truncated?)");
   std::vector<int64_t> shape;
   uint64_t numel = 1;
+  constexpr uint64_t kMaxElements = uint64_t(1) << 40;  // checked before multiplying
   for (size_t d = 0; d < rank; ++d) {
     shape.push_back(be32(bytes.data() + 4 + 4 * d));
-    numel *= uint64_t(shape.back());
-    TORCH_CHECK(numel <= (uint64_t(1) << 40), "ddpx-train: corrupt idx file ", path,
+    const auto n = uint64_t(shape.back());
+    TORCH_CHECK(n == 0 || numel <= kMaxElements / n, "ddpx-train: corrupt idx file ", path,
                 ": its header promises [", dims(shape), "...] elements");
+    numel *= n;
   }
   const size_t elem = c10::elementSize(type->dtype);
   TORCH_CHECK(bytes.size() == header + numel * elem, "ddpx-train: corrupt idx file ", path, ": ",

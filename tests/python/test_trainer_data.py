@@ -168,7 +168,7 @@ def idx_dir(tmp_path, generated, edit):
 
 
 @pytest.mark.parametrize("case", ["labels short", "32x32 images", "type code", "short header",
-                                  "rank 5", "token model"])
+                                  "rank 5", "huge sizes", "token model"])
 def test_bad_idx_directory(tmp_path, generated, case):
     def edit(d, a):
         if case == "labels short":
@@ -185,6 +185,11 @@ def test_bad_idx_directory(tmp_path, generated, case):
         if case == "short header":
             (d / IDX[3]).write_bytes(b"\0\0\x08\x01\0")
             return [str(d / IDX[3]), "shorter than its header"]
+        if case == "huge sizes":  # 2^102 elements, 0 mod 2^64: a bare header must not pass
+            sizes = [1 << 16, 1 << 24, 1 << 31, 1 << 31]
+            (d / IDX[0]).write_bytes(b"\0\0\x08\x04" + b"".join(n.to_bytes(4, "big")
+                                                                for n in sizes))
+            return [str(d / IDX[0]), "its header promises"]
         if case == "rank 5":
             b = bytearray((d / IDX[0]).read_bytes())
             b[3] = 5
