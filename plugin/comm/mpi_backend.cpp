@@ -96,6 +96,7 @@ MpiBackend::~MpiBackend() { shutdown(); }
 
 void MpiBackend::shutdown() {
   if (comm_ == MPI_COMM_NULL) return;
+  CompletionQueue::get().drain(timeout_);  // before the interpreter can finalise
   MPI_Comm comm = comm_;
   comm_ = MPI_COMM_NULL;
   int finalized = 0;

@@ -18,9 +18,11 @@ struct CompletionQueue::Impl {
   std::deque<std::function<void()>> queue;
   uint64_t server = 0;  // id of the thread serving the queue; 0: none
   uint64_t next_id = 0;
-  bool server_busy = false;        // the server is inside a completion
-  Clock::time_point busy_since{};  // when that completion started
-  int idle = 0;                    // threads waiting for work (incl. ones starting)
+  bool server_busy = false;         // the server is inside a completion
+  Clock::time_point busy_since{};   // when that completion started
+  int idle = 0;                     // threads waiting for work (incl. ones starting)
+  int in_flight = 0;                // completions taken but not yet destroyed
+  std::condition_variable drained;  // in_flight reached 0 with the queue empty
 
   void spawn_locked() {
     ++idle;
@@ -77,6 +79,7 @@ void CompletionQueue::Impl::loop() {
     while (server == me && !queue.empty()) {
       std::function<void()> fn = std::move(queue.front());
       queue.pop_front();
+      ++in_flight;
       server_busy = true;
       busy_since = Clock::now();
       lock.unlock();
@@ -89,6 +92,7 @@ void CompletionQueue::Impl::loop() {
       running = {};
       fn = nullptr;  // the Work it held may be the last reference
       lock.lock();
+      if (--in_flight == 0 && queue.empty()) drained.notify_all();
       if (server == me) server_busy = false;
     }
     if (server == me) server = 0;
@@ -112,6 +116,13 @@ void CompletionQueue::push(std::function<void()> fn) {
     if (impl_->idle == 0) impl_->spawn_locked();
   }
   impl_->cv.notify_all();
+}
+
+bool CompletionQueue::drain(std::chrono::milliseconds limit) {
+  if (running.queue == impl_) return false;  // from a completion: it would wait on itself
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  return impl_->drained.wait_for(lock, limit,
+                                 [this] { return impl_->queue.empty() && impl_->in_flight == 0; });
 }
 
 void CompletionQueue::note_blocking() {

@@ -38,6 +38,14 @@ class CompletionQueue {
   // other thread.
   static void note_blocking();
 
+  // Waits (at most `limit`) until every completion pushed so far has run and
+  // been destroyed: the Works they held may be the last owners of tensors
+  // whose Python objects need the interpreter, so a group being destroyed
+  // drains them before Python can finalise (a thread that asks a finalised
+  // interpreter for the GIL is ended by pthread_exit: std::terminate).
+  // False on timeout, and at once on a completion thread.
+  bool drain(std::chrono::milliseconds limit);
+
   struct Impl;  // public only so the .cpp's thread-local state can name it
 
  private:
