@@ -3,13 +3,14 @@
 // mpi_backend_p2p.cpp.
 #include "plugin/comm/mpi_backend.h"
 
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <map>
 #include <mutex>
 
+#include "plugin/comm/mpi_completion.h"
 #include "plugin/comm/mpi_diagnose.h"
 #include "plugin/comm/mpi_env.h"
 #include "plugin/comm/mpi_types.h"
@@ -95,6 +96,7 @@ MpiBackend::~MpiBackend() { shutdown(); }
 
 void MpiBackend::shutdown() {
   if (comm_ == MPI_COMM_NULL) return;
+  CompletionQueue::get().drain(timeout_);  // before the interpreter can finalise
   MPI_Comm comm = comm_;
   comm_ = MPI_COMM_NULL;
   int finalized = 0;
@@ -131,16 +133,19 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
                                              const std::vector<at::Tensor>& inputs,
                                              std::function<void(MpiWorker::Progress&)> task) {
   TORCH_CHECK(comm_ != MPI_COMM_NULL, "ddpx_mpi: the backend was shut down");
+  // Posted from a Future callback, which will likely wait for it next.
+  CompletionQueue::note_blocking();
   TORCH_CHECK(!MpiEnv::get().broken(),
-              "ddpx_mpi: an earlier call timed out or failed; the MPI job cannot continue");
+              "ddpx_mpi: an earlier call timed out or failed; the MPI job cannot continue: ",
+              MpiEnv::get().broken_why());
   const uint64_t seq = seq_++;
-  auto work = c10::make_intrusive<MpiWork>(
-      rank_, type, what(type, seq), outputs, timeout_, profiling_title(type),
-      std::optional<std::vector<at::Tensor>>(inputs));
+  auto work = c10::make_intrusive<MpiWork>(rank_, type, what(type, seq), outputs, timeout_,
+                                           profiling_title(type),
+                                           std::optional<std::vector<at::Tensor>>(inputs));
   // Peers that also timed out answer within about the same time; give them
   // half the timeout, between 1 and 10 s.
-  const auto grace = std::clamp(timeout_ / 2, std::chrono::milliseconds(1000),
-                                std::chrono::milliseconds(10000));
+  const auto grace =
+      std::clamp(timeout_ / 2, std::chrono::milliseconds(1000), std::chrono::milliseconds(10000));
   // Collectives are numbered apart from send/recv, whose counts may differ
   // between ranks that are in step.
   const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
@@ -152,7 +157,8 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
   // Device tensors are staged on the worker under the caller's current stream
   // so the copies are ordered after whatever produced the data.
   std::optional<c10::Stream> stream;
-  const at::Tensor* first = !inputs.empty() ? &inputs[0] : (!outputs.empty() ? &outputs[0] : nullptr);
+  const at::Tensor* first =
+      !inputs.empty() ? &inputs[0] : (!outputs.empty() ? &outputs[0] : nullptr);
   if (first && first->defined() && !first->is_cpu()) {
     c10::impl::VirtualGuardImpl impl(first->device().type());
     stream = impl.getStream(first->device());
@@ -161,11 +167,16 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
     c10::OptionalStreamGuard guard(stream);
     task(p);
   });
+  if (coalescing_) coalesced_.push_back(work);
   return work;
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
+  // As Gloo: a sparse COO tensor takes the sparse path (c10d sends it here).
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse) {
+    return allreduce_sparse(tensors, opts);
+  }
   check_single(tensors, "tensors");
   const at::Tensor t = tensors[0];
   const int count = to_count(t.numel(), "tensors[0]");
@@ -191,8 +202,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce_coalesced(
   int64_t total = 0;
   for (const auto& t : tensors) {
     check_same_dtype_numel(t, t, "tensors[i]");
-    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type() &&
-                    t.device() == tensors[0].device(),
+    TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device(),
                 "ddpx_mpi: allreduce_coalesced needs tensors of one dtype and device, got ",
                 t.scalar_type(), " on ", t.device(), " and ", tensors[0].scalar_type(), " on ",
                 tensors[0].device());
@@ -205,26 +215,24 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce_coalesced(
   const int64_t op_id = static_cast<int64_t>(opts.reduceOp.op_);
   const int64_t n_tensors = static_cast<int64_t>(tensors.size());
   const int64_t dtype = dtype_id(tensors[0]);
-  return post(c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors,
-              [=, this](MpiWorker::Progress&) {
-                std::vector<at::Tensor> flat_parts;
-                flat_parts.reserve(tensors.size());
-                for (const auto& t : tensors) flat_parts.push_back(t.reshape(-1).cpu());
-                at::Tensor flat = at::cat(flat_parts);
-                check_agreement(comm_, {2, dtype, count, op_id, n_tensors},
-                                "allreduce_coalesced", std::to_string(count) + " elements");
-                if (count == 0) return;
-                MPI_Request req = MPI_REQUEST_NULL;
-                DDPX_MPI_CHECK(
-                    MPI_Iallreduce(MPI_IN_PLACE, flat.data_ptr(), count, dt, op, comm_, &req));
-                await_request(req);
-                if (avg) flat.div_(size_);
-                int64_t offset = 0;
-                for (const auto& t : tensors) {
-                  t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-                  offset += t.numel();
-                }
-              });
+  return post(c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors, [=, this](MpiWorker::Progress&) {
+    std::vector<at::Tensor> flat_parts;
+    flat_parts.reserve(tensors.size());
+    for (const auto& t : tensors) flat_parts.push_back(t.reshape(-1).cpu());
+    at::Tensor flat = at::cat(flat_parts);
+    check_agreement(comm_, {2, dtype, count, op_id, n_tensors}, "allreduce_coalesced",
+                    std::to_string(count) + " elements");
+    if (count == 0) return;
+    MPI_Request req = MPI_REQUEST_NULL;
+    DDPX_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, flat.data_ptr(), count, dt, op, comm_, &req));
+    await_request(req);
+    if (avg) flat.div_(size_);
+    int64_t offset = 0;
+    for (const auto& t : tensors) {
+      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -264,8 +272,8 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reduce(std::vector<at::Tensor>& tenso
     check_agreement(comm_, {4, dtype_id(t), count, op_id, root}, "reduce", describe(t));
     if (count == 0) return;
     MPI_Request req = MPI_REQUEST_NULL;
-    DDPX_MPI_CHECK(MPI_Ireduce(is_root ? MPI_IN_PLACE : h.ptr(), is_root ? h.ptr() : nullptr,
-                               count, dt, op, root, comm_, &req));
+    DDPX_MPI_CHECK(MPI_Ireduce(is_root ? MPI_IN_PLACE : h.ptr(), is_root ? h.ptr() : nullptr, count,
+                               dt, op, root, comm_, &req));
     await_request(req);
     if (is_root) {
       if (avg) h.host().div_(size_);
@@ -296,8 +304,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(
     check_agreement(comm_, {5, dtype_id(out), count, op_id}, "reduce_scatter", describe(out));
     if (count == 0) return;
     MPI_Request req = MPI_REQUEST_NULL;
-    DDPX_MPI_CHECK(
-        MPI_Ireduce_scatter_block(hin.ptr(), hout.ptr(), count, dt, op, comm_, &req));
+    DDPX_MPI_CHECK(MPI_Ireduce_scatter_block(hin.ptr(), hout.ptr(), count, dt, op, comm_, &req));
     await_request(req);
     if (avg) hout.host().div_(size_);
     hout.write_back();
@@ -316,6 +323,12 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reduce_scatter(
   for (const auto& t : inputs[0]) parts.push_back(t.reshape(-1));
   at::Tensor flat = at::cat(parts);
   return _reduce_scatter_base(outputs[0], flat, opts);
+}
+
+void MpiBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool /*wait_all_ranks*/) {
+  // Every missing rank is named either way: the timeout asks all peers.
+  auto work = barrier(opts);
+  work->wait(opts.timeout == c10d::kUnsetTimeout ? timeout_ : opts.timeout);
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions&) {

@@ -10,13 +10,15 @@
 //
 // Semantics follow ProcessGroupGloo: one tensor per call; AVG is SUM then a
 // division (floating types only); bool SUM/MAX is "any", PRODUCT/MIN "all".
+// The coalesced collectives and the coalescing block are in
+// mpi_backend_coalesced.cpp.
 #include <mpi.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <vector>
 
 #include "plugin/comm/mpi_work.h"
@@ -39,6 +41,14 @@ class MpiBackend final : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   void shutdown() override;
   void abort() override;
+  uint64_t getSequenceNumberForGroup() override { return collective_seq_.load(); }
+
+  // Between startCoalescing and endCoalescing every call is posted as usual
+  // (the worker keeps their order); endCoalescing returns one Work that
+  // completes when all of them have.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -46,6 +56,8 @@ class MpiBackend final : public c10d::Backend {
                                            const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
                                         const c10d::ReduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -71,13 +83,23 @@ class MpiBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& input_list,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> all_gather_single_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_single_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // A barrier whose timeout error names the ranks that did not arrive.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
                                       int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
-                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
  private:
   // Creates the Work and queues `task` on the worker, under the caller's
@@ -96,6 +118,9 @@ class MpiBackend final : public c10d::Backend {
   std::atomic<uint64_t> seq_{0};
   std::atomic<uint64_t> collective_seq_{0};
   int tag_ub_ = 32767;
+  // The coalescing block (caller's thread only, like the c10d calls).
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<MpiWork>> coalesced_;
 };
 
 }  // namespace ddpx::comm::detail

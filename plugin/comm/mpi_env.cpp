@@ -37,8 +37,8 @@ void throw_mpi_error(int rc, const char* call, const char* file, int line) {
   if (!flag || MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) {
     std::snprintf(msg, sizeof(msg), "MPI error code %d", rc);
   }
-  C10_THROW_ERROR(DistBackendError, std::string("ddpx_mpi: ") + call + " failed at " + file +
-                                        ":" + std::to_string(line) + ": " + msg);
+  C10_THROW_ERROR(DistBackendError, std::string("ddpx_mpi: ") + call + " failed at " + file + ":" +
+                                        std::to_string(line) + ": " + msg);
 }
 
 MpiEnv::MpiEnv() {
@@ -82,6 +82,11 @@ void MpiEnv::mark_broken(const std::string& why) {
 bool MpiEnv::broken() const {
   std::lock_guard<std::mutex> lock(mu_);
   return !broken_why_.empty();
+}
+
+std::string MpiEnv::broken_why() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return broken_why_;
 }
 
 void MpiEnv::on_shutdown(std::function<bool()> fn) {

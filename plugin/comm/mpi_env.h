@@ -30,6 +30,8 @@ class MpiEnv {
   // A collective failed or timed out: exit with MPI_Abort, never MPI_Finalize.
   void mark_broken(const std::string& why);
   bool broken() const;
+  // Why (the first failure's message), "" while not broken.
+  std::string broken_why() const;
 
   // Called at exit before MPI_Finalize: each worker registers a function that
   // stops it and returns false if it could not (a thread stuck inside MPI).
@@ -56,9 +58,9 @@ bool launched_by_mpi();
 
 }  // namespace ddpx::comm::detail
 
-#define DDPX_MPI_CHECK(call)                                                        \
-  do {                                                                              \
-    int ddpx_rc_ = (call);                                                          \
-    if (ddpx_rc_ != MPI_SUCCESS)                                                    \
-      ::ddpx::comm::detail::throw_mpi_error(ddpx_rc_, #call, __FILE__, __LINE__);   \
+#define DDPX_MPI_CHECK(call)                                                      \
+  do {                                                                            \
+    int ddpx_rc_ = (call);                                                        \
+    if (ddpx_rc_ != MPI_SUCCESS)                                                  \
+      ::ddpx::comm::detail::throw_mpi_error(ddpx_rc_, #call, __FILE__, __LINE__); \
   } while (0)

@@ -32,8 +32,14 @@ void await_request(MPI_Request& request) {
     if (done) return;
     const auto nap = pacer.after_test(t0, Clock::now());
     if (nap.count() == 0) continue;
-    TORCH_CHECK_WITH(DistBackendError, !MpiEnv::get().broken(),
-                     "ddpx_mpi: abandoning a collective: an earlier call timed out or failed");
+    // The first failure's message rides along: the watchdog may have timed
+    // out another Work than the one the user waits on, and this error may be
+    // the only one the user sees (naming the rank that stopped answering).
+    if (MpiEnv::get().broken()) {
+      C10_THROW_ERROR(DistBackendError,
+                      "ddpx_mpi: abandoning a collective: an earlier call timed out or failed: " +
+                          MpiEnv::get().broken_why());
+    }
     std::this_thread::sleep_for(nap);
   }
 }

@@ -4,7 +4,9 @@
 #include <c10/util/Exception.h>
 #include <sys/prctl.h>
 
+#include "plugin/comm/mpi_completion.h"
 #include "plugin/comm/mpi_env.h"
+#include "plugin/comm/mpi_watchdog.h"
 
 namespace ddpx::comm::detail {
 
@@ -15,8 +17,9 @@ MpiWork::MpiWork(int rank, c10d::OpType type, std::string what, std::vector<at::
       what_(std::move(what)),
       outputs_(std::move(outputs)),
       timeout_(timeout),
-      future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))) {}
+      future_(
+          c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
+}
 
 int MpiWork::sourceRank() const {
   const int r = source_rank_.load();
@@ -24,32 +27,106 @@ int MpiWork::sourceRank() const {
   return r;
 }
 
+c10::intrusive_ptr<c10::ivalue::Future> MpiWork::getFuture() {
+  std::lock_guard<std::mutex> lock(done_mu_);
+  future_out_ = true;
+  return future_;
+}
+
 void MpiWork::complete(std::exception_ptr error) {
-  // Future first: a waiter woken by finish() may read the future at once.
+  std::unique_lock<std::mutex> lock(done_mu_);
+  if (completing_) return;
+  completing_ = true;
+  if (future_out_) {
+    lock.unlock();
+    // Callbacks may be attached, and may wait on other collectives: not on
+    // the worker (mpi_completion.h).
+    CompletionQueue::get().push(
+        [self = c10::intrusive_ptr<MpiWork>::unsafe_reclaim_from_nonowning(this), error] {
+          self->set_future(error);
+          self->finish_now(error);
+        });
+    return;
+  }
+  // Nobody holds the Future, so it has no callbacks: completing it here runs
+  // no user code, and getFuture() waits for the lock, so none is attached
+  // before the Future is complete (addCallback then runs it on its caller).
+  set_future(error);
+  lock.unlock();
+  finish_now(error);
+}
+
+void MpiWork::set_future(const std::exception_ptr& error) {
   if (error) {
     future_->setErrorIfNeeded(error);
   } else {
     future_->markCompleted(c10::IValue(outputs_));
   }
+}
+
+void MpiWork::finish_now(std::exception_ptr error) {
+  // After the Future: a waiter woken by finish() may read the future at once.
   finish(error);
+  std::vector<std::function<void(std::exception_ptr)>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(done_mu_);
+    done_ = true;
+    error_ = error;
+    hooks.swap(on_done_);
+  }
+  for (auto& fn : hooks) fn(error);
+}
+
+void MpiWork::on_done(std::function<void(std::exception_ptr)> fn) {
+  {
+    std::lock_guard<std::mutex> lock(done_mu_);
+    if (!done_) {
+      on_done_.push_back(std::move(fn));
+      return;
+    }
+  }
+  fn(error_);
+}
+
+void MpiWork::time_out(std::chrono::milliseconds limit) {
+  // The watchdog and a waiter may both get here: the first reports, the
+  // second waits for that report (so the peers are asked once, by whoever
+  // comes first, and both see the message that names them).
+  std::lock_guard<std::mutex> once(timeout_mu_);
+  {
+    std::lock_guard<std::mutex> lock(done_mu_);
+    if (completing_) return;
+  }
+  // Only the process's first timeout asks the peers: after it, MPI is
+  // broken and the job is ending.
+  static std::atomic<bool> asked{false};
+  std::string who;
+  if (diagnose_ && !MpiEnv::get().broken() && !asked.exchange(true)) who = diagnose_();
+  const std::string msg =
+      "ddpx_mpi: rank " + std::to_string(rank_) + " timed out after " +
+      std::to_string(limit.count()) + " ms waiting for " + what_ + ": " +
+      (who.empty() ? "a peer rank died, is stopped, or did not make the same call" : who);
+  MpiEnv::get().mark_broken(msg);
+  std::exception_ptr error;
+  try {
+    C10_THROW_ERROR(DistBackendError, msg);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  complete(error);
 }
 
 bool MpiWork::wait(std::chrono::milliseconds timeout) {
   const auto limit = timeout == kNoTimeout ? timeout_ : timeout;
+  // A callback waiting here holds the completion queue: let it move on.
+  if (!isCompleted()) CompletionQueue::note_blocking();
   std::unique_lock<std::mutex> lock(mutex_);
   if (!cv_.wait_for(lock, limit, [this] { return completed_; })) {
     lock.unlock();  // the worker may still complete this Work meanwhile
-    // Only the process's first timeout asks the peers: after it, MPI is
-    // broken and the job is ending.
-    static std::atomic<bool> asked{false};
-    std::string who;
-    if (diagnose_ && !MpiEnv::get().broken() && !asked.exchange(true)) who = diagnose_();
-    const std::string msg =
-        "ddpx_mpi: rank " + std::to_string(rank_) + " timed out after " +
-        std::to_string(limit.count()) + " ms waiting for " + what_ + ": " +
-        (who.empty() ? "a peer rank died, is stopped, or did not make the same call" : who);
-    MpiEnv::get().mark_broken(msg);
-    C10_THROW_ERROR(DistBackendError, msg);
+    time_out(limit);
+    lock.lock();
+    // Complete now, or about to be (delivered by the completion queue).
+    cv_.wait(lock, [this] { return completed_; });
   }
   if (exception_) std::rethrow_exception(exception_);
   return true;
@@ -163,6 +240,7 @@ void MpiWorker::loop() {
       }
     }
     if (entry.task) {
+      if (entry.work) watch(entry.work, entry.work->getTimeout());
       Progress progress;
       progress.work = entry.work.get();
       std::exception_ptr error;

@@ -17,13 +17,18 @@
 //      worker tests them between tasks, so a send never blocks the queue (and
 //      send-then-recv on both ranks cannot deadlock).
 //   4. Completion finishes the Work and its Future (value: the output tensors)
-//      or stores the exception. Work::wait(timeout) throws DistBackendError on
-//      expiry, naming the peers behind it where it can (the first timeout of
-//      the process asks the others, see mpi_diagnose.h), and marks MPI
-//      broken, so the process aborts the job at exit instead of hanging in
-//      MPI_Finalize.
+//      or stores the exception. The worker does it itself while nobody holds
+//      the Future; once getFuture() handed it out, callbacks may be attached,
+//      and those may wait on further collectives, so the completion moves to
+//      the CompletionQueue (mpi_completion.h) and the worker goes on.
+//   5. Timeouts: the worker arms each Work's deadline when it starts it
+//      (mpi_watchdog.h), so a wait on the Future, or none, is bounded too;
+//      Work::wait(timeout) also throws on its own expiry. Either way the Work
+//      fails with DistBackendError naming the collective and the peers behind
+//      it where it can (the first timeout of the process asks the others, see
+//      mpi_diagnose.h), and MPI is marked broken, so the process aborts the
+//      job at exit instead of hanging in MPI_Finalize.
 #include <mpi.h>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -35,6 +40,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
 namespace ddpx::comm::detail {
@@ -54,7 +60,7 @@ class MpiWork : public c10d::Work {
     return future_->completed() ? future_->exception_ptr() : nullptr;
   }
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   int sourceRank() const override;
   std::chrono::milliseconds getTimeout() const override { return timeout_; }
 
@@ -62,18 +68,37 @@ class MpiWork : public c10d::Work {
   // sentence ends the error message.
   void set_diagnosis(std::function<std::string()> fn) { diagnose_ = std::move(fn); }
 
-  // Worker side.
+  // Worker side. Only the first call counts: the watchdog and the worker may
+  // both try to complete a Work that timed out.
   void complete(std::exception_ptr error);
   void set_source_rank(int rank) { source_rank_ = rank; }
   const std::string& what() const { return what_; }
+  // Runs `fn` with the Work's error (null on success) once it is complete:
+  // at once if it already is, else on the completing thread.
+  void on_done(std::function<void(std::exception_ptr)> fn);
+
+  // Fails the Work (if it is still running) with the timeout error for a
+  // wait of `limit`, asking the peers first when this is the process's
+  // first timeout; marks MPI broken. Returns when the Work is complete.
+  void time_out(std::chrono::milliseconds limit);
 
  private:
+  void set_future(const std::exception_ptr& error);
+  void finish_now(std::exception_ptr error);
+
   std::string what_;
   std::vector<at::Tensor> outputs_;
   std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<int> source_rank_{-1};
   std::function<std::string()> diagnose_;
+  std::mutex done_mu_;       // guards the five below
+  bool future_out_ = false;  // getFuture() was called
+  bool completing_ = false;  // complete() was called
+  bool done_ = false;        // finished; on_done_ ran
+  std::exception_ptr error_;
+  std::vector<std::function<void(std::exception_ptr)>> on_done_;
+  std::mutex timeout_mu_;  // one timeout report per Work
 };
 
 class MpiWorker {

@@ -66,7 +66,10 @@ TEST(Errors, UnsupportedDtypeAndOp) {
 TEST(Errors, SparseAndTensorCounts) {
   auto& pg = world();
   std::vector<at::Tensor> s{at::ones({4, 4}).to_sparse()};
-  expect_error([&] { pg->allreduce(s); }, "dense (strided)");
+  // Sparse tensors take the sparse path (as Gloo's), which only sums.
+  c10d::AllreduceOptions max_op;
+  max_op.reduceOp = c10d::ReduceOp::MAX;
+  expect_error([&] { pg->allreduce(s, max_op); }, "only ReduceOp.SUM");
   std::vector<at::Tensor> two{at::ones({2}), at::ones({2})};
   expect_error([&] { pg->allreduce(two); }, "exactly one tensor");
   std::vector<at::Tensor> none;
