@@ -95,23 +95,26 @@ MpiBackend::MpiBackend(MPI_Comm comm, std::shared_ptr<MpiWorker> worker,
 MpiBackend::~MpiBackend() { shutdown(); }
 
 void MpiBackend::shutdown() {
-  if (comm_ == MPI_COMM_NULL) return;
-  CompletionQueue::get().drain(timeout_);  // before the interpreter can finalise
-  MPI_Comm comm = comm_;
-  comm_ = MPI_COMM_NULL;
+  if (closed_.exchange(true)) return;
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (finalized || MpiEnv::get().broken()) return;  // a stuck peer: leave the comm alone
-  MPI_Comm diag = diag_;
-  diag_ = MPI_COMM_NULL;
-  try {
-    worker_->run_sync([comm, diag]() mutable {
-      MPI_Comm_free(&comm);
-      if (diag != MPI_COMM_NULL) MPI_Comm_free(&diag);
-    });
-  } catch (const std::exception&) {
-    // The worker is already stopped (process exit): MPI_Finalize frees it.
+  if (!finalized && !MpiEnv::get().broken()) {  // broken: a stuck peer, leave the comms alone
+    // Behind every collective already posted (the worker runs in order):
+    // they still run with the communicator they were posted on, as the
+    // peers expect, and then it is freed. Bounded: a collective a peer
+    // never joins fails at its deadline (the watchdog) and breaks MPI.
+    try {
+      worker_->run_sync([this] {
+        MPI_Comm_free(&comm_);
+        if (diag_ != MPI_COMM_NULL) MPI_Comm_free(&diag_);
+      });
+    } catch (const std::exception&) {
+      // The worker is already stopped (process exit): MPI_Finalize frees them.
+    }
   }
+  // Their completions (Future callbacks) run before the interpreter can
+  // finalise (mpi_work.h, quiesce).
+  CompletionQueue::get().drain(timeout_);
 }
 
 void MpiBackend::abort() {
@@ -132,7 +135,7 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
                                              const std::vector<at::Tensor>& outputs,
                                              const std::vector<at::Tensor>& inputs,
                                              std::function<void(MpiWorker::Progress&)> task) {
-  TORCH_CHECK(comm_ != MPI_COMM_NULL, "ddpx_mpi: the backend was shut down");
+  TORCH_CHECK(!closed_.load(), "ddpx_mpi: the backend was shut down");
   // Posted from a Future callback, which will likely wait for it next.
   CompletionQueue::note_blocking();
   TORCH_CHECK(!MpiEnv::get().broken(),

@@ -111,8 +111,9 @@ class MpiBackend final : public c10d::Backend {
   c10::intrusive_ptr<MpiWork> post_recv(std::vector<at::Tensor>& tensors, int src, int tag);
   void check_tag(int tag) const;
 
-  MPI_Comm comm_;
-  MPI_Comm diag_ = MPI_COMM_NULL;  // a duplicate used only to name peers after a timeout
+  MPI_Comm comm_;  // freed by shutdown() on the worker, after the collectives posted before it
+  std::atomic<bool> closed_{false};  // shutdown() was called: nothing more is posted
+  MPI_Comm diag_ = MPI_COMM_NULL;    // a duplicate used only to name peers after a timeout
   std::shared_ptr<MpiWorker> worker_;
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> seq_{0};

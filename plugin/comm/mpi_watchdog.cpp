@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "plugin/comm/mpi_work.h"
@@ -15,10 +16,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Wakes at the earliest deadline, and at least this often to drop the Works
-// that completed (so their tensors are not kept alive by the list).
-constexpr auto kSweep = std::chrono::milliseconds(200);
-
 class Watchdog {
  public:
   static Watchdog& get() {
@@ -26,14 +23,14 @@ class Watchdog {
     return *dog;
   }
 
-  void add(const c10::intrusive_ptr<MpiWork>& work, std::chrono::milliseconds timeout) {
+  void add(MpiWork* work, std::chrono::milliseconds timeout) {
     if (timeout.count() <= 0) return;  // no deadline
     // Clamped so that now + timeout cannot overflow the clock.
     const auto deadline =
         Clock::now() + std::min<std::chrono::milliseconds>(timeout, std::chrono::hours(24 * 365));
     std::lock_guard<std::mutex> lock(mu_);
-    armed_.push_back({deadline, timeout, c10::weak_intrusive_ptr<MpiWork>(work)});
-    if (armed_.size() == 1 || deadline < next_) {
+    armed_[work] = {deadline, timeout};
+    if (deadline < next_) {
       next_ = deadline;
       cv_.notify_one();
     }
@@ -46,37 +43,49 @@ class Watchdog {
     }
   }
 
+  void remove(MpiWork* work) {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_.erase(work);  // next_ may now be early: the loop then just looks again
+  }
+
  private:
   struct Armed {
     Clock::time_point deadline;
     std::chrono::milliseconds timeout;
-    c10::weak_intrusive_ptr<MpiWork> work;
   };
 
   void loop() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
+      // next_ is what this thread sleeps until, so that add() wakes it for an
+      // earlier deadline (remove() may leave it early: one idle wake-up).
       if (armed_.empty()) {
+        next_ = Clock::time_point::max();
         cv_.wait(lock, [this] { return !armed_.empty(); });
       } else {
-        cv_.wait_until(lock, std::min(next_, Clock::now() + kSweep));
+        cv_.wait_until(lock, next_);
       }
       const auto now = Clock::now();
       std::vector<std::pair<c10::intrusive_ptr<MpiWork>, std::chrono::milliseconds>> expired;
       next_ = Clock::time_point::max();
-      std::vector<Armed> keep;
-      keep.reserve(armed_.size());
-      for (auto& a : armed_) {
-        auto work = a.work.lock();
-        if (!work || work->isCompleted()) continue;
-        if (a.deadline <= now) {
-          expired.emplace_back(std::move(work), a.timeout);
+      for (auto it = armed_.begin(); it != armed_.end();) {
+        if (it->second.deadline <= now) {
+          // Armed, so alive (see the header): a reference keeps it so while
+          // it fails unlocked. (A count of 0 is a Work being destroyed
+          // without completing, by a worker abandoned at exit; its
+          // destructor waits for this lock to disarm it.)
+          if (c10::raw::intrusive_ptr::use_count(it->first) == 0) {
+            it = armed_.erase(it);
+            continue;
+          }
+          expired.emplace_back(c10::intrusive_ptr<MpiWork>::reclaim_copy(it->first),
+                               it->second.timeout);
+          it = armed_.erase(it);
         } else {
-          next_ = std::min(next_, a.deadline);
-          keep.push_back(std::move(a));
+          next_ = std::min(next_, it->second.deadline);
+          ++it;
         }
       }
-      armed_ = std::move(keep);
       // Failing a Work may ask the peers for up to a few seconds: unlocked,
       // so the worker can keep arming Works meanwhile.
       lock.unlock();
@@ -88,15 +97,15 @@ class Watchdog {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<Armed> armed_;
+  std::unordered_map<MpiWork*, Armed> armed_;
   Clock::time_point next_ = Clock::time_point::max();
   bool started_ = false;
 };
 
 }  // namespace
 
-void watch(const c10::intrusive_ptr<MpiWork>& work, std::chrono::milliseconds timeout) {
-  Watchdog::get().add(work, timeout);
-}
+void watch(MpiWork* work, std::chrono::milliseconds timeout) { Watchdog::get().add(work, timeout); }
+
+void unwatch(MpiWork* work) { Watchdog::get().remove(work); }
 
 }  // namespace ddpx::comm::detail

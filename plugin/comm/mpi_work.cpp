@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 #include <sys/prctl.h>
 
+#include <algorithm>
+
 #include "plugin/comm/mpi_completion.h"
 #include "plugin/comm/mpi_env.h"
 #include "plugin/comm/mpi_watchdog.h"
@@ -33,10 +35,15 @@ c10::intrusive_ptr<c10::ivalue::Future> MpiWork::getFuture() {
   return future_;
 }
 
+MpiWork::~MpiWork() { unwatch(this); }
+
 void MpiWork::complete(std::exception_ptr error) {
   std::unique_lock<std::mutex> lock(done_mu_);
   if (completing_) return;
   completing_ = true;
+  lock.unlock();
+  unwatch(this);  // while the caller still holds this Work (mpi_watchdog.h)
+  lock.lock();
   if (future_out_) {
     lock.unlock();
     // Callbacks may be attached, and may wait on other collectives: not on
@@ -237,10 +244,11 @@ void MpiWorker::loop() {
       if (!queue_.empty()) {
         entry = std::move(queue_.front());
         queue_.pop_front();
+        busy_ = true;
       }
     }
     if (entry.task) {
-      if (entry.work) watch(entry.work, entry.work->getTimeout());
+      if (entry.work) watch(entry.work.get(), entry.work->getTimeout());
       Progress progress;
       progress.work = entry.work.get();
       std::exception_ptr error;
@@ -258,9 +266,13 @@ void MpiWorker::loop() {
       }
     }
     if (!pending_.empty()) poll_pending();
-    if (stopping && !pending_.empty()) {
+    entry = {};  // this thread's reference to the Work goes before the worker counts as idle
+    {
       std::lock_guard<std::mutex> lock(mu_);
-      if (queue_.empty()) {
+      busy_ = false;
+      idle_ = queue_.empty() && pending_.empty();
+      if (idle_) idle_cv_.notify_all();
+      if (stopping && !pending_.empty() && queue_.empty()) {
         abandoned_ = true;  // requests that never matched: MPI cannot finalise
         break;
       }
@@ -269,10 +281,40 @@ void MpiWorker::loop() {
   exited_.set_value();
 }
 
+bool MpiWorker::wait_idle(std::chrono::milliseconds limit) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return idle_cv_.wait_for(lock, limit, [this] { return !busy_ && queue_.empty() && idle_; });
+}
+
+namespace {
+std::mutex workers_mu;
+std::vector<std::weak_ptr<MpiWorker>> workers;  // every worker made, for quiesce()
+}  // namespace
+
+void quiesce(std::chrono::milliseconds limit) {
+  std::vector<std::shared_ptr<MpiWorker>> live;
+  {
+    std::lock_guard<std::mutex> lock(workers_mu);
+    for (auto& w : workers) {
+      if (auto s = w.lock()) live.push_back(std::move(s));
+    }
+  }
+  for (auto& w : live) w->wait_idle(limit);
+  live.clear();
+  CompletionQueue::get().drain(limit);
+}
+
 std::shared_ptr<MpiWorker> worker_for_new_backend() {
   MpiEnv& env = MpiEnv::get();
   auto make = [&env](const char* name) {
     auto w = std::make_shared<MpiWorker>(name);
+    {
+      std::lock_guard<std::mutex> lock(workers_mu);
+      workers.erase(
+          std::remove_if(workers.begin(), workers.end(), [](const auto& x) { return x.expired(); }),
+          workers.end());
+      workers.push_back(w);
+    }
     std::weak_ptr<MpiWorker> weak = w;
     env.on_shutdown([weak] {
       auto strong = weak.lock();

@@ -50,6 +50,7 @@ class MpiWork : public c10d::Work {
   MpiWork(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
           std::chrono::milliseconds timeout, const char* profiling_title,
           const std::optional<std::vector<at::Tensor>>& inputs);
+  ~MpiWork() override;
 
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   // Read from the Future, which completes first: whoever woke on it sees
@@ -129,6 +130,9 @@ class MpiWorker {
   void run_sync(const std::function<void()>& fn);
   // Stops after the running task; false if the thread did not stop in `grace`.
   bool stop(std::chrono::milliseconds grace);
+  // Waits (at most `limit`) until nothing is queued, running or pending and
+  // the worker thread holds no Work. False on timeout.
+  bool wait_idle(std::chrono::milliseconds limit);
 
  private:
   struct Entry {
@@ -149,6 +153,9 @@ class MpiWorker {
   std::vector<Pending> pending_;  // touched by the worker thread only
   bool stopping_ = false;
   bool abandoned_ = false;  // stopped with requests that never completed
+  bool busy_ = false;       // a task taken from queue_ is running or its entry is alive
+  bool idle_ = true;        // nothing pending after the last task
+  std::condition_variable idle_cv_;
   std::promise<void> exited_;
   std::shared_future<void> exited_future_;
   std::thread thread_;
@@ -157,5 +164,11 @@ class MpiWorker {
 // The worker a new backend should use (its own, or the shared one when MPI
 // does not allow concurrent calls from several threads).
 std::shared_ptr<MpiWorker> worker_for_new_backend();
+
+// Before an embedding interpreter finalises (Python's atexit): waits, at most
+// `limit` per stage, until every worker is idle and every Future completion
+// has run, so no ddpx thread still holds a Work, whose tensors may need the
+// GIL to be freed (mpi_watchdog.h says what happens when one asks then).
+void quiesce(std::chrono::milliseconds limit);
 
 }  // namespace ddpx::comm::detail

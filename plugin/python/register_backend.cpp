@@ -7,16 +7,16 @@
 //      world size come from MPI and the store from store_over_mpi(); any other
 //      launch goes to torch's own handler unchanged.
 #include <ddpx/comm.h>
-#include <torch/csrc/utils/pybind.h>
-
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdio>
 #include <cstdlib>
 
 #include "plugin/comm/mpi_env.h"
 #include "plugin/comm/mpi_store.h"
+#include "plugin/comm/mpi_work.h"
 
 namespace py = pybind11;
 
@@ -41,10 +41,11 @@ ddpx::comm::BackendPtr create_ddpx_mpi(const py::object& opts, const py::object&
     py::gil_scoped_release no_gil;  // communicator creation is collective
     backend = ddpx::comm::make_mpi_backend(ranks, timeout);
   }
-  TORCH_CHECK(backend->getSize() == group_size && (group_rank < 0 || backend->getRank() == group_rank),
-              "ddpx_mpi: torch.distributed asked for rank ", group_rank, " of ", group_size,
-              " but MPI gives rank ", backend->getRank(), " of ", backend->getSize(),
-              "; launch with mpirun and let ddpx_mpi take rank and world size from MPI");
+  TORCH_CHECK(
+      backend->getSize() == group_size && (group_rank < 0 || backend->getRank() == group_rank),
+      "ddpx_mpi: torch.distributed asked for rank ", group_rank, " of ", group_size,
+      " but MPI gives rank ", backend->getRank(), " of ", backend->getSize(),
+      "; launch with mpirun and let ddpx_mpi take rank and world size from MPI");
   return backend;
 }
 
@@ -53,9 +54,9 @@ void install() {
   if (!dist.attr("is_available")().cast<bool>()) return;
   auto backend_cls = dist.attr("Backend");
   if (py::hasattr(backend_cls, "DDPX_MPI")) return;  // a second load_library
-  backend_cls.attr("register_backend")("ddpx_mpi", py::cpp_function(&create_ddpx_mpi),
-                                       py::arg("extended_api") = true,
-                                       py::arg("devices") = std::vector<std::string>{"cpu", "cuda"});
+  backend_cls.attr("register_backend")(
+      "ddpx_mpi", py::cpp_function(&create_ddpx_mpi), py::arg("extended_api") = true,
+      py::arg("devices") = std::vector<std::string>{"cpu", "cuda"});
 
   auto rdzv = py::module_::import("torch.distributed.rendezvous");
   py::dict handlers = rdzv.attr("_rendezvous_handlers");
@@ -80,6 +81,17 @@ void install() {
     one.append(py::make_tuple(py::cast(store), rank, size));
     return py::iter(one);
   });
+
+  // Our threads must let go of every Work before the interpreter finalises:
+  // a Work can hold the last reference to a tensor whose Python object needs
+  // the GIL to be freed, and a thread asking a finalising interpreter for it
+  // is ended mid-destructor (std::terminate, "terminate called without an
+  // active exception"). atexit callbacks run while other threads may still
+  // take the GIL; the wait releases it so that they can.
+  py::module_::import("atexit").attr("register")(py::cpp_function([] {
+    py::gil_scoped_release no_gil;
+    ddpx::comm::detail::quiesce(std::chrono::seconds(5));
+  }));
 }
 
 struct Installer {
