@@ -13,6 +13,7 @@
 #include "plugin/comm/mpi_completion.h"
 #include "plugin/comm/mpi_diagnose.h"
 #include "plugin/comm/mpi_env.h"
+#include "plugin/comm/mpi_monitored_barrier.h"
 #include "plugin/comm/mpi_types.h"
 #include "plugin/comm/mpi_util.h"
 
@@ -328,10 +329,11 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reduce_scatter(
   return _reduce_scatter_base(outputs[0], flat, opts);
 }
 
-void MpiBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool /*wait_all_ranks*/) {
-  // Every missing rank is named either way: the timeout asks all peers.
-  auto work = barrier(opts);
-  work->wait(opts.timeout == c10d::kUnsetTimeout ? timeout_ : opts.timeout);
+void MpiBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  TORCH_CHECK(!closed_.load(), "ddpx_mpi: the backend was shut down");
+  const auto limit = opts.timeout == c10d::kUnsetTimeout ? timeout_ : opts.timeout;
+  // On the worker: after the collectives posted before it, as a barrier is.
+  worker_->run_sync([&] { monitored_barrier(diag_, rank_, size_, limit, wait_all_ranks); });
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions&) {

@@ -8,7 +8,7 @@
 namespace ddpx::comm::detail {
 
 namespace {
-constexpr int kAliveTag = 1;  // the only message ever sent on a diagnostic comm
+constexpr int kAliveTag = 1;  // the roll call; mpi_monitored_barrier.cpp uses 2 and 3
 }  // namespace
 
 std::string describe_peers(MPI_Comm diag, int rank, int size, uint64_t seq,

@@ -324,3 +324,30 @@ def test_monitored_barrier():
     import datetime
     dist.monitored_barrier()
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
+
+
+def test_monitored_barrier_names_the_missing_rank():
+    """Gloo's contract: rank 0 names who did not arrive, the ranks that did
+    arrive say they were not released, and the group stays usable."""
+    import datetime
+    r, n = rank_size()
+    t = datetime.timedelta(seconds=1)
+    if r == 0:
+        with pytest.raises(RuntimeError, match="Rank 1 failed to pass monitoredBarrier in 1000 ms"):
+            dist.monitored_barrier(timeout=t)
+    elif r != 1:
+        with pytest.raises(RuntimeError, match=f"Rank {r} successfully reached monitoredBarrier"):
+            dist.monitored_barrier(timeout=t)
+    dist.barrier()
+    if r == 0:  # nobody else comes: every missing rank named
+        want = "Ranks 1, 2 failed" if n == 3 else "Rank 1 failed"
+        with pytest.raises(RuntimeError, match=want):
+            dist.monitored_barrier(timeout=t, wait_all_ranks=True)
+    dist.barrier()
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))  # and it passes again
+    x = torch.ones(3)
+    dist.all_reduce(x)
+    assert torch.equal(x, torch.full((3,), float(n)))
+    if r == 0:  # no time at all: the caller itself timed out
+        with pytest.raises(RuntimeError, match="Rank 0 timed out in monitoredBarrier after 0 ms"):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=0))
