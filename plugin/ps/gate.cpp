@@ -7,7 +7,11 @@
 namespace ddpx::ps::detail {
 
 Gate::Gate(Consistency c, int workers, bool deterministic)
-    : c_(c), deterministic_(deterministic), live_(workers, true), base_(workers, 0) {}
+    : c_(c),
+      deterministic_(deterministic),
+      live_(workers, true),
+      base_(workers, 0),
+      given_(workers, false) {}
 
 void Gate::offer(const Ticket& t) {
   TORCH_INTERNAL_ASSERT(t.worker >= 0 && t.worker < static_cast<int>(live_.size()));
@@ -15,7 +19,10 @@ void Gate::offer(const Ticket& t) {
   held_.push_back(t);
 }
 
-void Gate::gave(int worker, int64_t version) { base_[worker] = version; }
+void Gate::gave(int worker, int64_t version) {
+  base_[worker] = version;
+  given_[worker] = true;
+}
 
 void Gate::gone(int worker) { live_[worker] = false; }
 
@@ -50,7 +57,12 @@ std::optional<Decision> Gate::next_async() {
   // Round robin over the workers: it is worker cursor_'s turn; a worker that
   // is gone and has nothing held loses its turns. Each worker's pushes arrive
   // in its own order (MPI keeps one sender's messages in order).
+  // Nothing is applied before every live worker has its first parameters:
+  // otherwise a slow first pull would be answered with a later version.
   const int n = static_cast<int>(live_.size());
+  for (int w = 0; w < n; ++w) {
+    if (live_[w] && !given_[w]) return std::nullopt;
+  }
   for (int tries = 0; tries < n; ++tries) {
     for (size_t i = 0; i < held_.size(); ++i) {
       if (held_[i].worker == cursor_) {

@@ -53,6 +53,7 @@ class Gate {
   bool deterministic_;
   std::vector<bool> live_;
   std::vector<int64_t> base_;  // [worker] base of the gradient it is computing
+  std::vector<bool> given_;    // [worker] has had its first parameters
   std::deque<Ticket> held_;    // arrival order
   int cursor_ = 0;             // deterministic async: whose turn it is
 };

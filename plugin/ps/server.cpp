@@ -14,6 +14,7 @@
 
 #include "plugin/ps/gate.h"
 #include "plugin/ps/layout.h"
+#include "plugin/ps/server_state.h"
 #include "plugin/ps/session_state.h"
 #include "plugin/ps/transport.h"
 #include "plugin/ps/wire.h"
@@ -32,7 +33,9 @@ class ServerImpl {
         gate_(s.consistency(), workers_, s.options().deterministic),
         inbox_(s.state().comm),
         out_(s.state().comm),
-        last_heard_(workers_, Clock::now()) {
+        last_heard_(workers_, Clock::now()),
+        next_seq_(workers_, 0),
+        answered_(workers_, false) {
     at::NoGradGuard no_grad;
     // The shard's segments: copies of this rank's initial values, 1-D.
     for (const auto& sg : s.state().layout.shards[k_]) {
@@ -66,6 +69,7 @@ class ServerImpl {
       if (gate_.live_count() == 0) break;
     }
     inbox_.stop();
+    if (s_.options().on_checkpoint) checkpoint();
     TORCH_CHECK(out_.drain(timeout), "ddpx ps: server ", k_,
                 " could not deliver its last replies within the timeout");
     // The final values, for Session::share_final.
@@ -80,7 +84,29 @@ class ServerImpl {
     return stats_;
   }
 
+  ServerStats restore(const std::string& bytes) {
+    ServerState st = state();
+    load_server_state(bytes, st, *opt_);
+    stats_ = st.stats;
+    next_seq_ = st.next_seq;
+    // Every worker computes its next gradient on the restored version.
+    for (int w = 0; w < workers_; ++w) gate_.gave(w, stats_.version);
+    return stats_;
+  }
+
  private:
+  ServerState state() const {
+    ServerState st;
+    st.server = k_;
+    st.servers = s_.num_servers();
+    st.stats = stats_;
+    st.next_seq = next_seq_;
+    st.segs = segs_;
+    return st;
+  }
+
+  void checkpoint() { s_.options().on_checkpoint(save_server_state(state(), *opt_)); }
+
   int rank_of(int worker) const { return s_.num_servers() + worker; }
 
   void handle(const Message& m) {
@@ -165,10 +191,13 @@ class ServerImpl {
     ++stats_.version;
     for (const auto& t : d.apply) finish_ticket(t);
     if (on_update) on_update(stats_);
+    const int64_t every = s_.options().checkpoint_every;
+    if (every > 0 && stats_.updates % every == 0 && s_.options().on_checkpoint) checkpoint();
   }
 
   // The push is done with (applied or dropped): answer it if it asked.
   void finish_ticket(const Ticket& t) {
+    next_seq_[t.worker] = t.seq + 1;
     auto it = pending_.find(t.id);
     const bool wants = it->second.header.flags & kAfterPush;
     pending_.erase(it);
@@ -192,7 +221,18 @@ class ServerImpl {
       }
       snapshot_version_ = stats_.version;
     }
-    out_.send(snapshot_, rank_of(w), kReply);
+    if (answered_[w]) {
+      out_.send(snapshot_, rank_of(w), kReply);
+    } else {
+      // The first reply tells the worker where it stands (a restored run).
+      at::Tensor first = snapshot_.clone();
+      ReplyHeader h;
+      std::memcpy(&h, first.data_ptr(), sizeof h);
+      h.seq = next_seq_[w];
+      std::memcpy(first.data_ptr(), &h, sizeof h);
+      out_.send(first, rank_of(w), kReply);
+      answered_[w] = true;
+    }
     gate_.gave(w, stats_.version);
   }
 
@@ -219,6 +259,8 @@ class ServerImpl {
   std::vector<at::Tensor> segs_;
   std::unique_ptr<torch::optim::Optimizer> opt_;
   std::map<int64_t, Push> pending_;
+  std::vector<int64_t> next_seq_;  // [worker] seq of its next push
+  std::vector<bool> answered_;     // [worker] sent its first reply
   int64_t next_id_ = 0;
   ServerStats stats_;
   at::Tensor snapshot_;
@@ -233,6 +275,8 @@ Server::Server(Session& session) {
   impl_ = std::make_unique<detail::ServerImpl>(session);
 }
 Server::~Server() = default;
+
+ServerStats Server::restore(const std::string& state) { return impl_->restore(state); }
 
 ServerStats Server::serve(const std::function<void(const ServerStats&)>& on_update) {
   return impl_->serve(on_update);

@@ -74,6 +74,9 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
   const auto codec = comm::MessageCodec::parse(opts.codec);
   const int workers = s_->size - opts.servers;
   const bool gated = s_->consistency.kind != Consistency::Kind::Async;
+  TORCH_CHECK(!opts.deterministic || opts.pull == PullMode::AfterPush,
+              "ddpx ps: the deterministic mode needs pulls after each push (a prefetched pull "
+              "is answered with whatever version the server holds when it arrives)");
   TORCH_CHECK(!gated || opts.pull == PullMode::AfterPush, "ddpx ps: consistency ",
               s_->consistency.str(),
               " needs pulls after each push (the server gates on the "

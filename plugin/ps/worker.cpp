@@ -159,6 +159,7 @@ class WorkerImpl {
   }
 
   int64_t version() const { return versions_[0]; }
+  int64_t start_step() const { return start_step_; }
 
   void finish() {
     if (finished_) return;
@@ -249,6 +250,13 @@ class WorkerImpl {
       TORCH_CHECK(h.magic == kMagic && h.kind == kReply, "ddpx ps: server ", k,
                   " sent a reply with a bad header (magic ", h.magic, ", kind ", h.kind, ")");
       versions_[k] = h.version;
+      if (!installed_) {
+        // The first reply says which step this worker is at (restored servers).
+        if (k == 0) start_step_ = seq_ = h.seq;
+        TORCH_CHECK(h.seq == start_step_, "ddpx ps: server ", k, " says worker ", w_,
+                    " is at step ", h.seq, ", server 0 says ", start_step_,
+                    " (were the servers restored from checkpoints of different steps?)");
+      }
       const at::Tensor values =
           buffers_[k]
               .narrow(0, sizeof(ReplyHeader), buffers_[k].numel() - sizeof(ReplyHeader))
@@ -262,6 +270,7 @@ class WorkerImpl {
         off += sg.numel;
       }
     }
+    installed_ = true;
   }
 
   Session& s_;
@@ -275,6 +284,8 @@ class WorkerImpl {
   std::vector<std::vector<at::Tensor>> residuals_;  // [server][segment]
   std::unique_ptr<Heartbeat> heartbeat_;
   int64_t seq_ = 0;
+  int64_t start_step_ = 0;
+  bool installed_ = false;
   bool waiting_ = false;
   bool finished_ = false;
   WorkerStats stats_;
@@ -293,6 +304,7 @@ void Worker::push(double loss, double correct, double samples) {
   impl_->push(loss, correct, samples);
 }
 int64_t Worker::version() const { return impl_->version(); }
+int64_t Worker::start_step() const { return impl_->start_step(); }
 void Worker::finish() { impl_->finish(); }
 WorkerStats Worker::stats() const { return impl_->stats(); }
 

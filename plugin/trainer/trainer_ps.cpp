@@ -10,12 +10,15 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
 
+#include "plugin/trainer/checkpoint.h"
 #include "plugin/trainer/data.h"
 #include "plugin/trainer/model.h"
 #include "plugin/trainer/optim.h"
@@ -55,8 +58,6 @@ std::string histogram_text(const ps::Staleness& s) {
 }  // namespace
 
 void run_ps(const Options& o) {
-  TORCH_CHECK(o.checkpoint.empty() && !o.resume,
-              "ddpx-train: --checkpoint and --resume are not implemented for --mode ps yet");
   TORCH_CHECK(comm::detect_launcher() == comm::Launcher::Mpi,
               "ddpx-train: --mode ps runs under mpirun (servers and workers talk MPI point to "
               "point), e.g. mpirun -np 3 ddpx-train --mode ps --servers 1 ...");
@@ -91,6 +92,18 @@ void run_ps(const Options& o) {
   po.timeout_s = o.timeout_s;
   po.make_optimizer = [&o](std::vector<at::Tensor> p) { return make_optimizer(std::move(p), o); };
   po.lr_at = [&o, &total_updates](int64_t v) { return lr_at(v, total_updates, o); };
+  // Each server keeps its own checkpoint, <--checkpoint>.server<k>; the
+  // period counts steps of every worker (updates per step: N, or 1 in sync).
+  const std::string my_checkpoint =
+      o.checkpoint.empty() ? "" : o.checkpoint + ".server" + std::to_string(rank);
+  if (!my_checkpoint.empty()) {
+    const bool sync_mode =
+        ps::Consistency::parse(o.consistency).kind == ps::Consistency::Kind::Sync;
+    po.checkpoint_every = o.checkpoint_every * (sync_mode ? 1 : std::max(1, world - o.servers));
+    po.on_checkpoint = [&my_checkpoint](const std::string& bytes) {
+      write_durably(my_checkpoint, bytes);
+    };
+  }
   ps::Session session(params, po);
 
   const DataSplit data = load_data(o, sm);
@@ -104,9 +117,21 @@ void run_ps(const Options& o) {
   const int64_t per_step = sync ? 1 : workers;  // updates per step of every worker
   total_updates = total * per_step;
 
+  std::string restored;  // a server's saved state (--resume)
+  if (session.is_server() && !my_checkpoint.empty()) {
+    const bool exists = std::filesystem::exists(my_checkpoint);
+    TORCH_CHECK(o.resume || !exists, "ddpx-train: checkpoint ", my_checkpoint,
+                " already exists; pass --resume to continue from it, or choose another "
+                "--checkpoint path (a fresh run never overwrites a checkpoint)");
+    if (o.resume && exists) {
+      std::ifstream in(my_checkpoint, std::ios::binary);
+      restored.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      TORCH_CHECK(in.good() || in.eof(), "ddpx-train: cannot read ", my_checkpoint);
+    }
+  }
   std::ofstream metrics;
   if (lead && !o.metrics.empty()) {
-    metrics.open(o.metrics, std::ios::trunc);
+    metrics.open(o.metrics, restored.empty() ? std::ios::trunc : std::ios::app);
     TORCH_CHECK(metrics, "ddpx-train: cannot write --metrics ", o.metrics);
   }
   if (lead && !o.quiet) {
@@ -164,13 +189,23 @@ void run_ps(const Options& o) {
       prev = st;
       t_window = now;
     };
-    mine = ps::Server(session).serve(on_update);
+    ps::Server server(session);
+    if (!restored.empty()) {
+      prev = server.restore(restored);  // progress windows go on from there
+      if (lead && !o.quiet) {
+        std::cout << "[ddpx-train] resumed the servers from " << o.checkpoint << ".server<k>"
+                  << std::endl;
+      }
+    }
+    mine = server.serve(on_update);
   } else {
     const int w = session.rank() - session.num_servers();
     ps::Worker worker(session);
     at::Tensor idx;
     int64_t epoch = -1;
-    for (int64_t step = 0; step < total; ++step) {
+    worker.pull();  // the first reply says where a resumed run stands
+    const int64_t first = worker.start_step();
+    for (int64_t step = first; step < total; ++step) {
       if (step / steps_per_epoch != epoch) {
         epoch = step / steps_per_epoch;
         idx = shard_indices(data.train.size(), w, workers, epoch, o.seed);
@@ -178,7 +213,7 @@ void run_ps(const Options& o) {
       const at::Tensor rows = idx.narrow(0, (step % steps_per_epoch) * o.batch_size, o.batch_size);
       const at::Tensor x = data.train.inputs.index_select(0, rows);
       const at::Tensor y = data.train.targets.index_select(0, rows);
-      worker.pull();
+      if (step > first) worker.pull();  // its reply came in while the batch was gathered
       for (auto& p : params) p.mutable_grad() = at::Tensor();
       const at::Tensor logits = model.forward({x}).toTensor();
       const at::Tensor loss = torch::nn::functional::cross_entropy(logits, y);

@@ -98,23 +98,27 @@ struct RunResult {
   ps::ServerStats stats;           // merged over servers, on every rank
 };
 
-// A PS run: every worker does `steps` steps; `before_push` runs on a worker
-// before each push (delays).
+// A PS run: every worker goes on to step `steps`; `before_push` runs on a
+// worker before each push (delays); a server restores `state` when given.
 RunResult run_ps(ps::Options o, int64_t steps,
-                 const std::function<void(int w, int64_t s)>& before_push = {}) {
+                 const std::function<void(int w, int64_t s)>& before_push = {},
+                 const std::string& state = "") {
   std::vector<at::Tensor> params = make_params();
   ps::Session session(params, std::move(o));
   ps::ServerStats mine;
   if (session.is_server()) {
-    mine = ps::Server(session).serve();
+    ps::Server server(session);
+    if (!state.empty()) server.restore(state);
+    mine = server.serve();
   } else {
     const int w = session.rank() - session.num_servers();
     ps::Worker worker(session);
-    for (int64_t s = 0; s < steps; ++s) {
-      worker.pull();
+    worker.pull();
+    for (int64_t s = worker.start_step(); s < steps; ++s) {
       const double loss = compute_grads(params, w, s);
       if (before_push) before_push(w, s);
       worker.push(loss, 0, 8);
+      worker.pull();
     }
     worker.finish();
   }
@@ -299,6 +303,31 @@ TEST(Ps, AsyncMeanStalenessNearWorkersMinusOne) {
   EXPECT_EQ(got.stats.applied, workers * 60);
   EXPECT_NEAR(got.stats.staleness.mean(), workers - 1, 0.35)
       << "p50 " << got.stats.staleness.percentile(0.5) << " max " << got.stats.staleness.max();
+}
+
+// A run stopped after 8 of 12 steps and restored from the servers'
+// checkpoints ends bitwise where the uninterrupted run ends (sync: every
+// worker's next gradient is computed on the saved version). The checkpoint
+// of step 4 is taken too, so "the last one wins" is what is checked.
+TEST(Ps, ResumeEqualsUninterrupted) {
+  const int n = world_size();
+  const int servers = n == 4 ? 2 : 1;
+  const auto whole = run_ps(options(servers, "sync"), 12);
+  std::string state;
+  int saves = 0;
+  auto o = options(servers, "sync");
+  o.checkpoint_every = 4;
+  o.on_checkpoint = [&](const std::string& bytes) {
+    state = bytes;
+    ++saves;
+  };
+  run_ps(o, 8);
+  const bool server = ddpx::comm::detail::MpiEnv::get().world_rank() < servers;
+  if (server) EXPECT_EQ(saves, 3);  // after updates 4 and 8, and at the end
+  const auto resumed = run_ps(options(servers, "sync"), 12, {}, state);
+  expect_bitwise(resumed.params, whole.params);
+  EXPECT_EQ(resumed.stats.version, 12);
+  EXPECT_EQ(resumed.stats.applied, whole.stats.applied);
 }
 
 // Every push codec, 2 servers (the first weight split between them) and one

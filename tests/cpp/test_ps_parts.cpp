@@ -166,11 +166,14 @@ TEST(PsGate, AsyncMeanStalenessIsWorkersMinusOne) {
 
 TEST(PsGate, DeterministicAppliesRoundRobin) {
   Gate gate(Consistency::parse("async"), 3, /*deterministic=*/true);
+  gate.gave(0, 0);
+  gate.gave(2, 0);
   // Arrivals 2, 1, 0 of seq 0: applied 0, 1, 2.
   gate.offer(Ticket{2, 0, 0, 10});
   gate.offer(Ticket{1, 0, 0, 11});
-  EXPECT_FALSE(gate.next(0).has_value());  // worker 0 has not pushed: all wait
   gate.offer(Ticket{0, 0, 0, 12});
+  EXPECT_FALSE(gate.next(0).has_value());  // worker 1 has not had its first parameters
+  gate.gave(1, 0);
   std::vector<int> order;
   while (auto d = gate.next(0)) order.push_back(d->apply.at(0).worker);
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));

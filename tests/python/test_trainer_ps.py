@@ -10,6 +10,8 @@ Stated targets (CPU, generated data):
   --mode sync (GradSync) on 2 ranks to 1e-5 relative (same shards, same
   mean; seen: equal to every printed digit, and on HAN too).
 - MLP, 2 servers, sync, fp16 pushes: 50% of float32 on the wire plus headers.
+- MLP, sync, stopped and resumed from the server's checkpoint:
+  the same logged losses and test accuracy, exactly.
 """
 import pytest
 
@@ -41,8 +43,8 @@ def test_lenet_async(tmp_path, data_cache):
 
 
 def test_sync_through_a_server_equals_gradsync(tmp_path, data_cache):
-    common = ["--model", model("mlp"), "--data-cache", data_cache, "--steps", 40,
-              "--batch-size", 32, "--log-every", 10]
+    common = ["--model", model("mlp"), "--data-cache", data_cache, "--steps", 20,
+              "--batch-size", 32, "--log-every", 5]
     ref, ps = tmp_path / "ref.jsonl", tmp_path / "ps.jsonl"
     r = run(mpirun_cmd(2, *common, "--metrics", ref))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -58,12 +60,40 @@ def test_two_servers_fp16_pushes(tmp_path, data_cache):
     metrics = tmp_path / "m.jsonl"
     r = run(mpirun_cmd(4, "--mode", "ps", "--servers", 2, "--consistency", "sync",
                        "--codec", "fp16", "--model", model("mlp"), "--data-cache", data_cache,
-                       "--steps", 30, "--batch-size", 32, "--log-every", 10,
+                       "--steps", 10, "--batch-size", 32, "--log-every", 5,
                        "--metrics", metrics))
     assert r.returncode == 0, r.stdout + r.stderr
     end = read_metrics(metrics)[-1]
-    assert end["updates"] == 30 and end["dropped"] == 0 and end["staleness"]["max"] == 0, end
+    assert end["updates"] == 10 and end["dropped"] == 0 and end["staleness"]["max"] == 0, end
     assert 0.5 <= end["compression"] < 0.501, end
+
+
+def test_resume_equals_uninterrupted(tmp_path, data_cache):
+    """sync: stopped after 12 of 20 steps and resumed from the server's
+    checkpoint, the run ends with the same loss and test accuracy (the
+    server's parameters are bitwise those of the uninterrupted run; the C++
+    test checks that with 2 servers too)."""
+    common = ["--mode", "ps", "--consistency", "sync", "--model", model("mlp"),
+              "--data-cache", data_cache, "--batch-size", 16, "--log-every", 4]
+    ref = tmp_path / "ref.jsonl"
+    r = run(mpirun_cmd(3, *common, "--steps", 20, "--metrics", ref))
+    assert r.returncode == 0, r.stdout + r.stderr
+    ckpt, m = tmp_path / "run.ckpt", tmp_path / "m.jsonl"
+    r = run(mpirun_cmd(3, *common, "--steps", 12, "--checkpoint", ckpt, "--checkpoint-every", 4,
+                       "--metrics", m))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "run.ckpt.server0").exists()
+    r = run(mpirun_cmd(3, *common, "--steps", 12, "--checkpoint", ckpt, "--metrics", m))
+    assert r.returncode != 0 and "already exists; pass --resume" in r.stderr, r.stderr
+    r = run(mpirun_cmd(3, *common, "--steps", 20, "--checkpoint", ckpt, "--resume",
+                       "--metrics", m))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed the servers" in r.stdout
+    want, got = read_metrics(ref), read_metrics(m)
+    assert [x["loss"] for x in got if "event" not in x] == \
+        [x["loss"] for x in want if "event" not in x]
+    assert got[-1]["test_accuracy"] == want[-1]["test_accuracy"]
+    assert got[-1]["updates"] == 20
 
 
 @pytest.mark.parametrize("args,np,message", [

@@ -40,7 +40,8 @@
 //      follow this push" -- the pull is folded into the push.
 //   3. The server's consistency gate decides when a push is applied:
 //        async     in arrival order (deterministic: in the fixed order worker
-//                  0, 1, ..., N-1 of each seq, whatever the arrival order);
+//                  0, 1, ..., N-1 of each seq, whatever the arrival order,
+//                  and only once every worker has had its first parameters);
 //        ssp:S     a push is held while applying it would leave the gradients
 //                  the other live workers are computing (or sent) unable to be
 //                  applied at most S versions after their base: sorted by base
@@ -71,6 +72,10 @@
 //      live workers only. A worker that waits longer than the timeout for a
 //      server's reply throws a c10::Error naming that server's rank.
 //   7. Session::share_final (collective): each server broadcasts its shard.
+//   Checkpoints: a server hands its state (shard, optimizer state, version,
+//   counters, and each worker's next seq) to Options::on_checkpoint; restored,
+//   its first REPLY to each worker carries that worker's next seq, from which
+//   the worker goes on (Worker::start_step).
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
 
@@ -109,6 +114,11 @@ struct Options {
   // of the update that makes version v + 1 (unset: the optimizer's own).
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> make_optimizer;
   std::function<double(int64_t version)> lr_at;
+  // Server checkpoints: after every checkpoint_every updates (0: never) and
+  // when serve() ends, on_checkpoint gets this server's state as bytes to
+  // store; Server::restore takes them back.
+  int64_t checkpoint_every = 0;
+  std::function<void(const std::string& state)> on_checkpoint;
   // Test hook: a worker sleeps this long (us) before each push, drawn per
   // step from [0, max_push_delay_us) with its own seed (emulates stragglers).
   int64_t max_push_delay_us = 0;
@@ -187,6 +197,10 @@ class Server {
   // Runs until every worker said BYE or was dropped. on_update (optional) is
   // called on this thread after every optimizer step.
   ServerStats serve(const std::function<void(const ServerStats&)>& on_update = {});
+  // Before serve(): continue from a state on_checkpoint produced (this
+  // server's, same model and worker count; otherwise a c10::Error). Returns
+  // the restored counters.
+  ServerStats restore(const std::string& state);
 
  private:
   std::unique_ptr<detail::ServerImpl> impl_;
@@ -202,6 +216,10 @@ class Worker {
   // Pushes the parameters' .grad (undefined = zero) to the servers, after
   // backward; loss/correct/samples are reported to the servers' metrics.
   void push(double loss = 0, double correct = 0, double samples = 0);
+  // After the first pull: how many of this worker's pushes the servers had
+  // finished with when they were restored (0 on a fresh run): the step to
+  // go on from.
+  int64_t start_step() const;
   // The version of server 0's shard the parameters hold.
   int64_t version() const;
   void finish();
