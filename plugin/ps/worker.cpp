@@ -106,10 +106,24 @@ class WorkerImpl {
   }
 
   void pull() {
+    const PullMode mode = s_.options().pull;
+    if (mode == PullMode::Inconsistent && installed_) {
+      // Whatever shards came in since the last step go in, each asked for
+      // again at once; the others stay as they are. Never waits.
+      for (int k = 0; k < s_.num_servers(); ++k) {
+        int done = 0;
+        DDPX_MPI_CHECK(MPI_Test(&requests_[k], &done, MPI_STATUS_IGNORE));
+        take_notes(k);  // a refusal is an error now, not at finish()
+        if (!done) continue;
+        install_shard(k);
+        request_pull_from(k);
+      }
+      return;
+    }
     if (!waiting_) request_pull();
     wait_replies();
     install();
-    if (s_.options().pull == PullMode::Prefetch) request_pull();
+    if (mode != PullMode::AfterPush) request_pull();
   }
 
   void push(double loss, double correct, double samples) {
@@ -180,17 +194,23 @@ class WorkerImpl {
   WorkerStats stats() const { return stats_; }
 
  private:
-  void post_receives() {
-    for (int k = 0; k < s_.num_servers(); ++k) {
-      DDPX_MPI_CHECK(MPI_Irecv(buffers_[k].data_ptr(), static_cast<int>(buffers_[k].numel()),
-                               MPI_BYTE, k, kReply, s_.state().comm, &requests_[k]));
-    }
+  void post_receive(int k) {
+    DDPX_MPI_CHECK(MPI_Irecv(buffers_[k].data_ptr(), static_cast<int>(buffers_[k].numel()),
+                             MPI_BYTE, k, kReply, s_.state().comm, &requests_[k]));
     waiting_ = true;
   }
 
+  void post_receives() {
+    for (int k = 0; k < s_.num_servers(); ++k) post_receive(k);
+  }
+
+  void request_pull_from(int k) {
+    out_.send(pack_note(kPull, w_, seq_), k, kPull);
+    post_receive(k);
+  }
+
   void request_pull() {
-    for (int k = 0; k < s_.num_servers(); ++k) out_.send(pack_note(kPull, w_, seq_), k, kPull);
-    post_receives();
+    for (int k = 0; k < s_.num_servers(); ++k) request_pull_from(k);
   }
 
   // Takes a server's ERROR or HEARTBEAT if one is there; true if heard from it.
@@ -242,35 +262,38 @@ class WorkerImpl {
 
   // Every server's reply is in: the parameters take them all at once.
   void install() {
+    for (int k = 0; k < s_.num_servers(); ++k) install_shard(k);
+    installed_ = true;
+  }
+
+  // Server k's reply is in its buffer: its values go into the parameters.
+  void install_shard(int k) {
     at::NoGradGuard no_grad;
     const auto& params = s_.params();
-    for (int k = 0; k < s_.num_servers(); ++k) {
-      ReplyHeader h;
-      std::memcpy(&h, buffers_[k].data_ptr(), sizeof h);
-      TORCH_CHECK(h.magic == kMagic && h.kind == kReply, "ddpx ps: server ", k,
-                  " sent a reply with a bad header (magic ", h.magic, ", kind ", h.kind, ")");
-      versions_[k] = h.version;
-      if (!installed_) {
-        // The first reply says which step this worker is at (restored servers).
-        if (k == 0) start_step_ = seq_ = h.seq;
-        TORCH_CHECK(h.seq == start_step_, "ddpx ps: server ", k, " says worker ", w_,
-                    " is at step ", h.seq, ", server 0 says ", start_step_,
-                    " (were the servers restored from checkpoints of different steps?)");
-      }
-      const at::Tensor values =
-          buffers_[k]
-              .narrow(0, sizeof(ReplyHeader), buffers_[k].numel() - sizeof(ReplyHeader))
-              .view(at::kFloat);
-      int64_t off = 0;
-      for (const auto& sg : s_.state().layout.shards[k]) {
-        params[sg.param]
-            .view(-1)
-            .narrow(0, sg.offset, sg.numel)
-            .copy_(values.narrow(0, off, sg.numel));
-        off += sg.numel;
-      }
+    ReplyHeader h;
+    std::memcpy(&h, buffers_[k].data_ptr(), sizeof h);
+    TORCH_CHECK(h.magic == kMagic && h.kind == kReply, "ddpx ps: server ", k,
+                " sent a reply with a bad header (magic ", h.magic, ", kind ", h.kind, ")");
+    versions_[k] = h.version;
+    if (!installed_) {
+      // The first reply says which step this worker is at (restored servers).
+      if (k == 0) start_step_ = seq_ = h.seq;
+      TORCH_CHECK(h.seq == start_step_, "ddpx ps: server ", k, " says worker ", w_, " is at step ",
+                  h.seq, ", server 0 says ", start_step_,
+                  " (were the servers restored from checkpoints of different steps?)");
     }
-    installed_ = true;
+    const at::Tensor values =
+        buffers_[k]
+            .narrow(0, sizeof(ReplyHeader), buffers_[k].numel() - sizeof(ReplyHeader))
+            .view(at::kFloat);
+    int64_t off = 0;
+    for (const auto& sg : s_.state().layout.shards[k]) {
+      params[sg.param]
+          .view(-1)
+          .narrow(0, sg.offset, sg.numel)
+          .copy_(values.narrow(0, off, sg.numel));
+      off += sg.numel;
+    }
   }
 
   Session& s_;

@@ -90,8 +90,9 @@ Options parse_options(int argc, char** argv) {
       ->capture_default_str();
   ps->add_option("--ps-pull", o.ps_pull,
                  "after-push: parameters that include the worker's own last push; prefetch: "
-                 "fetched while the step computes (async only)")
-      ->check(CLI::IsMember({"after-push", "prefetch"}))
+                 "fetched while the step computes; inconsistent: never waits, each server's "
+                 "shard goes in when it comes (both async only)")
+      ->check(CLI::IsMember({"after-push", "prefetch", "inconsistent"}))
       ->capture_default_str();
   ps->add_flag("--ps-deterministic", o.ps_deterministic,
                "async: apply pushes in a fixed round-robin order (for tests)");

@@ -37,7 +37,7 @@ struct Options {
   // Parameter server (--mode ps; --codec compresses the pushes).
   int servers = 1;                     // the first K ranks serve
   std::string consistency = "async";   // async | ssp:<S> | sync[:<n>]
-  std::string ps_pull = "after-push";  // after-push | prefetch
+  std::string ps_pull = "after-push";  // after-push | prefetch | inconsistent
   bool ps_deterministic = false;       // async: fixed application order
 
   // Output.

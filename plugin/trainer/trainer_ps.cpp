@@ -87,7 +87,9 @@ void run_ps(const Options& o) {
   po.servers = o.servers;
   po.consistency = o.consistency;
   po.codec = o.codec;
-  po.pull = o.ps_pull == "prefetch" ? ps::PullMode::Prefetch : ps::PullMode::AfterPush;
+  po.pull = o.ps_pull == "prefetch"       ? ps::PullMode::Prefetch
+            : o.ps_pull == "inconsistent" ? ps::PullMode::Inconsistent
+                                          : ps::PullMode::AfterPush;
   po.deterministic = o.ps_deterministic;
   po.timeout_s = o.timeout_s;
   po.make_optimizer = [&o](std::vector<at::Tensor> p) { return make_optimizer(std::move(p), o); };

@@ -182,6 +182,30 @@ TEST(Ps, OneWorkerPrefetchIsOneStepStale) {
   EXPECT_EQ(got.stats.staleness.counts.at(0), world_size() - 1);  // the first push, per server
 }
 
+// Inconsistent reads (AsySG-InCon): pull() never waits after the first, so
+// which versions a step mixes depends on timing. What holds whatever the
+// timing: every push is applied once, and no push but the first is computed
+// on parameters that include the worker's previous push (the pull whose reply
+// a step uses was asked for before that push was sent, and a server answers
+// in arrival order), so exactly one push per server is 0 versions stale.
+TEST(Ps, InconsistentReadsNeverIncludeTheWorkersLastPush) {
+  const int servers = world_size() == 2 ? 1 : 2;
+  if (world_size() - servers != 1) GTEST_SKIP() << "one worker: np 2 or 3";
+  auto o = options(servers, "async");
+  o.pull = ps::PullMode::Inconsistent;
+  const int64_t steps = 40;
+  const auto got = run_ps(o, steps, [](int, int64_t s) {
+    if (s % 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  EXPECT_EQ(got.stats.applied, servers * steps);
+  EXPECT_EQ(got.stats.staleness.counts.at(0), servers);
+  EXPECT_GE(got.stats.staleness.mean(), 1.0 - 1.0 / steps);
+  for (size_t i = 0; i < got.params.size(); ++i) {
+    EXPECT_TRUE(at::isfinite(got.params[i]).all().item<bool>());
+    EXPECT_FALSE(at::equal(got.params[i], make_params()[i])) << "parameter " << i << " never moved";
+  }
+}
+
 // Round robin: worker w's push s is computed on the parameters right after
 // its own push s - 1, and applied after every push (s, w' < w).
 std::vector<at::Tensor> sequential_round_robin(int workers, int64_t steps) {

@@ -64,6 +64,8 @@
 //      server's reply into a buffer of its own and copies them into the
 //      parameters only at pull(): a step never sees a half-written model
 //      (consistent reads; per server, the versions of two servers may differ).
+//      Inconsistent pulls install each server's shard as soon as it is in,
+//      without waiting for the others or for a reply at all.
 //   5. BYE   worker -> every server after its last push. A server returns
 //      from serve() when every worker said BYE or was dropped.
 //   6. Liveness: a server that hears nothing from a worker for the timeout
@@ -101,6 +103,11 @@ struct Consistency {
 enum class PullMode {
   AfterPush,  // parameters that include this worker's last push (1 worker = local SGD)
   Prefetch,   // fetched while the step computes: the newest at the step's start
+  // AsySG-InCon's inconsistent read: pull() never waits (after the first);
+  // each shard that has come in since the last pull goes in and is asked
+  // for again, the others stay, so a step may mix versions of different
+  // servers' shards. async only.
+  Inconsistent,
 };
 
 struct Options {
