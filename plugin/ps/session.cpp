@@ -5,11 +5,14 @@
 #include <c10/util/Exception.h>
 #include <ddpx/ps.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <sstream>
+#include <thread>
 
 #include "plugin/comm/codec_message.h"
 #include "plugin/comm/mpi_env.h"
+#include "plugin/comm/wait_pacer.h"
 #include "plugin/ps/layout.h"
 #include "plugin/ps/session_state.h"
 
@@ -47,6 +50,33 @@ void check_same(MPI_Comm comm, const std::vector<std::pair<std::string, int64_t>
   }
   TORCH_CHECK(bad.empty(), "ddpx ps: the ranks disagree on the ", bad, " (this rank has ", mine,
               "); every rank must run the same model with the same options");
+}
+
+// The collectives after training must not wait for ever for a rank that
+// never joins (a frozen worker the servers dropped): each is started
+// nonblocking and waited for at most the timeout. Then the job is marked
+// broken (MPI_Abort at exit, which ends the frozen rank too), the buffers are
+// leaked (MPI may still write them) and a c10::Error says what happened.
+void await_bounded(MPI_Request& r, double timeout_s, const std::string& what,
+                   const std::vector<at::Tensor>& buffers) {
+  using comm::detail::WaitPacer;
+  const auto start = WaitPacer::Clock::now();
+  WaitPacer pacer(start);
+  while (true) {
+    const auto t0 = WaitPacer::Clock::now();
+    int done = 0;
+    DDPX_MPI_CHECK(MPI_Test(&r, &done, MPI_STATUS_IGNORE));
+    if (done) return;
+    if (std::chrono::duration<double>(t0 - start).count() > timeout_s) {
+      for (const auto& b : buffers) new at::Tensor(b);
+      MpiEnv::get().mark_broken("ddpx ps: " + what + " never completed");
+      TORCH_CHECK(false, "ddpx ps: ", what, " did not complete within ", timeout_s,
+                  " s (DDPX_TIMEOUT_S): a rank never joined it (a worker the servers dropped, "
+                  "or a server that stopped)");
+    }
+    const auto nap = pacer.after_test(t0, WaitPacer::Clock::now());
+    if (nap.count() > 0) std::this_thread::sleep_for(nap);
+  }
 }
 
 double env_timeout() {
@@ -149,8 +179,10 @@ void Session::share_final(const std::vector<at::Tensor>& params) {
         off += sg.numel;
       }
     }
+    MPI_Request r;
     DDPX_MPI_CHECK(
-        MPI_Bcast(buf.data_ptr(), static_cast<int>(buf.numel()), MPI_FLOAT, k, s_->comm));
+        MPI_Ibcast(buf.data_ptr(), static_cast<int>(buf.numel()), MPI_FLOAT, k, s_->comm, &r));
+    await_bounded(r, s_->timeout_s, "the final broadcast of server " + std::to_string(k), {buf});
     off = 0;
     for (const auto& sg : segs) {
       params[sg.param].view(-1).narrow(0, sg.offset, sg.numel).copy_(buf.narrow(0, off, sg.numel));
@@ -160,30 +192,49 @@ void Session::share_final(const std::vector<at::Tensor>& params) {
 }
 
 ServerStats Session::gather_stats(const ServerStats& mine) {
-  // Counters are summed over the servers; the version is server 0's.
-  int64_t len = static_cast<int64_t>(mine.staleness.counts.size()), max_len = 0;
-  DDPX_MPI_CHECK(MPI_Allreduce(&len, &max_len, 1, MPI_INT64_T, MPI_MAX, s_->comm));
-  std::vector<int64_t> ints = {mine.applied,        mine.dropped,   mine.updates,
-                               mine.bytes_received, mine.bytes_raw, mine.workers_lost};
+  // Counters are summed over the servers; the version is server 0's. One
+  // bounded allreduce of int64 (length first, so every rank sizes the
+  // histogram alike) and one of double.
+  auto allreduce = [&](at::Tensor t, MPI_Datatype type, MPI_Op op) {
+    at::Tensor out = at::empty_like(t);
+    MPI_Request r;
+    DDPX_MPI_CHECK(MPI_Iallreduce(t.data_ptr(), out.data_ptr(), static_cast<int>(t.numel()), type,
+                                  op, s_->comm, &r));
+    await_bounded(r, s_->timeout_s, "the final gathering of the servers' statistics", {t, out});
+    return out;
+  };
+  const int64_t len = static_cast<int64_t>(mine.staleness.counts.size());
+  const int64_t max_len =
+      allreduce(at::tensor({len}, at::kLong), MPI_INT64_T, MPI_MAX)[0].item<int64_t>();
+  std::vector<int64_t> ints = {is_server() && rank() == 0 ? mine.version : 0,
+                               mine.applied,
+                               mine.dropped,
+                               mine.updates,
+                               mine.bytes_received,
+                               mine.bytes_raw,
+                               mine.workers_lost};
   const size_t head = ints.size();
   ints.resize(head + max_len, 0);
   for (int64_t i = 0; i < len; ++i) ints[head + i] = mine.staleness.counts[i];
-  std::vector<int64_t> sum(ints.size());
-  DDPX_MPI_CHECK(MPI_Allreduce(ints.data(), sum.data(), static_cast<int>(ints.size()), MPI_INT64_T,
-                               MPI_SUM, s_->comm));
-  double d[3] = {mine.loss_sum, mine.correct, mine.samples}, dsum[3];
-  DDPX_MPI_CHECK(MPI_Allreduce(d, dsum, 3, MPI_DOUBLE, MPI_SUM, s_->comm));
-  int64_t version = mine.version;
-  DDPX_MPI_CHECK(MPI_Bcast(&version, 1, MPI_INT64_T, 0, s_->comm));
+  const at::Tensor summed =
+      allreduce(at::tensor(c10::ArrayRef<int64_t>(ints), at::kLong), MPI_INT64_T, MPI_SUM);
+  const std::vector<int64_t> sum(summed.data_ptr<int64_t>(),
+                                 summed.data_ptr<int64_t>() + summed.numel());
+  const at::Tensor dsum_t = allreduce(
+      at::tensor({mine.loss_sum, mine.correct, mine.samples}, at::kDouble), MPI_DOUBLE, MPI_SUM);
+  const double dsum[3] = {dsum_t[0].item<double>(), dsum_t[1].item<double>(),
+                          dsum_t[2].item<double>()};
+  const int64_t version = sum[0];
+  std::vector<int64_t> rest(sum.begin() + 1, sum.end());
   ServerStats out;
   out.version = version;
-  out.applied = sum[0];
-  out.dropped = sum[1];
-  out.updates = sum[2];
-  out.bytes_received = sum[3];
-  out.bytes_raw = sum[4];
-  out.workers_lost = sum[5];
-  out.staleness.counts.assign(sum.begin() + head, sum.end());
+  out.applied = rest[0];
+  out.dropped = rest[1];
+  out.updates = rest[2];
+  out.bytes_received = rest[3];
+  out.bytes_raw = rest[4];
+  out.workers_lost = rest[5];
+  out.staleness.counts.assign(sum.begin() + static_cast<std::ptrdiff_t>(head), sum.end());
   // Each server saw every worker's loss: report one server's worth.
   const double k = s_->opts.servers;
   out.loss_sum = dsum[0] / k;

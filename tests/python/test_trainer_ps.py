@@ -10,12 +10,19 @@ Stated targets (CPU, generated data):
   --mode sync (GradSync) on 2 ranks to 1e-5 relative (same shards, same
   mean; seen: equal to every printed digit, and on HAN too).
 - MLP, 2 servers, sync, fp16 pushes: 50% of float32 on the wire plus headers.
+- a server frozen by SIGSTOP: the workers fail within DDPX_TIMEOUT_S + 15 s,
+  naming it.
 - MLP, sync, stopped and resumed from the server's checkpoint:
   the same logged losses and test accuracy, exactly.
 """
+import os
+import signal
+import time
+
 import pytest
 
-from trainer_util import model, mpirun_cmd, read_metrics, run
+from trainer_util import (env, kill_group, model, mpirun_cmd, rank_pid, read_metrics, run, start,
+                          wait_for)
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +114,32 @@ def test_bad_input_is_an_error_naming_it(data_cache, args, np, message):
                        "--steps", 2, *args), timeout=120)
     assert r.returncode != 0
     assert message in r.stderr, r.stderr
+
+
+def test_frozen_server_fails_the_workers_in_time(tmp_path, data_cache):
+    """SIGSTOP the server mid-run: the workers fail within DDPX_TIMEOUT_S (5 s)
+    plus a margin, naming it, and the job ends (the frozen server with it)."""
+    marker = str(tmp_path / "marker")  # finds this run's ranks
+    p = start(mpirun_cmd(3, "--mode", "ps", "--model", model("mlp"), "--data-cache", data_cache,
+                         "--steps", 1000000, "--batch-size", 16, "--log-every", 20,
+                         "--metrics", marker), env=env(DDPX_TIMEOUT_S=5))
+    lines = []
+
+    def progressing():
+        line = p.stdout.readline()
+        lines.append(line)
+        return "step 20/" in line or (line == "" and p.poll() is not None and "exited")
+    try:
+        wait_for(progressing, 120, "training to start")
+        assert p.poll() is None, "".join(lines)
+        pid = wait_for(lambda: rank_pid(marker, 0, "OMPI_COMM_WORLD_RANK"), 30, "rank 0's pid")
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        out, _ = p.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        kill_group(p)
+    out = "".join(lines) + out
+    assert p.returncode != 0, out
+    assert elapsed <= 5 + 15, f"{elapsed:.1f} s\n{out}"
+    assert "server 0 (rank 0) sent nothing for 5 s" in out, out

@@ -23,7 +23,8 @@
 //      is a c10::Error naming it on every rank. No further handshake: there is
 //      no hello/ready round trip per worker or per message.
 //   1. PULL  worker -> every server: {kind, worker, seq}. Sent once at the
-//      start, and each step in Prefetch mode. The server answers at once.
+//      start, each step in Prefetch mode, and to each server whose reply came
+//      in Inconsistent mode. The server answers at once.
 //   2. PUSH  worker -> every server: a self-describing message
 //        header {kind, worker, seq, base version (of that server's shard the
 //                gradient was computed on), codec id + argument, flags,
@@ -71,8 +72,10 @@
 //   6. Liveness: a server that hears nothing from a worker for the timeout
 //      (a worker sends a HEARTBEAT each timeout/4 from a thread of its own)
 //      drops it (logged) and goes on; the ssp bound and the sync quorum count
-//      live workers only. A worker that waits longer than the timeout for a
-//      server's reply throws a c10::Error naming that server's rank.
+//      live workers only. Servers send each live worker a HEARTBEAT each
+//      timeout/4 too (a reply held by the gate is not a silence), and a worker
+//      that, waiting for a reply, hears nothing from a server for the timeout
+//      throws a c10::Error naming that server's rank.
 //   7. Session::share_final (collective): each server broadcasts its shard.
 //   Checkpoints: a server hands its state (shard, optimizer state, version,
 //   counters, and each worker's next seq) to Options::on_checkpoint; restored,
