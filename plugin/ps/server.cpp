@@ -48,6 +48,7 @@ class ServerImpl {
                 "ddpx ps: Options::make_optimizer is not set; the "
                 "servers need it to apply gradients");
     opt_ = s.options().make_optimizer(segs_);
+    for (auto& group : opt_->param_groups()) base_lr_.push_back(group.options().get_lr());
   }
 
   ServerStats serve(const std::function<void(const ServerStats&)>& on_update) {
@@ -174,10 +175,7 @@ class ServerImpl {
       }
       segs_[i].mutable_grad() = g;
     }
-    if (s_.options().lr_at) {
-      const double lr = s_.options().lr_at(stats_.version);
-      for (auto& group : opt_->param_groups()) group.options().set_lr(lr);
-    }
+    set_learning_rate(d);
     opt_->step();
     for (const auto& t : d.apply) {
       stats_.staleness.add(stats_.version - t.base);
@@ -193,6 +191,20 @@ class ServerImpl {
     if (on_update) on_update(stats_);
     const int64_t every = s_.options().checkpoint_every;
     if (every > 0 && stats_.updates % every == 0 && s_.options().on_checkpoint) checkpoint();
+  }
+
+  // lr_at(version), or the optimizer's own; with staleness_lr, a gradient
+  // applied tau > 0 versions stale gets 1/tau of it (Zhang et al. 2016), so
+  // old gradients move the model less. An update of several (sync) is fresh.
+  void set_learning_rate(const Decision& d) {
+    const auto& o = s_.options();
+    const int64_t tau = d.apply.size() == 1 ? stats_.version - d.apply[0].base : 0;
+    const double scale = o.staleness_lr && tau > 1 ? 1.0 / static_cast<double>(tau) : 1.0;
+    auto& groups = opt_->param_groups();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const double lr = o.lr_at ? o.lr_at(stats_.version) : base_lr_[g];
+      groups[g].options().set_lr(lr * scale);
+    }
   }
 
   // The push is done with (applied or dropped): answer it if it asked.
@@ -258,6 +270,7 @@ class ServerImpl {
   std::vector<int64_t> seg_numel_;
   std::vector<at::Tensor> segs_;
   std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::vector<double> base_lr_;  // [param group] the optimizer's own rate
   std::map<int64_t, Push> pending_;
   std::vector<int64_t> next_seq_;  // [worker] seq of its next push
   std::vector<bool> answered_;     // [worker] sent its first reply

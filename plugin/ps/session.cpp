@@ -143,7 +143,8 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
               {"consistency", stable_hash(s_->consistency.str())},
               {"codec", stable_hash(codec.spec())},
               {"pull mode", static_cast<int64_t>(opts.pull)},
-              {"deterministic", opts.deterministic ? 1 : 0}},
+              {"deterministic", opts.deterministic ? 1 : 0},
+              {"staleness_lr", opts.staleness_lr ? 1 : 0}},
              mine.str());
   s_->layout = detail::Layout::plan(numels, opts.servers);
   s_->timeout_s = opts.timeout_s > 0 ? opts.timeout_s : env_timeout();

@@ -96,6 +96,8 @@ Options parse_options(int argc, char** argv) {
       ->capture_default_str();
   ps->add_flag("--ps-deterministic", o.ps_deterministic,
                "async: apply pushes in a fixed round-robin order (for tests)");
+  ps->add_flag("--ps-staleness-lr", o.ps_staleness_lr,
+               "a gradient applied tau > 1 versions stale gets lr / tau");
 
   auto* out = app.add_option_group("output");
   out->add_option("--checkpoint", o.checkpoint, "checkpoint file (written atomically by rank 0)");

@@ -39,6 +39,7 @@ struct Options {
   std::string consistency = "async";   // async | ssp:<S> | sync[:<n>]
   std::string ps_pull = "after-push";  // after-push | prefetch | inconsistent
   bool ps_deterministic = false;       // async: fixed application order
+  bool ps_staleness_lr = false;        // lr / staleness for stale gradients
 
   // Output.
   std::string checkpoint;        // path; written atomically

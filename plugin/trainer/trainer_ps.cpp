@@ -91,6 +91,7 @@ void run_ps(const Options& o) {
             : o.ps_pull == "inconsistent" ? ps::PullMode::Inconsistent
                                           : ps::PullMode::AfterPush;
   po.deterministic = o.ps_deterministic;
+  po.staleness_lr = o.ps_staleness_lr;
   po.timeout_s = o.timeout_s;
   po.make_optimizer = [&o](std::vector<at::Tensor> p) { return make_optimizer(std::move(p), o); };
   po.lr_at = [&o, &total_updates](int64_t v) { return lr_at(v, total_updates, o); };

@@ -208,11 +208,14 @@ TEST(Ps, InconsistentReadsNeverIncludeTheWorkersLastPush) {
 
 // Round robin: worker w's push s is computed on the parameters right after
 // its own push s - 1, and applied after every push (s, w' < w).
-std::vector<at::Tensor> sequential_round_robin(int workers, int64_t steps) {
+// staleness_lr: the rate is divided by tau = version - base when tau > 1.
+std::vector<at::Tensor> sequential_round_robin(int workers, int64_t steps,
+                                               bool staleness_lr = false) {
   auto global = make_params();
   auto opt = make_opt("sgd", global);
   std::vector<std::vector<at::Tensor>> seen(workers);
   for (auto& v : seen) v = clone_params(global);
+  std::vector<int64_t> base(workers, 0);
   auto scratch = clone_params(global);
   int64_t version = 0;
   for (int64_t s = 0; s < steps; ++s) {
@@ -220,9 +223,12 @@ std::vector<at::Tensor> sequential_round_robin(int workers, int64_t steps) {
       copy_params(scratch, seen[w]);
       compute_grads(scratch, w, s);
       for (size_t i = 0; i < global.size(); ++i) global[i].mutable_grad() = scratch[i].grad();
-      set_lr(*opt, lr_at(version++));
+      const int64_t tau = version - base[w];
+      const double scale = staleness_lr && tau > 1 ? 1.0 / static_cast<double>(tau) : 1.0;
+      set_lr(*opt, lr_at(version++) * scale);
       opt->step();
       copy_params(seen[w], global);
+      base[w] = version;
     }
   }
   return global;
@@ -241,6 +247,27 @@ TEST(Ps, DeterministicEqualsSequentialApplication) {
   const int64_t steps = 15;
   const auto got = run_ps(o, steps);
   expect_bitwise(got.params, sequential_round_robin(workers, steps));
+}
+
+// The same with the staleness-aware rate: np 3 has 2 workers (tau <= 1, the
+// rate never changes), np 4 with 1 server has 3 (tau = 2 from the second
+// round on: lr / 2).
+TEST(Ps, StalenessAwareRateEqualsSequentialApplication) {
+  const int n = world_size();
+  if (n < 3) GTEST_SKIP() << "needs two workers";
+  const int workers = n - 1;
+  auto o = options(1, "async");
+  o.deterministic = true;
+  o.staleness_lr = true;
+  o.max_push_delay_us = 1000;
+  const int64_t steps = 12;
+  const auto got = run_ps(o, steps);
+  const auto want = sequential_round_robin(workers, steps, /*staleness_lr=*/true);
+  expect_bitwise(got.params, want);
+  if (workers > 2) {
+    // And it is not the plain rate's result.
+    EXPECT_FALSE(at::equal(want[0], sequential_round_robin(workers, steps)[0]));
+  }
 }
 
 // sync with n = N: every update is the mean of the N gradients computed on

@@ -56,9 +56,10 @@
 //                  (default N; fewer if fewer workers are live) are in, their
 //                  mean (summed in worker order) is applied once; a push on an
 //                  older version is dropped (n < N: backup workers).
-//      Applying = set the learning rate lr_at(version), set the segments'
-//      .grad, optimizer.step(), version += 1, record staleness = version
-//      before the step - base version.
+//      Applying = set the learning rate lr_at(version) (divided by the
+//      staleness tau when staleness_lr and tau > 1), set the segments' .grad,
+//      optimizer.step(), version += 1, record staleness = version before the
+//      step - base version.
 //   4. REPLY server -> worker: {version, kind} + the shard's float32 values, of
 //      the fixed size the worker expects; sent when the push was applied or
 //      dropped (AfterPush) or at once (PULL). The worker receives every
@@ -124,6 +125,10 @@ struct Options {
   // of the update that makes version v + 1 (unset: the optimizer's own).
   std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> make_optimizer;
   std::function<double(int64_t version)> lr_at;
+  // A gradient applied tau > 1 versions stale gets the learning rate / tau
+  // (staleness-aware async SGD, Zhang et al. 2016); fresh and sync updates
+  // keep it.
+  bool staleness_lr = false;
   // Server checkpoints: after every checkpoint_every updates (0: never) and
   // when serve() ends, on_checkpoint gets this server's state as bytes to
   // store; Server::restore takes them back.
