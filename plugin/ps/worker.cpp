@@ -97,11 +97,25 @@ class WorkerImpl {
 
   ~WorkerImpl() {
     // Ended with a pull in flight (an error): take the receives back, so MPI
-    // never writes into freed buffers. Receives can always be cancelled.
+    // never writes into freed buffers. A receive that already matched a
+    // reply (a large one half way in from a server that then stopped) cannot
+    // be cancelled and may never complete: give it a second, then leak the
+    // buffers and leave the rest to MPI_Abort at exit. Waiting on it hung a
+    // worker whose server was SIGSTOPped mid-reply.
     for (auto& r : requests_) {
       if (r == MPI_REQUEST_NULL) continue;
       MPI_Cancel(&r);
-      MPI_Wait(&r, MPI_STATUS_IGNORE);
+      const auto deadline = Clock::now() + std::chrono::seconds(1);
+      int done = 0;
+      while (MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done &&
+             Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (!done) {
+        comm::detail::MpiEnv::get().mark_broken("ddpx ps: a pull never completed");
+        for (const auto& b : buffers_) new at::Tensor(b);
+        return;
+      }
     }
   }
 
