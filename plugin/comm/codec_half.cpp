@@ -5,9 +5,23 @@
 // wire.
 #include <ATen/ATen.h>
 
+#include "plugin/comm/codec_pack.h"
 #include "plugin/comm/codec_util.h"
 
 namespace ddpx::comm::detail {
+
+at::Tensor half_pack_ef(const at::Tensor& x, const at::Tensor& e, at::ScalarType wire,
+                        int64_t world) {
+  const at::Tensor m = e.defined() ? x + e : x;
+  at::Tensor q = world == 1 ? m.to(wire) : m.div(world).to(wire);
+  // This rank's contribution to the mean is q * world: the rest is residual.
+  if (e.defined()) {
+    at::Tensor e_out = e;
+    at::sub_out(e_out, m, q.to(at::kFloat), world);
+  }
+  return q;
+}
+
 namespace {
 
 class HalfCodec final : public LossyCodec {
@@ -37,14 +51,8 @@ class HalfCodec final : public LossyCodec {
     pipelined(
         n, kPieceElements,
         [&](int64_t b, int64_t len) {
-          at::Tensor m = x.narrow(0, b, len);
-          if (e.defined()) m = m + e.narrow(0, b, len);
-          at::Tensor q = m.div(world).to(wire_);
-          // This rank's contribution to the mean is q * world: the rest is residual.
-          if (e.defined()) {
-            at::Tensor e_piece = e.narrow(0, b, len);
-            at::sub_out(e_piece, m, q.to(at::kFloat), world);
-          }
+          at::Tensor q = half_pack_ef(
+              x.narrow(0, b, len), e.defined() ? e.narrow(0, b, len) : at::Tensor(), wire_, world);
           auto work = start_allreduce_sum(pg, q, &bytes);
           return Piece{b, len, q, std::move(work)};
         },

@@ -9,10 +9,10 @@
 #include <cmath>
 #include <sstream>
 
+#include "plugin/comm/codec_pack.h"
 #include "plugin/comm/codec_util.h"
 
 namespace ddpx::comm::detail {
-namespace {
 
 // Indices of the k largest entries of `a` (1-D, >= 0 or NaN), the set topk
 // over all of it gives. A threshold from a strided sample of about 4096
@@ -30,12 +30,33 @@ at::Tensor largest_k(const at::Tensor& a, int64_t k) {
   const at::Tensor sample = a.slice(0, step / 2, n, step);
   const int64_t m = sample.numel();
   const int64_t keep = std::min<int64_t>(m, 3 * k * m / (2 * n) + 1);
-  const at::Tensor t = std::get<0>(sample.kthvalue(m - keep + 1));  // the keep-th largest
+  const at::Tensor t = std::get<0>(sample.kthvalue(m - keep + 1));        // the keep-th largest
   const at::Tensor idx = at::nonzero(at::logical_not(a < t)).squeeze(1);  // NaN: not < t
   if (idx.numel() < k) return full();
   const at::Tensor picked = std::get<1>(a.index_select(0, idx).topk(k, 0, true, false));
   return idx.index_select(0, picked);
 }
+
+int64_t topk_count(double ratio, int64_t n) {
+  // (1 - 1e-12): 0.01 * 1000 must give k = 10 whatever the binary rounding.
+  return std::min<int64_t>(
+      n, std::max<int64_t>(
+             1, static_cast<int64_t>(std::ceil(ratio * static_cast<double>(n) * (1 - 1e-12)))));
+}
+
+at::Tensor topk_pack(const at::Tensor& m, int64_t k, at::Tensor* idx) {
+  *idx = largest_k(m.abs(), k);
+  const at::Tensor vals = m.index_select(0, *idx);
+  return at::cat({idx->to(at::kInt), vals.view(at::kInt)});
+}
+
+at::Tensor topk_unpack_sum(const at::Tensor& rows, int64_t n, int64_t k) {
+  const at::Tensor all_idx = rows.narrow(1, 0, k).reshape(-1).to(at::kLong);
+  const at::Tensor all_vals = rows.narrow(1, k, k).contiguous().view(at::kFloat).reshape(-1);
+  return at::zeros({n}, all_vals.options()).index_add_(0, all_idx, all_vals);
+}
+
+namespace {
 
 class TopKCodec final : public LossyCodec {
  public:
@@ -54,21 +75,14 @@ class TopKCodec final : public LossyCodec {
       count_call(bytes, 0);
       return input.contiguous().clone();
     }
-    // (1 - 1e-12): 0.01 * 1000 must give k = 10 whatever the binary rounding.
-    const int64_t k = std::min<int64_t>(
-        n, std::max<int64_t>(
-               1, static_cast<int64_t>(std::ceil(ratio_ * static_cast<double>(n) * (1 - 1e-12)))));
+    const int64_t k = topk_count(ratio_, n);
     const at::Tensor x = flat_float(input);
     at::Tensor e = residual(key, x);
     const at::Tensor m = e.defined() ? e.add_(x) : x;  // [n] float32, in the residual's storage
-    at::Tensor idx = largest_k(m.abs(), k);
-    at::Tensor vals = m.index_select(0, idx);
-    // [k int32 indices | k float32 values viewed as int32]: one collective.
-    at::Tensor msg = at::cat({idx.to(at::kInt), vals.view(at::kInt)});
-    at::Tensor all = allgather_rows(pg, msg, &bytes);  // [world, 2k] int32
-    at::Tensor all_idx = all.narrow(1, 0, k).reshape(-1).to(at::kLong);
-    at::Tensor all_vals = all.narrow(1, k, k).contiguous().view(at::kFloat).reshape(-1);
-    at::Tensor sum = at::zeros({n}, m.options()).index_add_(0, all_idx, all_vals);
+    at::Tensor idx;
+    const at::Tensor msg = topk_pack(m, k, &idx);            // one collective
+    const at::Tensor all = allgather_rows(pg, msg, &bytes);  // [world, 2k] int32
+    at::Tensor sum = topk_unpack_sum(all, n, k);
     if (e.defined()) e.index_fill_(0, idx, 0.0);  // the residual: what was not sent
     count_call(bytes, n);
     return to_output(sum.div_(pg.getSize()), input);

@@ -21,37 +21,6 @@ namespace {
 constexpr int64_t kFormat = 1;
 namespace fs = std::filesystem;
 
-void write_durably(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  TORCH_CHECK(fd >= 0, "ddpx-train: cannot write checkpoint ", tmp, ": ", std::strerror(errno));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int e = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      TORCH_CHECK(false, "ddpx-train: writing checkpoint ", tmp, " failed: ", std::strerror(e));
-    }
-    done += static_cast<size_t>(n);
-  }
-  const bool synced = ::fsync(fd) == 0;
-  ::close(fd);
-  if (!synced) ::unlink(tmp.c_str());
-  TORCH_CHECK(synced, "ddpx-train: fsync of ", tmp, " failed: ", std::strerror(errno));
-  // rename() replaces the old checkpoint in one step; then persist the entry.
-  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "ddpx-train: cannot rename ", tmp,
-              " to ", path, ": ", std::strerror(errno));
-  const std::string dir = fs::path(path).has_parent_path() ? fs::path(path).parent_path().string() : ".";
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-}
-
 at::Tensor int64_tensor(const std::vector<int64_t>& v) {
   return at::tensor(c10::ArrayRef<int64_t>(v), at::kLong);
 }
@@ -118,6 +87,37 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
 }
 
 }  // namespace
+
+void write_durably(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  TORCH_CHECK(fd >= 0, "ddpx-train: cannot write checkpoint ", tmp, ": ", std::strerror(errno));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int e = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      TORCH_CHECK(false, "ddpx-train: writing checkpoint ", tmp, " failed: ", std::strerror(e));
+    }
+    done += static_cast<size_t>(n);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  if (!synced) ::unlink(tmp.c_str());
+  TORCH_CHECK(synced, "ddpx-train: fsync of ", tmp, " failed: ", std::strerror(errno));
+  // rename() replaces the old checkpoint in one step; then persist the entry.
+  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "ddpx-train: cannot rename ", tmp,
+              " to ", path, ": ", std::strerror(errno));
+  const std::string dir = fs::path(path).has_parent_path() ? fs::path(path).parent_path().string() : ".";
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
 
 void save_checkpoint(const std::string& path, TrainObjects& t, const Position& pos) {
   torch::serialize::OutputArchive ar;

@@ -34,6 +34,11 @@ struct TrainObjects {
 
 void save_checkpoint(const std::string& path, TrainObjects& t, const Position& pos);
 
+// Writes `bytes` to a temporary file beside `path`, fsyncs it, renames it
+// over `path` and fsyncs the directory: a crash leaves the old file or the
+// new one, never a part. (Also the parameter server's checkpoints.)
+void write_durably(const std::string& path, const std::string& bytes);
+
 // Collective. Returns false (and changes nothing) when `path` does not exist;
 // throws a clear error on every rank when it cannot be read or does not fit
 // the model.

@@ -28,8 +28,10 @@ Options parse_options(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
 
   auto* run = app.add_option_group("schedule");
-  run->add_option("--mode", o.mode, "sync: synchronous data parallel")
-      ->check(CLI::IsMember({"sync"}))
+  run->add_option("--mode", o.mode,
+                  "sync: synchronous data parallel; ps: parameter server (the first --servers "
+                  "ranks serve, the others work)")
+      ->check(CLI::IsMember({"sync", "ps"}))
       ->capture_default_str();
   run->add_option("--epochs", o.epochs, "epochs over the training set")
       ->check(CLI::PositiveNumber)
@@ -77,6 +79,25 @@ Options parse_options(int argc, char** argv) {
   sync->add_option("--timeout-s", o.timeout_s,
                    "collective timeout (default: DDPX_TIMEOUT_S, else 30 min)")
       ->check(CLI::NonNegativeNumber);
+
+  auto* ps = app.add_option_group("parameter server (--mode ps)");
+  ps->add_option("--servers", o.servers, "server ranks K (the first K); the others are workers")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  ps->add_option("--consistency", o.consistency,
+                 "async | ssp:<S> (at most S versions stale) | sync[:<n>] (n gradients per "
+                 "update, default all workers)")
+      ->capture_default_str();
+  ps->add_option("--ps-pull", o.ps_pull,
+                 "after-push: parameters that include the worker's own last push; prefetch: "
+                 "fetched while the step computes; inconsistent: never waits, each server's "
+                 "shard goes in when it comes (both async only)")
+      ->check(CLI::IsMember({"after-push", "prefetch", "inconsistent"}))
+      ->capture_default_str();
+  ps->add_flag("--ps-deterministic", o.ps_deterministic,
+               "async: apply pushes in a fixed round-robin order (for tests)");
+  ps->add_flag("--ps-staleness-lr", o.ps_staleness_lr,
+               "a gradient applied tau > 1 versions stale gets lr / tau");
 
   auto* out = app.add_option_group("output");
   out->add_option("--checkpoint", o.checkpoint, "checkpoint file (written atomically by rank 0)");

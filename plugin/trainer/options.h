@@ -34,6 +34,13 @@ struct Options {
   int channels = 1;
   double timeout_s = 0;  // 0: DDPX_TIMEOUT_S, else torch's default
 
+  // Parameter server (--mode ps; --codec compresses the pushes).
+  int servers = 1;                     // the first K ranks serve
+  std::string consistency = "async";   // async | ssp:<S> | sync[:<n>]
+  std::string ps_pull = "after-push";  // after-push | prefetch | inconsistent
+  bool ps_deterministic = false;       // async: fixed application order
+  bool ps_staleness_lr = false;        // lr / staleness for stale gradients
+
   // Output.
   std::string checkpoint;        // path; written atomically
   int64_t checkpoint_every = 0;  // steps; 0: only at the end

@@ -8,4 +8,8 @@ namespace ddpx::trainer {
 
 void run(const Options& o);
 
+// --mode ps (trainer_ps.cpp): the same model, data, progress lines, metrics
+// and final test accuracy, trained through ddpx::ps.
+void run_ps(const Options& o);
+
 }  // namespace ddpx::trainer

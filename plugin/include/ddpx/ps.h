@@ -1,0 +1,247 @@
+#pragma once
+// ddpx::ps — an asynchronous parameter server over MPI.
+//
+// A worker in five lines (every rank builds the Session, the first K serve):
+//   ddpx::ps::Session ps(params, opts);           // collective over MPI_COMM_WORLD
+//   if (ps.is_server()) { ddpx::ps::Server(ps).serve(); } else {
+//     ddpx::ps::Worker w(ps);
+//     for (...) { w.pull(); loss = f(x); loss.backward(); w.push(); }
+//     w.finish(); }
+//   ps.share_final(params);                       // collective: server values everywhere
+//
+// Roles. One MPI job of W ranks: ranks 0..K-1 are servers, K..W-1 workers
+// (N = W - K; worker w is rank K + w). The parameters (float32, contiguous)
+// are laid end to end as one flat vector of T elements; server k owns the
+// elements [k*T/K, (k+1)*T/K) -- balanced by bytes, so a large tensor may be
+// split between servers. A server's shard is a list of segments (the pieces
+// of tensors it owns), each updated by the server's own optimizer.
+//
+// Protocol (on a private duplicate of MPI_COMM_WORLD; byte messages):
+//   0. Session construction (collective, once): every rank checks that all
+//      ranks hold the same parameter list (count, shapes, dtypes) and options
+//      (servers, consistency, codec, pull mode, deterministic); a difference
+//      is a c10::Error naming it on every rank. No further handshake: there is
+//      no hello/ready round trip per worker or per message.
+//   1. PULL  worker -> every server: {kind, worker, seq}. Sent once at the
+//      start, each step in Prefetch mode, and to each server whose reply came
+//      in Inconsistent mode. The server answers at once.
+//   2. PUSH  worker -> every server: a self-describing message
+//        header {kind, worker, seq, base version (of that server's shard the
+//                gradient was computed on), codec id + argument, flags,
+//                loss/correct/samples of the step, segment count}
+//        int64 length of each segment's payload in bytes
+//        payloads, each the codec's message (plugin/comm/codec_message.h)
+//      The server takes it with MPI_Improbe(ANY_SOURCE) -> MPI_Get_count ->
+//      MPI_Mrecv on its progress thread: any size, any order, no pre-sent
+//      size, no padding. It checks the header (worker = source rank, segment
+//      count and every length against its shard and the codec) and refuses a
+//      wrong message with an ERROR reply naming what was wrong; nothing of it
+//      is applied.
+//      Flag AFTER_PUSH (pull mode AfterPush): "reply with the parameters that
+//      follow this push" -- the pull is folded into the push.
+//   3. The server's consistency gate decides when a push is applied:
+//        async     in arrival order (deterministic: in the fixed order worker
+//                  0, 1, ..., N-1 of each seq, whatever the arrival order,
+//                  and only once every worker has had its first parameters);
+//        ssp:S     a push is held while applying it would leave the gradients
+//                  the other live workers are computing (or sent) unable to be
+//                  applied at most S versions after their base: sorted by base
+//                  b_(i), the i-th is applied at version + 1 + i at the
+//                  earliest, so each needs version + 1 + i - b_(i) <= S. The
+//                  oldest held push goes first. Applied staleness never exceeds
+//                  S and nothing waits for ever. Needs S >= N - 1 (N gradients
+//                  computed at once are applied one after another) and
+//                  AfterPush pulls;
+//        sync[:n]  pushes on the current version are collected; when n of them
+//                  (default N; fewer if fewer workers are live) are in, their
+//                  mean (summed in worker order) is applied once; a push on an
+//                  older version is dropped (n < N: backup workers).
+//      Applying = set the learning rate lr_at(version) (divided by the
+//      staleness tau when staleness_lr and tau > 1), set the segments' .grad,
+//      optimizer.step(), version += 1, record staleness = version before the
+//      step - base version.
+//   4. REPLY server -> worker: {version, kind} + the shard's float32 values, of
+//      the fixed size the worker expects; sent when the push was applied or
+//      dropped (AfterPush) or at once (PULL). The worker receives every
+//      server's reply into a buffer of its own and copies them into the
+//      parameters only at pull(): a step never sees a half-written model
+//      (consistent reads; per server, the versions of two servers may differ).
+//      Inconsistent pulls install each server's shard as soon as it is in,
+//      without waiting for the others or for a reply at all.
+//   5. BYE   worker -> every server after its last push. A server returns
+//      from serve() when every worker said BYE or was dropped.
+//   6. Liveness: a server that hears nothing from a worker for the timeout
+//      (a worker sends a HEARTBEAT each timeout/4 from a thread of its own)
+//      drops it (logged) and goes on; the ssp bound and the sync quorum count
+//      live workers only. Servers send each live worker a HEARTBEAT each
+//      timeout/4 too (a reply held by the gate is not a silence), and a worker
+//      that, waiting for a reply, hears nothing from a server for the timeout
+//      throws a c10::Error naming that server's rank.
+//   7. Session::share_final (collective): each server broadcasts its shard.
+//   Checkpoints: a server hands its state (shard, optimizer state, version,
+//   counters, and each worker's next seq) to Options::on_checkpoint; restored,
+//   its first REPLY to each worker carries that worker's next seq, from which
+//   the worker goes on (Worker::start_step).
+#include <ATen/core/Tensor.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddpx::ps {
+
+// "async" | "ssp:<S>" | "sync" | "sync:<n>"; anything else is a c10::Error.
+struct Consistency {
+  enum class Kind { Async, Ssp, Sync };
+  Kind kind = Kind::Async;
+  int64_t bound = 0;   // ssp: S
+  int64_t quorum = 0;  // sync: n (0: every worker)
+  static Consistency parse(const std::string& spec);
+  std::string str() const;
+};
+
+enum class PullMode {
+  AfterPush,  // parameters that include this worker's last push (1 worker = local SGD)
+  Prefetch,   // fetched while the step computes: the newest at the step's start
+  // AsySG-InCon's inconsistent read: pull() never waits (after the first);
+  // each shard that has come in since the last pull goes in and is asked
+  // for again, the others stay, so a step may mix versions of different
+  // servers' shards. async only.
+  Inconsistent,
+};
+
+struct Options {
+  int servers = 1;
+  std::string consistency = "async";
+  std::string codec = "none";  // pushes: none | fp16 | bf16 | int8[:c] | topk:<r>
+  PullMode pull = PullMode::AfterPush;
+  bool deterministic = false;  // async: fixed application order (round robin)
+  double timeout_s = 0;        // 0: DDPX_TIMEOUT_S, else 300
+  // Server side: the optimizer over a shard's segments, and the learning rate
+  // of the update that makes version v + 1 (unset: the optimizer's own).
+  std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> make_optimizer;
+  std::function<double(int64_t version)> lr_at;
+  // A gradient applied tau > 1 versions stale gets the learning rate / tau
+  // (staleness-aware async SGD, Zhang et al. 2016); fresh and sync updates
+  // keep it.
+  bool staleness_lr = false;
+  // Server checkpoints: after every checkpoint_every updates (0: never) and
+  // when serve() ends, on_checkpoint gets this server's state as bytes to
+  // store; Server::restore takes them back.
+  int64_t checkpoint_every = 0;
+  std::function<void(const std::string& state)> on_checkpoint;
+  // Test hook: a worker sleeps this long (us) before each push, drawn per
+  // step from [0, max_push_delay_us) with its own seed (emulates stragglers).
+  int64_t max_push_delay_us = 0;
+};
+
+// Staleness of the applied gradients: exact counts per value.
+struct Staleness {
+  std::vector<int64_t> counts;  // counts[s]: gradients applied s versions stale
+  int64_t total() const;
+  double mean() const;
+  int64_t percentile(double p) const;  // smallest s with >= p of the mass at or below
+  int64_t max() const;
+  void add(int64_t s, int64_t n = 1);
+  void merge(const Staleness& o);
+};
+
+struct ServerStats {
+  int64_t version = 0;
+  int64_t applied = 0;         // gradients applied
+  int64_t dropped = 0;         // gradients dropped (sync: late)
+  int64_t updates = 0;         // optimizer steps
+  int64_t bytes_received = 0;  // push payload + headers
+  int64_t bytes_raw = 0;       // float32-equivalent of the pushed gradients
+  int64_t workers_lost = 0;
+  double loss_sum = 0, correct = 0, samples = 0;  // as the workers reported
+  Staleness staleness;
+};
+
+struct WorkerStats {
+  int64_t pushes = 0;
+  int64_t bytes_sent = 0;
+  int64_t bytes_raw = 0;
+  double wait_us = 0;  // time pull() waited for replies
+};
+
+namespace detail {
+class ServerImpl;
+class WorkerImpl;
+}  // namespace detail
+
+class Session {
+ public:
+  // Collective over MPI_COMM_WORLD (ranks >= 2). params: the model's trainable
+  // parameters, the same list on every rank (float32, contiguous).
+  Session(std::vector<at::Tensor> params, Options opts);
+  ~Session();
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  bool is_server() const;
+  int rank() const;
+  int num_servers() const;
+  int num_workers() const;
+  const Options& options() const;
+  const Consistency& consistency() const;
+  const std::vector<at::Tensor>& params() const;
+  double timeout_s() const;
+  // Collective: every rank's params become the servers' values; servers call
+  // it after serve(), workers after finish().
+  void share_final(const std::vector<at::Tensor>& params);
+  // Collective: the servers' stats merged (every rank gets them).
+  ServerStats gather_stats(const ServerStats& mine);
+
+  // Internals (communicator, layout), defined in plugin/ps/session_state.h.
+  struct State;
+  State& state() const { return *s_; }
+
+ private:
+  std::unique_ptr<State> s_;
+};
+
+class Server {
+ public:
+  explicit Server(Session& session);
+  ~Server();
+  // Runs until every worker said BYE or was dropped. on_update (optional) is
+  // called on this thread after every optimizer step.
+  ServerStats serve(const std::function<void(const ServerStats&)>& on_update = {});
+  // Before serve(): continue from a state on_checkpoint produced (this
+  // server's, same model and worker count; otherwise a c10::Error). Returns
+  // the restored counters.
+  ServerStats restore(const std::string& state);
+
+ private:
+  std::unique_ptr<detail::ServerImpl> impl_;
+};
+
+class Worker {
+ public:
+  explicit Worker(Session& session);
+  ~Worker();
+  // Makes the parameters the newest the servers sent (blocks until they are
+  // in). The first call fetches the initial values.
+  void pull();
+  // Pushes the parameters' .grad (undefined = zero) to the servers, after
+  // backward; loss/correct/samples are reported to the servers' metrics.
+  void push(double loss = 0, double correct = 0, double samples = 0);
+  // After the first pull: how many of this worker's pushes the servers had
+  // finished with when they were restored (0 on a fresh run): the step to
+  // go on from.
+  int64_t start_step() const;
+  // The version of server 0's shard the parameters hold.
+  int64_t version() const;
+  void finish();
+  WorkerStats stats() const;
+
+ private:
+  std::unique_ptr<detail::WorkerImpl> impl_;
+};
+
+}  // namespace ddpx::ps

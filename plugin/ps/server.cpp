@@ -1,0 +1,298 @@
+// A server rank: receives pushes on the Inbox's thread and, on the caller's
+// thread, gates them (gate.h), applies them with the optimizer on its shard,
+// answers the workers and watches that they are alive (steps 2-6 of the
+// protocol in ddpx/ps.h).
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <ddpx/ps.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+
+#include "plugin/ps/gate.h"
+#include "plugin/ps/layout.h"
+#include "plugin/ps/server_state.h"
+#include "plugin/ps/session_state.h"
+#include "plugin/ps/transport.h"
+#include "plugin/ps/wire.h"
+
+namespace ddpx::ps {
+namespace detail {
+
+using Clock = std::chrono::steady_clock;
+
+class ServerImpl {
+ public:
+  explicit ServerImpl(Session& s)
+      : s_(s),
+        k_(s.rank()),
+        workers_(s.num_workers()),
+        gate_(s.consistency(), workers_, s.options().deterministic),
+        inbox_(s.state().comm),
+        out_(s.state().comm),
+        last_heard_(workers_, Clock::now()),
+        next_seq_(workers_, 0),
+        answered_(workers_, false) {
+    at::NoGradGuard no_grad;
+    // The shard's segments: copies of this rank's initial values, 1-D.
+    for (const auto& sg : s.state().layout.shards[k_]) {
+      seg_numel_.push_back(sg.numel);
+      segs_.push_back(
+          s.params()[sg.param].detach().view(-1).narrow(0, sg.offset, sg.numel).clone());
+      segs_.back().requires_grad_(true);  // a leaf the optimizer may hold
+    }
+    TORCH_CHECK(s.options().make_optimizer,
+                "ddpx ps: Options::make_optimizer is not set; the "
+                "servers need it to apply gradients");
+    opt_ = s.options().make_optimizer(segs_);
+    for (auto& group : opt_->param_groups()) base_lr_.push_back(group.options().get_lr());
+  }
+
+  ServerStats serve(const std::function<void(const ServerStats&)>& on_update) {
+    const auto timeout = std::chrono::duration<double>(s_.timeout_s());
+    auto last_beat = Clock::now();
+    while (true) {
+      if (auto m = inbox_.pop(std::chrono::microseconds(20000))) handle(*m);
+      while (auto d = gate_.next(stats_.version)) apply(*d, on_update);
+      const auto now = Clock::now();
+      drop_silent(now, timeout);
+      if (now - last_beat > timeout / 4) {
+        // Workers waiting for a held reply (ssp, sync) know this server lives.
+        for (int w = 0; w < workers_; ++w) {
+          if (gate_.live(w)) out_.send(pack_note(kHeartbeat, -1, 0), rank_of(w), kHeartbeat);
+        }
+        last_beat = now;
+      }
+      out_.progress();
+      if (gate_.live_count() == 0) break;
+    }
+    inbox_.stop();
+    if (s_.options().on_checkpoint) checkpoint();
+    TORCH_CHECK(out_.drain(timeout), "ddpx ps: server ", k_,
+                " could not deliver its last replies within the timeout");
+    // The final values, for Session::share_final.
+    at::NoGradGuard no_grad;
+    const auto& shard = s_.state().layout.shards[k_];
+    for (size_t i = 0; i < shard.size(); ++i) {
+      s_.params()[shard[i].param]
+          .view(-1)
+          .narrow(0, shard[i].offset, shard[i].numel)
+          .copy_(segs_[i]);
+    }
+    return stats_;
+  }
+
+  ServerStats restore(const std::string& bytes) {
+    ServerState st = state();
+    load_server_state(bytes, st, *opt_);
+    stats_ = st.stats;
+    next_seq_ = st.next_seq;
+    // Every worker computes its next gradient on the restored version.
+    for (int w = 0; w < workers_; ++w) gate_.gave(w, stats_.version);
+    return stats_;
+  }
+
+ private:
+  ServerState state() const {
+    ServerState st;
+    st.server = k_;
+    st.servers = s_.num_servers();
+    st.stats = stats_;
+    st.next_seq = next_seq_;
+    st.segs = segs_;
+    return st;
+  }
+
+  void checkpoint() { s_.options().on_checkpoint(save_server_state(state(), *opt_)); }
+
+  int rank_of(int worker) const { return s_.num_servers() + worker; }
+
+  void handle(const Message& m) {
+    const int w = m.source - s_.num_servers();
+    TORCH_CHECK(w >= 0 && w < workers_, "ddpx ps: server ", k_, " got a message (tag ", m.tag,
+                ") from rank ", m.source, ", which is not a worker");
+    last_heard_[w] = Clock::now();
+    if (!gate_.live(w)) return;  // dropped: nothing of it is applied any more
+    try {
+      switch (m.tag) {
+        case kPush:
+          return on_push(w, m);
+        case kPull:
+          parse_note(m.bytes, kPull, w);
+          return reply(w);
+        case kBye:
+          parse_note(m.bytes, kBye, w);
+          gate_.gone(w);
+          return;
+        case kHeartbeat:
+          parse_note(m.bytes, kHeartbeat, w);
+          return;
+        default:
+          TORCH_CHECK(false, "ddpx ps: unknown message tag ", m.tag);
+      }
+    } catch (const c10::Error& e) {
+      // A malformed message: refuse it, tell its sender why, go on with the others.
+      const std::string why = e.what_without_backtrace();
+      std::fprintf(stderr, "[ddpx ps] server %d: refused a message of worker %d (rank %d): %s\n",
+                   k_, w, m.source, why.c_str());
+      at::Tensor text = at::empty({static_cast<int64_t>(why.size())}, at::kByte);
+      std::memcpy(text.data_ptr(), why.data(), why.size());
+      out_.send(text, m.source, kError);
+      gate_.gone(w);
+      ++stats_.workers_lost;
+    }
+  }
+
+  void on_push(int w, const Message& m) {
+    Push p = parse_push(m.bytes, w, seg_numel_);
+    TORCH_CHECK(p.header.base >= 0 && p.header.base <= stats_.version, "ddpx ps: a push of worker ",
+                w, " (seq ", p.header.seq, ") says it was computed on version ", p.header.base,
+                " of server ", k_, ", which holds version ", stats_.version);
+    stats_.bytes_received += p.bytes;
+    for (int64_t n : seg_numel_) stats_.bytes_raw += 4 * n;
+    const int64_t id = next_id_++;
+    gate_.offer(Ticket{w, p.header.seq, p.header.base, id});
+    pending_.emplace(id, std::move(p));
+  }
+
+  void apply(const Decision& d, const std::function<void(const ServerStats&)>& on_update) {
+    for (const auto& t : d.drop) {
+      ++stats_.dropped;
+      finish_ticket(t);
+    }
+    if (d.apply.empty()) return;
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < segs_.size(); ++i) {
+      // One gradient as it came; several (sync) summed in worker order, then averaged.
+      at::Tensor g = pending_.at(d.apply[0].id).grads[i];
+      if (d.apply.size() > 1) {
+        g = g.clone();
+        for (size_t j = 1; j < d.apply.size(); ++j) g.add_(pending_.at(d.apply[j].id).grads[i]);
+        g.div_(static_cast<double>(d.apply.size()));
+      }
+      segs_[i].mutable_grad() = g;
+    }
+    set_learning_rate(d);
+    opt_->step();
+    for (const auto& t : d.apply) {
+      stats_.staleness.add(stats_.version - t.base);
+      const auto& h = pending_.at(t.id).header;
+      stats_.loss_sum += h.loss;
+      stats_.correct += h.correct;
+      stats_.samples += h.samples;
+    }
+    stats_.applied += static_cast<int64_t>(d.apply.size());
+    ++stats_.updates;
+    ++stats_.version;
+    for (const auto& t : d.apply) finish_ticket(t);
+    if (on_update) on_update(stats_);
+    const int64_t every = s_.options().checkpoint_every;
+    if (every > 0 && stats_.updates % every == 0 && s_.options().on_checkpoint) checkpoint();
+  }
+
+  // lr_at(version), or the optimizer's own; with staleness_lr, a gradient
+  // applied tau > 0 versions stale gets 1/tau of it (Zhang et al. 2016), so
+  // old gradients move the model less. An update of several (sync) is fresh.
+  void set_learning_rate(const Decision& d) {
+    const auto& o = s_.options();
+    const int64_t tau = d.apply.size() == 1 ? stats_.version - d.apply[0].base : 0;
+    const double scale = o.staleness_lr && tau > 1 ? 1.0 / static_cast<double>(tau) : 1.0;
+    auto& groups = opt_->param_groups();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const double lr = o.lr_at ? o.lr_at(stats_.version) : base_lr_[g];
+      groups[g].options().set_lr(lr * scale);
+    }
+  }
+
+  // The push is done with (applied or dropped): answer it if it asked.
+  void finish_ticket(const Ticket& t) {
+    next_seq_[t.worker] = t.seq + 1;
+    auto it = pending_.find(t.id);
+    const bool wants = it->second.header.flags & kAfterPush;
+    pending_.erase(it);
+    if (wants && gate_.live(t.worker)) reply(t.worker);
+  }
+
+  // The shard at the current version; one buffer per version, shared by
+  // every reply of that version.
+  void reply(int w) {
+    if (snapshot_version_ != stats_.version || !snapshot_.defined()) {
+      const int64_t n = s_.state().layout.shard_numel[k_];
+      snapshot_ = at::empty({static_cast<int64_t>(sizeof(ReplyHeader)) + 4 * n}, at::kByte);
+      ReplyHeader h;
+      h.version = stats_.version;
+      std::memcpy(snapshot_.data_ptr(), &h, sizeof h);
+      at::Tensor values = snapshot_.narrow(0, sizeof(ReplyHeader), 4 * n).view(at::kFloat);
+      int64_t off = 0;
+      for (const auto& sg : segs_) {
+        values.narrow(0, off, sg.numel()).copy_(sg);
+        off += sg.numel();
+      }
+      snapshot_version_ = stats_.version;
+    }
+    if (answered_[w]) {
+      out_.send(snapshot_, rank_of(w), kReply);
+    } else {
+      // The first reply tells the worker where it stands (a restored run).
+      at::Tensor first = snapshot_.clone();
+      ReplyHeader h;
+      std::memcpy(&h, first.data_ptr(), sizeof h);
+      h.seq = next_seq_[w];
+      std::memcpy(first.data_ptr(), &h, sizeof h);
+      out_.send(first, rank_of(w), kReply);
+      answered_[w] = true;
+    }
+    gate_.gave(w, stats_.version);
+  }
+
+  void drop_silent(Clock::time_point now, std::chrono::duration<double> timeout) {
+    for (int w = 0; w < workers_; ++w) {
+      if (!gate_.live(w) || now - last_heard_[w] <= timeout) continue;
+      gate_.gone(w);
+      ++stats_.workers_lost;
+      std::fprintf(stderr,
+                   "[ddpx ps] server %d: worker %d (rank %d) sent nothing for %.0f s: dropped, "
+                   "training goes on with %d worker(s)\n",
+                   k_, w, rank_of(w), timeout.count(), gate_.live_count());
+    }
+  }
+
+  Session& s_;
+  int k_;
+  int workers_;
+  Gate gate_;
+  Inbox inbox_;
+  Outbox out_;
+  std::vector<Clock::time_point> last_heard_;
+  std::vector<int64_t> seg_numel_;
+  std::vector<at::Tensor> segs_;
+  std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::vector<double> base_lr_;  // [param group] the optimizer's own rate
+  std::map<int64_t, Push> pending_;
+  std::vector<int64_t> next_seq_;  // [worker] seq of its next push
+  std::vector<bool> answered_;     // [worker] sent its first reply
+  int64_t next_id_ = 0;
+  ServerStats stats_;
+  at::Tensor snapshot_;
+  int64_t snapshot_version_ = -1;
+};
+
+}  // namespace detail
+
+Server::Server(Session& session) {
+  TORCH_CHECK(session.is_server(), "ddpx ps: rank ", session.rank(),
+              " is a worker; only the first ", session.num_servers(), " ranks serve");
+  impl_ = std::make_unique<detail::ServerImpl>(session);
+}
+Server::~Server() = default;
+
+ServerStats Server::restore(const std::string& state) { return impl_->restore(state); }
+
+ServerStats Server::serve(const std::function<void(const ServerStats&)>& on_update) {
+  return impl_->serve(on_update);
+}
+
+}  // namespace ddpx::ps

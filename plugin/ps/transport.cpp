@@ -1,0 +1,110 @@
+#include "plugin/ps/transport.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "plugin/comm/mpi_env.h"
+#include "plugin/comm/wait_pacer.h"
+
+namespace ddpx::ps::detail {
+
+using comm::detail::WaitPacer;
+
+Inbox::Inbox(MPI_Comm comm) : comm_(comm) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+Inbox::~Inbox() { stop(); }
+
+void Inbox::stop() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+void Inbox::loop() {
+  try {
+    auto pacer = WaitPacer(WaitPacer::Clock::now());
+    while (!stop_) {
+      int flag = 0;
+      MPI_Message handle;
+      MPI_Status status;
+      const auto t0 = WaitPacer::Clock::now();
+      DDPX_MPI_CHECK(MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, &handle, &status));
+      if (!flag) {
+        const auto nap = pacer.after_test(t0, WaitPacer::Clock::now());
+        if (nap.count() > 0) std::this_thread::sleep_for(nap);
+        continue;
+      }
+      int count = 0;
+      DDPX_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
+      Message m{status.MPI_SOURCE, status.MPI_TAG, at::empty({count}, at::kByte)};
+      DDPX_MPI_CHECK(MPI_Mrecv(m.bytes.data_ptr(), count, MPI_BYTE, &handle, MPI_STATUS_IGNORE));
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        queue_.push_back(std::move(m));
+      }
+      cv_.notify_one();
+      pacer = WaitPacer(WaitPacer::Clock::now());  // the next message often follows soon
+    }
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_ = e.what();
+    cv_.notify_one();
+  }
+}
+
+std::optional<Message> Inbox::pop(std::chrono::microseconds wait) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, wait, [&] { return !queue_.empty() || !error_.empty(); });
+  TORCH_CHECK(error_.empty(), "ddpx ps: the server's receive thread failed: ", error_);
+  if (queue_.empty()) return std::nullopt;
+  Message m = std::move(queue_.front());
+  queue_.pop_front();
+  return m;
+}
+
+Outbox::~Outbox() {
+  // Buffers must outlive their sends; an Outbox dies only after drain() or
+  // when its owner fails, and then MPI is aborted at exit.
+  if (!requests_.empty() && !drain(std::chrono::seconds(1))) {
+    comm::detail::MpiEnv::get().mark_broken("ddpx ps: sends still in flight at shutdown");
+    for (auto& b : buffers_) new at::Tensor(b);  // leak: MPI may still read them
+  }
+}
+
+void Outbox::send(const at::Tensor& bytes, int dest, int tag) {
+  TORCH_INTERNAL_ASSERT(bytes.scalar_type() == at::kByte && bytes.is_contiguous());
+  MPI_Request r;
+  DDPX_MPI_CHECK(
+      MPI_Isend(bytes.data_ptr(), static_cast<int>(bytes.numel()), MPI_BYTE, dest, tag, comm_, &r));
+  requests_.push_back(r);
+  buffers_.push_back(bytes);
+}
+
+size_t Outbox::progress() {
+  for (size_t i = 0; i < requests_.size();) {
+    int done = 0;
+    DDPX_MPI_CHECK(MPI_Test(&requests_[i], &done, MPI_STATUS_IGNORE));
+    if (done) {
+      requests_.erase(requests_.begin() + static_cast<std::ptrdiff_t>(i));
+      buffers_.erase(buffers_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      ++i;
+    }
+  }
+  return requests_.size();
+}
+
+bool Outbox::drain(std::chrono::duration<double> limit) {
+  const auto deadline = WaitPacer::Clock::now() + limit;
+  auto pacer = WaitPacer(WaitPacer::Clock::now());
+  while (true) {
+    const auto t0 = WaitPacer::Clock::now();
+    if (progress() == 0) return true;
+    if (t0 > deadline) return false;
+    const auto nap = pacer.after_test(t0, WaitPacer::Clock::now());
+    if (nap.count() > 0) std::this_thread::sleep_for(nap);
+  }
+}
+
+}  // namespace ddpx::ps::detail

@@ -1,0 +1,348 @@
+// A worker rank: pushes its gradients, receives every server's shard into a
+// buffer of its own and swaps the values into the parameters only at pull()
+// (steps 1, 2, 4-6 of the protocol in ddpx/ps.h). A thread of its own sends
+// the heartbeats, so a long step is never mistaken for a dead worker.
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <ddpx/ps.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "plugin/comm/codec_message.h"
+#include "plugin/comm/mpi_env.h"
+#include "plugin/comm/wait_pacer.h"
+#include "plugin/ps/layout.h"
+#include "plugin/ps/session_state.h"
+#include "plugin/ps/transport.h"
+#include "plugin/ps/wire.h"
+
+namespace ddpx::ps {
+namespace detail {
+
+using comm::detail::WaitPacer;
+using Clock = std::chrono::steady_clock;
+
+// Sends a HEARTBEAT to every server each timeout/4 until stopped.
+class Heartbeat {
+ public:
+  Heartbeat(MPI_Comm comm, int worker, int servers, double timeout_s)
+      : comm_(comm), worker_(worker), servers_(servers), period_(timeout_s / 4) {
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~Heartbeat() { stop(); }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void loop() {
+    Outbox out(comm_);
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, period_, [&] { return stop_; })) {
+      try {
+        for (int k = 0; k < servers_; ++k)
+          out.send(pack_note(kHeartbeat, worker_, 0), k, kHeartbeat);
+        out.progress();
+      } catch (const std::exception&) {
+        return;  // the main thread meets the same failure and reports it
+      }
+    }
+    // A dead server never takes its heartbeats: give up on them quickly.
+    if (!out.drain(std::chrono::seconds(1))) {
+      comm::detail::MpiEnv::get().mark_broken("ddpx ps: heartbeats to a server never completed");
+    }
+  }
+
+  MPI_Comm comm_;
+  int worker_, servers_;
+  std::chrono::duration<double> period_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+class WorkerImpl {
+ public:
+  explicit WorkerImpl(Session& s)
+      : s_(s),
+        w_(s.rank() - s.num_servers()),
+        codec_(comm::MessageCodec::parse(s.options().codec)),
+        out_(s.state().comm),
+        rng_(static_cast<uint32_t>(1000 + w_)) {
+    const int K = s.num_servers();
+    buffers_.resize(K);
+    requests_.assign(K, MPI_REQUEST_NULL);
+    versions_.assign(K, 0);
+    residuals_.resize(K);
+    for (int k = 0; k < K; ++k) {
+      buffers_[k] = at::empty(
+          {static_cast<int64_t>(sizeof(ReplyHeader)) + 4 * s.state().layout.shard_numel[k]},
+          at::kByte);
+      residuals_[k].resize(s.state().layout.shards[k].size());
+    }
+    heartbeat_ = std::make_unique<Heartbeat>(s.state().comm, w_, K, s.timeout_s());
+  }
+
+  ~WorkerImpl() {
+    // Ended with a pull in flight (an error): take the receives back, so MPI
+    // never writes into freed buffers. A receive that already matched a
+    // reply (a large one half way in from a server that then stopped) cannot
+    // be cancelled and may never complete: give it a second, then leak the
+    // buffers and leave the rest to MPI_Abort at exit. Waiting on it hung a
+    // worker whose server was SIGSTOPped mid-reply.
+    for (auto& r : requests_) {
+      if (r == MPI_REQUEST_NULL) continue;
+      MPI_Cancel(&r);
+      const auto deadline = Clock::now() + std::chrono::seconds(1);
+      int done = 0;
+      while (MPI_Test(&r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done &&
+             Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      if (!done) {
+        comm::detail::MpiEnv::get().mark_broken("ddpx ps: a pull never completed");
+        for (const auto& b : buffers_) new at::Tensor(b);
+        return;
+      }
+    }
+  }
+
+  void pull() {
+    const PullMode mode = s_.options().pull;
+    if (mode == PullMode::Inconsistent && installed_) {
+      // Whatever shards came in since the last step go in, each asked for
+      // again at once; the others stay as they are. Never waits.
+      for (int k = 0; k < s_.num_servers(); ++k) {
+        int done = 0;
+        DDPX_MPI_CHECK(MPI_Test(&requests_[k], &done, MPI_STATUS_IGNORE));
+        take_notes(k);  // a refusal is an error now, not at finish()
+        if (!done) continue;
+        install_shard(k);
+        request_pull_from(k);
+      }
+      return;
+    }
+    if (!waiting_) request_pull();
+    wait_replies();
+    install();
+    if (mode != PullMode::AfterPush) request_pull();
+  }
+
+  void push(double loss, double correct, double samples) {
+    TORCH_CHECK(!finished_, "ddpx ps: push after finish()");
+    TORCH_CHECK(!(waiting_ && s_.options().pull == PullMode::AfterPush),
+                "ddpx ps: push() twice without pull() in between");
+    if (const int64_t d = s_.options().max_push_delay_us; d > 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(rng_() % d));
+    }
+    out_.progress();
+    const auto& params = s_.params();
+    const auto& layout = s_.state().layout;
+    for (int k = 0; k < s_.num_servers(); ++k) {
+      std::vector<at::Tensor> payloads;
+      const auto& segs = layout.shards[k];
+      for (size_t i = 0; i < segs.size(); ++i) {
+        const at::Tensor& g = params[segs[i].param].grad();
+        at::Tensor x = g.defined() ? g.detach()
+                                         .reshape(-1)
+                                         .narrow(0, segs[i].offset, segs[i].numel)
+                                         .to(at::kFloat)
+                                         .contiguous()
+                                   : at::zeros({segs[i].numel}, at::kFloat);
+        at::Tensor& e = residuals_[k][i];
+        if (codec_.id != comm::WireCodec::None && !e.defined()) e = at::zeros_like(x);
+        payloads.push_back(codec_.encode(x, e));
+        stats_.bytes_raw += 4 * segs[i].numel;
+      }
+      PushHeader h;
+      h.worker = w_;
+      h.codec = static_cast<int32_t>(codec_.id);
+      h.chunk = codec_.chunk;
+      h.ratio = codec_.ratio;
+      h.seq = seq_;
+      h.base = versions_[k];
+      h.flags = s_.options().pull == PullMode::AfterPush ? kAfterPush : 0;
+      h.loss = loss;
+      h.correct = correct;
+      h.samples = samples;
+      at::Tensor msg = pack_push(h, payloads);
+      stats_.bytes_sent += msg.numel();
+      out_.send(msg, k, kPush);
+    }
+    ++seq_;
+    ++stats_.pushes;
+    if (s_.options().pull == PullMode::AfterPush) post_receives();
+  }
+
+  int64_t version() const { return versions_[0]; }
+  int64_t start_step() const { return start_step_; }
+
+  void finish() {
+    if (finished_) return;
+    heartbeat_->stop();
+    if (waiting_) {
+      wait_replies();
+      install();
+    }
+    const std::chrono::duration<double> limit(s_.timeout_s());
+    for (int k = 0; k < s_.num_servers(); ++k) out_.send(pack_note(kBye, w_, seq_), k, kBye);
+    TORCH_CHECK(out_.drain(limit), "ddpx ps: worker ", w_,
+                " could not deliver its last messages "
+                "to the servers within ",
+                limit.count(), " s");
+    finished_ = true;
+  }
+
+  WorkerStats stats() const { return stats_; }
+
+ private:
+  void post_receive(int k) {
+    DDPX_MPI_CHECK(MPI_Irecv(buffers_[k].data_ptr(), static_cast<int>(buffers_[k].numel()),
+                             MPI_BYTE, k, kReply, s_.state().comm, &requests_[k]));
+    waiting_ = true;
+  }
+
+  void post_receives() {
+    for (int k = 0; k < s_.num_servers(); ++k) post_receive(k);
+  }
+
+  void request_pull_from(int k) {
+    out_.send(pack_note(kPull, w_, seq_), k, kPull);
+    post_receive(k);
+  }
+
+  void request_pull() {
+    for (int k = 0; k < s_.num_servers(); ++k) request_pull_from(k);
+  }
+
+  // Takes a server's ERROR or HEARTBEAT if one is there; true if heard from it.
+  bool take_notes(int k) {
+    bool heard = false;
+    for (int tag : {kError, kHeartbeat}) {
+      int flag = 0;
+      MPI_Status st;
+      DDPX_MPI_CHECK(MPI_Iprobe(k, tag, s_.state().comm, &flag, &st));
+      if (!flag) continue;
+      int count = 0;
+      DDPX_MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &count));
+      std::string text(static_cast<size_t>(count), '\0');
+      DDPX_MPI_CHECK(
+          MPI_Recv(text.data(), count, MPI_BYTE, k, tag, s_.state().comm, MPI_STATUS_IGNORE));
+      TORCH_CHECK(tag != kError, "ddpx ps: server ", k, " (rank ", k, ") refused worker ", w_, ": ",
+                  text);
+      heard = true;
+    }
+    return heard;
+  }
+
+  void wait_replies() {
+    const auto t_start = Clock::now();
+    const std::chrono::duration<double> timeout(s_.timeout_s());
+    std::vector<Clock::time_point> heard(s_.num_servers(), t_start);
+    auto pacer = WaitPacer(t_start);
+    while (true) {
+      const auto t0 = Clock::now();
+      bool all = true;
+      for (int k = 0; k < s_.num_servers(); ++k) {
+        if (requests_[k] == MPI_REQUEST_NULL) continue;
+        int done = 0;
+        DDPX_MPI_CHECK(MPI_Test(&requests_[k], &done, MPI_STATUS_IGNORE));
+        if (done) continue;
+        all = false;
+        if (take_notes(k)) heard[k] = t0;
+        TORCH_CHECK(t0 - heard[k] <= timeout, "ddpx ps: server ", k, " (rank ", k,
+                    ") sent nothing for ", timeout.count(), " s (DDPX_TIMEOUT_S) while worker ", w_,
+                    " waited for its parameters: the server died or is frozen");
+      }
+      if (all) break;
+      const auto nap = pacer.after_test(t0, Clock::now());
+      if (nap.count() > 0) std::this_thread::sleep_for(nap);
+    }
+    waiting_ = false;
+    stats_.wait_us += std::chrono::duration<double, std::micro>(Clock::now() - t_start).count();
+  }
+
+  // Every server's reply is in: the parameters take them all at once.
+  void install() {
+    for (int k = 0; k < s_.num_servers(); ++k) install_shard(k);
+    installed_ = true;
+  }
+
+  // Server k's reply is in its buffer: its values go into the parameters.
+  void install_shard(int k) {
+    at::NoGradGuard no_grad;
+    const auto& params = s_.params();
+    ReplyHeader h;
+    std::memcpy(&h, buffers_[k].data_ptr(), sizeof h);
+    TORCH_CHECK(h.magic == kMagic && h.kind == kReply, "ddpx ps: server ", k,
+                " sent a reply with a bad header (magic ", h.magic, ", kind ", h.kind, ")");
+    versions_[k] = h.version;
+    if (!installed_) {
+      // The first reply says which step this worker is at (restored servers).
+      if (k == 0) start_step_ = seq_ = h.seq;
+      TORCH_CHECK(h.seq == start_step_, "ddpx ps: server ", k, " says worker ", w_, " is at step ",
+                  h.seq, ", server 0 says ", start_step_,
+                  " (were the servers restored from checkpoints of different steps?)");
+    }
+    const at::Tensor values =
+        buffers_[k]
+            .narrow(0, sizeof(ReplyHeader), buffers_[k].numel() - sizeof(ReplyHeader))
+            .view(at::kFloat);
+    int64_t off = 0;
+    for (const auto& sg : s_.state().layout.shards[k]) {
+      params[sg.param]
+          .view(-1)
+          .narrow(0, sg.offset, sg.numel)
+          .copy_(values.narrow(0, off, sg.numel));
+      off += sg.numel;
+    }
+  }
+
+  Session& s_;
+  int w_;
+  comm::MessageCodec codec_;
+  Outbox out_;
+  std::mt19937 rng_;
+  std::vector<at::Tensor> buffers_;
+  std::vector<MPI_Request> requests_;
+  std::vector<int64_t> versions_;
+  std::vector<std::vector<at::Tensor>> residuals_;  // [server][segment]
+  std::unique_ptr<Heartbeat> heartbeat_;
+  int64_t seq_ = 0;
+  int64_t start_step_ = 0;
+  bool installed_ = false;
+  bool waiting_ = false;
+  bool finished_ = false;
+  WorkerStats stats_;
+};
+
+}  // namespace detail
+
+Worker::Worker(Session& session) {
+  TORCH_CHECK(!session.is_server(), "ddpx ps: rank ", session.rank(),
+              " is a server; workers are ranks ", session.num_servers(), " and up");
+  impl_ = std::make_unique<detail::WorkerImpl>(session);
+}
+Worker::~Worker() = default;
+void Worker::pull() { impl_->pull(); }
+void Worker::push(double loss, double correct, double samples) {
+  impl_->push(loss, correct, samples);
+}
+int64_t Worker::version() const { return impl_->version(); }
+int64_t Worker::start_step() const { return impl_->start_step(); }
+void Worker::finish() { impl_->finish(); }
+WorkerStats Worker::stats() const { return impl_->stats(); }
+
+}  // namespace ddpx::ps

@@ -1,0 +1,66 @@
+#include "plugin/trainer/run_common.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+
+namespace ddpx::trainer {
+namespace {
+
+std::string default_data_cache(uint64_t seed) {
+  const char* tmp = std::getenv("TMPDIR");
+  return (std::filesystem::path(tmp ? tmp : "/tmp") / ("ddpx-data-v1-seed" + std::to_string(seed)))
+      .string();
+}
+
+}  // namespace
+
+int local_ranks() {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"}) {
+    if (const char* s = std::getenv(v)) return std::max(1, std::atoi(s));
+  }
+  return 1;
+}
+
+DataSplit load_data(const Options& o, const ScriptedModel& m) {
+  if (!o.data.empty()) return load_data_path(o.data, m.spec);
+  if (m.spec.kind == "tokens") {
+    const int64_t n = o.train_samples > 0 ? o.train_samples : 20000;
+    return make_documents(m.spec.doc, n, std::max<int64_t>(n / 10, 1), o.seed);
+  }
+  const std::string dir = o.data_cache.empty() ? default_data_cache(o.seed) : o.data_cache;
+  ensure_synthetic_images(dir, o.seed);
+  return load_data_path(dir, m.spec);
+}
+
+std::string eta(double seconds) {
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", (long long)(s / 3600),
+                (long long)(s / 60 % 60), (long long)(s % 60));
+  return buf;
+}
+
+at::Tensor allreduce_sum(c10d::ProcessGroup& pg, at::Tensor t) {
+  std::vector<at::Tensor> v{t};
+  pg.allreduce(v)->wait();
+  return t;
+}
+
+double evaluate(torch::jit::Module& m, const Dataset& test, c10d::ProcessGroup& pg, int64_t batch) {
+  at::NoGradGuard no_grad;
+  m.eval();
+  const at::Tensor idx = shard_indices(test.size(), pg.getRank(), pg.getSize(), 0, 0);
+  double correct = 0;
+  for (int64_t b = 0; b < idx.numel(); b += batch) {
+    const at::Tensor rows = idx.narrow(0, b, std::min(batch, idx.numel() - b));
+    const at::Tensor out = m.forward({test.inputs.index_select(0, rows)}).toTensor();
+    correct += out.argmax(1).eq(test.targets.index_select(0, rows)).sum().item<double>();
+  }
+  m.train();
+  auto t = allreduce_sum(pg, at::tensor({correct, double(idx.numel())}, at::kDouble));
+  return t[0].item<double>() / std::max(1.0, t[1].item<double>());
+}
+
+}  // namespace ddpx::trainer

@@ -1,0 +1,30 @@
+#pragma once
+// What both kinds of run (GradSync's synchronous one, trainer.cpp, and the
+// parameter server's, trainer_ps.cpp) do alike: data, progress text, the
+// final evaluation.
+#include <torch/script.h>
+
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "plugin/trainer/data.h"
+#include "plugin/trainer/model.h"
+#include "plugin/trainer/options.h"
+
+namespace ddpx::trainer {
+
+// Processes of this job on this host (for the intra-op thread count).
+int local_ranks();
+
+// --data, or the generated set the model takes.
+DataSplit load_data(const Options& o, const ScriptedModel& m);
+
+// "h:mm:ss".
+std::string eta(double seconds);
+
+at::Tensor allreduce_sum(c10d::ProcessGroup& pg, at::Tensor t);
+
+// Accuracy of the model on the test set, each rank of pg scoring its share.
+double evaluate(torch::jit::Module& m, const Dataset& test, c10d::ProcessGroup& pg, int64_t batch);
+
+}  // namespace ddpx::trainer

@@ -1,0 +1,285 @@
+// ddpx-train --mode ps: the first --servers ranks serve (ddpx::ps::Server),
+// the others train on their shard of the data and push gradients. Progress
+// lines and metrics come from rank 0, a server, out of what the pushes report
+// (loss, correct, samples), so no collective slows the workers; the final
+// test accuracy is scored by every rank on the servers' parameters.
+#include <ddpx/comm.h>
+#include <ddpx/ps.h>
+#include <torch/nn/functional/loss.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "plugin/trainer/checkpoint.h"
+#include "plugin/trainer/data.h"
+#include "plugin/trainer/model.h"
+#include "plugin/trainer/optim.h"
+#include "plugin/trainer/run_common.h"
+#include "plugin/trainer/trainer.h"
+
+namespace ddpx::trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+nlohmann::json staleness_json(const ps::Staleness& s) {
+  nlohmann::json hist = nlohmann::json::object();
+  for (size_t i = 0; i < s.counts.size(); ++i) {
+    if (s.counts[i] > 0) hist[std::to_string(i)] = s.counts[i];
+  }
+  return {{"mean", s.mean()},
+          {"p50", s.percentile(0.5)},
+          {"p99", s.percentile(0.99)},
+          {"max", s.max()},
+          {"histogram", hist}};
+}
+
+std::string histogram_text(const ps::Staleness& s) {
+  std::ostringstream os;
+  const int64_t total = std::max<int64_t>(1, s.total());
+  for (size_t i = 0; i < s.counts.size(); ++i) {
+    if (s.counts[i] == 0) continue;
+    char line[96];
+    std::snprintf(line, sizeof line, "    %4zu  %8lld  %5.1f%%  ", i, (long long)s.counts[i],
+                  100.0 * double(s.counts[i]) / double(total));
+    os << line << std::string(static_cast<size_t>(40 * s.counts[i] / total), '#') << "\n";
+  }
+  return os.str();
+}
+
+}  // namespace
+
+void run_ps(const Options& o) {
+  TORCH_CHECK(comm::detect_launcher() == comm::Launcher::Mpi,
+              "ddpx-train: --mode ps runs under mpirun (servers and workers talk MPI point to "
+              "point), e.g. mpirun -np 3 ddpx-train --mode ps --servers 1 ...");
+  const auto timeout = o.timeout_s > 0
+                           ? std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000))
+                           : comm::default_timeout();
+  auto pg = comm::init_from_env(timeout);  // ddpx_mpi: starts MPI, scores the test set
+  const int rank = pg->getRank(), world = pg->getSize();
+  const bool lead = rank == 0;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(o.threads > 0 ? o.threads : std::max(1, cores / local_ranks()));
+  torch::manual_seed(o.seed);
+
+  ScriptedModel sm = load_model(o.model);
+  torch::jit::Module& model = sm.module;
+  model.train();
+  std::vector<at::Tensor> params;
+  for (const auto& p : model.parameters()) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+
+  // The schedule runs on the servers' version: one update per gradient
+  // (async, ssp) or per round (sync), so total_updates is known only once
+  // the session knows the worker count.
+  int64_t total_updates = 1;
+  ps::Options po;
+  po.servers = o.servers;
+  po.consistency = o.consistency;
+  po.codec = o.codec;
+  po.pull = o.ps_pull == "prefetch"       ? ps::PullMode::Prefetch
+            : o.ps_pull == "inconsistent" ? ps::PullMode::Inconsistent
+                                          : ps::PullMode::AfterPush;
+  po.deterministic = o.ps_deterministic;
+  po.staleness_lr = o.ps_staleness_lr;
+  po.timeout_s = o.timeout_s;
+  po.make_optimizer = [&o](std::vector<at::Tensor> p) { return make_optimizer(std::move(p), o); };
+  po.lr_at = [&o, &total_updates](int64_t v) { return lr_at(v, total_updates, o); };
+  // Each server keeps its own checkpoint, <--checkpoint>.server<k>; the
+  // period counts steps of every worker (updates per step: N, or 1 in sync).
+  const std::string my_checkpoint =
+      o.checkpoint.empty() ? "" : o.checkpoint + ".server" + std::to_string(rank);
+  if (!my_checkpoint.empty()) {
+    const bool sync_mode =
+        ps::Consistency::parse(o.consistency).kind == ps::Consistency::Kind::Sync;
+    po.checkpoint_every = o.checkpoint_every * (sync_mode ? 1 : std::max(1, world - o.servers));
+    po.on_checkpoint = [&my_checkpoint](const std::string& bytes) {
+      write_durably(my_checkpoint, bytes);
+    };
+  }
+  ps::Session session(params, po);
+
+  const DataSplit data = load_data(o, sm);
+  const int workers = session.num_workers();
+  const int64_t per_worker = data.train.size() / workers;
+  const int64_t steps_per_epoch = per_worker / o.batch_size;
+  TORCH_CHECK(steps_per_epoch > 0, "ddpx-train: --batch-size ", o.batch_size, " exceeds the ",
+              per_worker, " training samples each of ", workers, " workers holds");
+  const int64_t total = o.steps > 0 ? o.steps : o.epochs * steps_per_epoch;  // per worker
+  const bool sync = session.consistency().kind == ps::Consistency::Kind::Sync;
+  const int64_t per_step = sync ? 1 : workers;  // updates per step of every worker
+  total_updates = total * per_step;
+
+  std::string restored;  // a server's saved state (--resume)
+  if (session.is_server() && !my_checkpoint.empty()) {
+    const bool exists = std::filesystem::exists(my_checkpoint);
+    TORCH_CHECK(o.resume || !exists, "ddpx-train: checkpoint ", my_checkpoint,
+                " already exists; pass --resume to continue from it, or choose another "
+                "--checkpoint path (a fresh run never overwrites a checkpoint)");
+    if (o.resume && exists) {
+      std::ifstream in(my_checkpoint, std::ios::binary);
+      restored.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+      TORCH_CHECK(in.good() || in.eof(), "ddpx-train: cannot read ", my_checkpoint);
+    }
+  }
+  std::ofstream metrics;
+  if (lead && !o.metrics.empty()) {
+    metrics.open(o.metrics, restored.empty() ? std::ios::trunc : std::ios::app);
+    TORCH_CHECK(metrics, "ddpx-train: cannot write --metrics ", o.metrics);
+  }
+  if (lead && !o.quiet) {
+    std::cout << "[ddpx-train] " << o.model << ": " << params.size() << " parameter tensors, "
+              << o.servers << " server(s) + " << workers << " worker(s), consistency "
+              << session.consistency().str() << ", " << total << " steps of " << o.batch_size
+              << " samples per worker, push codec " << o.codec << std::endl;
+  }
+
+  const auto t_start = Clock::now();
+  double last_loss = 0, last_acc = 0;  // of the last progress window, as --mode sync reports
+  ps::ServerStats mine;
+  ps::WorkerStats wstats;
+  if (session.is_server()) {
+    auto t_window = t_start;
+    ps::ServerStats prev;
+    auto on_update = [&](const ps::ServerStats& st) {
+      if (!lead) return;
+      const int64_t every = o.log_every * per_step;
+      if (st.updates % every != 0 && st.updates != total_updates) return;
+      const auto now = Clock::now();
+      const double dt = std::chrono::duration<double>(now - t_window).count();
+      const double elapsed = std::chrono::duration<double>(now - t_start).count();
+      const double n = std::max(1.0, st.samples - prev.samples);
+      const double loss = last_loss = (st.loss_sum - prev.loss_sum) / n;
+      const double acc = last_acc = (st.correct - prev.correct) / n;
+      const double rate = (st.samples - prev.samples) / std::max(dt, 1e-9);
+      const int64_t step = st.updates / per_step;
+      if (!o.quiet) {
+        char line[256];
+        std::snprintf(
+            line, sizeof line,
+            "[ddpx-train] step %lld/%lld  loss %.4f  acc %5.1f%%  %.0f samples/s  "
+            "staleness mean %.2f max %lld  ETA %s",
+            (long long)step, (long long)total, loss, 100 * acc, rate, st.staleness.mean(),
+            (long long)st.staleness.max(),
+            eta(elapsed / double(std::max<int64_t>(1, step)) * double(total - step)).c_str());
+        std::cout << line << std::endl;
+      }
+      if (metrics.is_open()) {
+        metrics << nlohmann::json{{"step", step},
+                                  {"version", st.version},
+                                  {"loss", loss},
+                                  {"accuracy", acc},
+                                  {"samples_per_s", rate},
+                                  {"lr", lr_at(st.version - 1, total_updates, o)},
+                                  {"elapsed_s", elapsed},
+                                  {"applied", st.applied},
+                                  {"dropped", st.dropped},
+                                  {"bytes_received", st.bytes_received},
+                                  {"staleness", staleness_json(st.staleness)}}
+                       .dump()
+                << std::endl;
+      }
+      prev = st;
+      t_window = now;
+    };
+    ps::Server server(session);
+    if (!restored.empty()) {
+      prev = server.restore(restored);  // progress windows go on from there
+      if (lead && !o.quiet) {
+        std::cout << "[ddpx-train] resumed the servers from " << o.checkpoint << ".server<k>"
+                  << std::endl;
+      }
+    }
+    mine = server.serve(on_update);
+  } else {
+    const int w = session.rank() - session.num_servers();
+    ps::Worker worker(session);
+    at::Tensor idx;
+    int64_t epoch = -1;
+    worker.pull();  // the first reply says where a resumed run stands
+    const int64_t first = worker.start_step();
+    for (int64_t step = first; step < total; ++step) {
+      if (step / steps_per_epoch != epoch) {
+        epoch = step / steps_per_epoch;
+        idx = shard_indices(data.train.size(), w, workers, epoch, o.seed);
+      }
+      const at::Tensor rows = idx.narrow(0, (step % steps_per_epoch) * o.batch_size, o.batch_size);
+      const at::Tensor x = data.train.inputs.index_select(0, rows);
+      const at::Tensor y = data.train.targets.index_select(0, rows);
+      if (step > first) worker.pull();  // its reply came in while the batch was gathered
+      for (auto& p : params) p.mutable_grad() = at::Tensor();
+      const at::Tensor logits = model.forward({x}).toTensor();
+      const at::Tensor loss = torch::nn::functional::cross_entropy(logits, y);
+      loss.backward();
+      const double correct = logits.argmax(1).eq(y).sum().item<double>();
+      worker.push(loss.item<double>() * double(o.batch_size), correct, double(o.batch_size));
+    }
+    worker.finish();
+    wstats = worker.stats();
+  }
+  session.share_final(params);
+  const ps::ServerStats st = session.gather_stats(mine);
+  auto w = allreduce_sum(*pg, at::tensor({double(wstats.pushes), double(wstats.bytes_sent),
+                                          double(wstats.bytes_raw), wstats.wait_us},
+                                         at::kDouble));
+  const double test_acc = evaluate(model, data.test, *pg, 256);
+  const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
+  if (!lead) return;
+  const double pushes = w[0].item<double>();
+  const double compression =
+      w[2].item<double>() > 0 ? w[1].item<double>() / w[2].item<double>() : 1;
+  const double loss = last_loss, acc = last_acc;
+  if (!o.quiet) {
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "[ddpx-train] done: %lld steps x %d workers in %.1f s, train loss %.4f, train "
+                  "acc %.1f%%, test accuracy %.2f%%",
+                  (long long)total, workers, elapsed, loss, 100 * acc, 100 * test_acc);
+    std::cout << line << std::endl;
+    std::snprintf(line, sizeof line,
+                  "[ddpx-train] parameter server: %lld updates, %lld gradients applied, %lld "
+                  "dropped, %lld worker(s) lost; pushes %.0f B each (x%.3f of float32); "
+                  "workers waited %.1f ms per step for parameters",
+                  (long long)st.version, (long long)(st.applied / o.servers),
+                  (long long)(st.dropped / o.servers), (long long)st.workers_lost,
+                  pushes > 0 ? w[1].item<double>() / pushes : 0.0, compression,
+                  pushes > 0 ? w[3].item<double>() / pushes / 1000 : 0.0);
+    std::cout << line << std::endl;
+    std::snprintf(line, sizeof line,
+                  "[ddpx-train] staleness (versions): mean %.2f  p50 %lld  p99 %lld  max %lld",
+                  st.staleness.mean(), (long long)st.staleness.percentile(0.5),
+                  (long long)st.staleness.percentile(0.99), (long long)st.staleness.max());
+    std::cout << line << "\n" << histogram_text(st.staleness) << std::flush;
+  }
+  if (metrics.is_open()) {
+    metrics
+        << nlohmann::json{{"event", "end"},
+                          {"step", total},
+                          {"loss", loss},
+                          {"accuracy", acc},
+                          {"test_accuracy", test_acc},
+                          {"elapsed_s", elapsed},
+                          {"updates", st.version},
+                          {"applied", st.applied / o.servers},
+                          {"dropped", st.dropped / o.servers},
+                          {"workers_lost", st.workers_lost},
+                          {"bytes_sent_per_step", pushes > 0 ? w[1].item<double>() / pushes : 0},
+                          {"compression", compression},
+                          {"pull_wait_us_per_step", pushes > 0 ? w[3].item<double>() / pushes : 0},
+                          {"staleness", staleness_json(st.staleness)}}
+               .dump()
+        << std::endl;
+  }
+}
+
+}  // namespace ddpx::trainer

@@ -1,0 +1,516 @@
+// The parameter server end to end under mpirun (ddpx/ps.h): np 2, 3 and 4,
+// the first K ranks serve. Every rank can recompute every worker's gradient
+// (data seeded by worker and step), so each rank builds the reference run
+// locally and compares after Session::share_final:
+//   one worker                == local SGD / Adam, bitwise (any K: split tensors)
+//   deterministic async       == the same round-robin order applied in one process, bitwise
+//   sync (n = N)              == synchronous data-parallel SGD, mean summed in worker
+//                                order, bitwise
+//   pushes through a codec    == local SGD on the codec's decoded gradients with the
+//                                same per-segment error feedback, bitwise
+//   ssp:S                     applied staleness <= S under random worker delays
+//   async, N equal workers    mean staleness within 0.35 of N - 1
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ddpx/ps.h>
+#include <gtest/gtest.h>
+#include <mpi.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/sgd.h>
+
+#include <cctype>
+#include <random>
+#include <thread>
+
+#include "plugin/comm/codec_message.h"
+#include "plugin/comm/mpi_env.h"
+#include "plugin/ps/layout.h"
+#include "plugin/ps/session_state.h"
+#include "plugin/ps/wire.h"
+
+namespace ps = ddpx::ps;
+
+namespace {
+
+// MPI is started by ddpx (MpiEnv), as in any trainer.
+int world_size() { return ddpx::comm::detail::MpiEnv::get().world_size(); }
+
+// A two-layer net, [13, 5] + [13] + [3, 13] + [3] = 120 elements: with two
+// servers the cut at element 60 splits the first weight.
+std::vector<at::Tensor> make_params() {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(42);
+  std::vector<at::Tensor> p = {at::randn({13, 5}, g) * 0.4, at::randn({13}, g) * 0.1,
+                               at::randn({3, 13}, g) * 0.3, at::randn({3}, g) * 0.1};
+  for (auto& t : p) t.requires_grad_(true);
+  return p;
+}
+
+std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& p) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : p) out.push_back(t.detach().clone().requires_grad_(true));
+  return out;
+}
+
+void copy_params(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(src[i]);
+}
+
+// Worker w's gradient at its step s on `p` (left in p[i].grad()); returns the loss.
+double compute_grads(const std::vector<at::Tensor>& p, int w, int64_t s) {
+  for (const auto& t : p) t.mutable_grad() = at::Tensor();
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 * (w + 1) + s);
+  const at::Tensor x = at::randn({8, 5}, g);
+  const at::Tensor y = at::randn({8, 3}, g);
+  const at::Tensor h = at::tanh(at::addmm(p[1], x, p[0].t()));
+  const at::Tensor loss = (at::addmm(p[3], h, p[2].t()) - y).pow(2).mean();
+  loss.backward();
+  return loss.item<double>();
+}
+
+double lr_at(int64_t v) { return 0.05 * (1.0 - 0.01 * static_cast<double>(v % 50)); }
+
+std::unique_ptr<torch::optim::Optimizer> make_opt(const std::string& kind,
+                                                  std::vector<at::Tensor> params) {
+  if (kind == "adam") {
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
+  }
+  return std::make_unique<torch::optim::SGD>(
+      params, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-4));
+}
+
+void set_lr(torch::optim::Optimizer& opt, double lr) {
+  for (auto& group : opt.param_groups()) group.options().set_lr(lr);
+}
+
+ps::Options options(int servers, const std::string& consistency, const std::string& opt = "sgd") {
+  ps::Options o;
+  o.servers = servers;
+  o.consistency = consistency;
+  o.make_optimizer = [opt](std::vector<at::Tensor> p) { return make_opt(opt, std::move(p)); };
+  o.lr_at = lr_at;
+  o.timeout_s = 60;
+  return o;
+}
+
+struct RunResult {
+  std::vector<at::Tensor> params;  // the servers' final values, on every rank
+  ps::ServerStats stats;           // merged over servers, on every rank
+};
+
+// A PS run: every worker goes on to step `steps`; `before_push` runs on a
+// worker before each push (delays); a server restores `state` when given.
+RunResult run_ps(ps::Options o, int64_t steps,
+                 const std::function<void(int w, int64_t s)>& before_push = {},
+                 const std::string& state = "") {
+  std::vector<at::Tensor> params = make_params();
+  ps::Session session(params, std::move(o));
+  ps::ServerStats mine;
+  if (session.is_server()) {
+    ps::Server server(session);
+    if (!state.empty()) server.restore(state);
+    mine = server.serve();
+  } else {
+    const int w = session.rank() - session.num_servers();
+    ps::Worker worker(session);
+    worker.pull();
+    for (int64_t s = worker.start_step(); s < steps; ++s) {
+      const double loss = compute_grads(params, w, s);
+      if (before_push) before_push(w, s);
+      worker.push(loss, 0, 8);
+      worker.pull();
+    }
+    worker.finish();
+  }
+  session.share_final(params);
+  return {params, session.gather_stats(mine)};
+}
+
+void expect_bitwise(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_TRUE(at::equal(got[i], want[i]))
+        << "parameter " << i << ": max |diff| " << (got[i] - want[i]).abs().max().item<double>();
+  }
+}
+
+class PsOptimizer : public ::testing::TestWithParam<std::string> {};
+
+// One worker, every other rank a server (np 3, 4: tensors split).
+TEST_P(PsOptimizer, OneWorkerEqualsLocalTraining) {
+  const int servers = world_size() - 1;
+  const int64_t steps = 25;
+  for (const std::string c : {"async", "ssp:0", "sync"}) {
+    const auto got = run_ps(options(servers, c, GetParam()), steps);
+    auto ref = make_params();
+    auto opt = make_opt(GetParam(), ref);
+    for (int64_t s = 0; s < steps; ++s) {
+      compute_grads(ref, 0, s);
+      set_lr(*opt, lr_at(s));
+      opt->step();
+    }
+    SCOPED_TRACE(c);
+    expect_bitwise(got.params, ref);
+    EXPECT_EQ(got.stats.version, steps);
+    EXPECT_EQ(got.stats.staleness.max(), 0);
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Ps, PsOptimizer, ::testing::Values("sgd", "adam"));
+
+// Prefetch: the next parameters are requested as soon as a step's are in,
+// before its push, so step s computes on the parameters after push s - 2:
+// one worker is exactly one version stale (the first push excepted).
+TEST(Ps, OneWorkerPrefetchIsOneStepStale) {
+  auto o = options(world_size() - 1, "async");
+  o.pull = ps::PullMode::Prefetch;
+  const int64_t steps = 20;
+  const auto got = run_ps(o, steps);
+  auto ref = make_params();
+  auto opt = make_opt("sgd", ref);
+  auto seen = clone_params(ref);  // what the worker computes on
+  auto scratch = clone_params(ref);
+  for (int64_t s = 0; s < steps; ++s) {
+    copy_params(scratch, seen);
+    copy_params(seen, ref);  // the prefetch of step s + 1 sees version s
+    compute_grads(scratch, 0, s);
+    for (size_t i = 0; i < ref.size(); ++i) ref[i].mutable_grad() = scratch[i].grad();
+    set_lr(*opt, lr_at(s));
+    opt->step();
+  }
+  expect_bitwise(got.params, ref);
+  EXPECT_EQ(got.stats.staleness.max(), 1);
+  EXPECT_EQ(got.stats.staleness.counts.at(0), world_size() - 1);  // the first push, per server
+}
+
+// Inconsistent reads (AsySG-InCon): pull() never waits after the first, so
+// which versions a step mixes depends on timing. What holds whatever the
+// timing: every push is applied once, and no push but the first is computed
+// on parameters that include the worker's previous push (the pull whose reply
+// a step uses was asked for before that push was sent, and a server answers
+// in arrival order), so exactly one push per server is 0 versions stale.
+TEST(Ps, InconsistentReadsNeverIncludeTheWorkersLastPush) {
+  const int servers = world_size() == 2 ? 1 : 2;
+  if (world_size() - servers != 1) GTEST_SKIP() << "one worker: np 2 or 3";
+  auto o = options(servers, "async");
+  o.pull = ps::PullMode::Inconsistent;
+  const int64_t steps = 40;
+  const auto got = run_ps(o, steps, [](int, int64_t s) {
+    if (s % 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  EXPECT_EQ(got.stats.applied, servers * steps);
+  EXPECT_EQ(got.stats.staleness.counts.at(0), servers);
+  EXPECT_GE(got.stats.staleness.mean(), 1.0 - 1.0 / steps);
+  for (size_t i = 0; i < got.params.size(); ++i) {
+    EXPECT_TRUE(at::isfinite(got.params[i]).all().item<bool>());
+    EXPECT_FALSE(at::equal(got.params[i], make_params()[i])) << "parameter " << i << " never moved";
+  }
+}
+
+// Round robin: worker w's push s is computed on the parameters right after
+// its own push s - 1, and applied after every push (s, w' < w).
+// staleness_lr: the rate is divided by tau = version - base when tau > 1.
+std::vector<at::Tensor> sequential_round_robin(int workers, int64_t steps,
+                                               bool staleness_lr = false) {
+  auto global = make_params();
+  auto opt = make_opt("sgd", global);
+  std::vector<std::vector<at::Tensor>> seen(workers);
+  for (auto& v : seen) v = clone_params(global);
+  std::vector<int64_t> base(workers, 0);
+  auto scratch = clone_params(global);
+  int64_t version = 0;
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int w = 0; w < workers; ++w) {
+      copy_params(scratch, seen[w]);
+      compute_grads(scratch, w, s);
+      for (size_t i = 0; i < global.size(); ++i) global[i].mutable_grad() = scratch[i].grad();
+      const int64_t tau = version - base[w];
+      const double scale = staleness_lr && tau > 1 ? 1.0 / static_cast<double>(tau) : 1.0;
+      set_lr(*opt, lr_at(version++) * scale);
+      opt->step();
+      copy_params(seen[w], global);
+      base[w] = version;
+    }
+  }
+  return global;
+}
+
+// np 3: 1 server, 2 workers; np 4: 2 servers (a split tensor), 2 workers.
+// Random delays scramble the arrival order; the result must not change.
+TEST(Ps, DeterministicEqualsSequentialApplication) {
+  const int n = world_size();
+  if (n < 3) GTEST_SKIP() << "needs two workers";
+  const int servers = n == 3 ? 1 : 2;
+  const int workers = n - servers;
+  auto o = options(servers, "async");
+  o.deterministic = true;
+  o.max_push_delay_us = 2000;
+  const int64_t steps = 15;
+  const auto got = run_ps(o, steps);
+  expect_bitwise(got.params, sequential_round_robin(workers, steps));
+}
+
+// The same with the staleness-aware rate: np 3 has 2 workers (tau <= 1, the
+// rate never changes), np 4 with 1 server has 3 (tau = 2 from the second
+// round on: lr / 2).
+TEST(Ps, StalenessAwareRateEqualsSequentialApplication) {
+  const int n = world_size();
+  if (n < 3) GTEST_SKIP() << "needs two workers";
+  const int workers = n - 1;
+  auto o = options(1, "async");
+  o.deterministic = true;
+  o.staleness_lr = true;
+  o.max_push_delay_us = 1000;
+  const int64_t steps = 12;
+  const auto got = run_ps(o, steps);
+  const auto want = sequential_round_robin(workers, steps, /*staleness_lr=*/true);
+  expect_bitwise(got.params, want);
+  if (workers > 2) {
+    // And it is not the plain rate's result.
+    EXPECT_FALSE(at::equal(want[0], sequential_round_robin(workers, steps)[0]));
+  }
+}
+
+// sync with n = N: every update is the mean of the N gradients computed on
+// the same parameters (summed in worker order) -- synchronous data-parallel
+// SGD, bitwise.
+TEST(Ps, SyncEqualsDataParallel) {
+  const int n = world_size();
+  const int servers = n == 4 ? 2 : 1;
+  const int workers = n - servers;
+  const int64_t steps = 12;
+  auto o = options(servers, "sync");
+  o.max_push_delay_us = 1000;
+  const auto got = run_ps(o, steps);
+  auto ref = make_params();
+  auto opt = make_opt("sgd", ref);
+  auto scratch = clone_params(ref);
+  for (int64_t s = 0; s < steps; ++s) {
+    std::vector<at::Tensor> sum;
+    for (int w = 0; w < workers; ++w) {
+      copy_params(scratch, ref);
+      compute_grads(scratch, w, s);
+      for (size_t i = 0; i < ref.size(); ++i) {
+        if (w == 0)
+          sum.push_back(scratch[i].grad().clone());
+        else
+          sum[i].add_(scratch[i].grad());
+      }
+    }
+    for (size_t i = 0; i < ref.size(); ++i) {
+      ref[i].mutable_grad() = workers > 1 ? sum[i].div_(double(workers)) : sum[i];
+    }
+    set_lr(*opt, lr_at(s));
+    opt->step();
+  }
+  expect_bitwise(got.params, ref);
+  EXPECT_EQ(got.stats.version, steps);
+  EXPECT_EQ(got.stats.applied, servers * workers * steps);
+  EXPECT_EQ(got.stats.staleness.max(), 0);
+}
+
+// sync:n with n < N (backup workers): each update takes the first n
+// gradients on the current version and drops the late ones; nothing stale is
+// ever applied, and every push is either applied or dropped.
+TEST(Ps, SyncQuorumDropsLatePushes) {
+  const int n = world_size();
+  if (n < 3) GTEST_SKIP() << "needs two workers";
+  const int workers = n - 1;
+  const int64_t steps = 20;
+  std::mt19937 rng(11 + n);
+  const auto got = run_ps(options(1, "sync:1"), steps, [&](int w, int64_t) {
+    if (w == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 3000));
+  });
+  EXPECT_EQ(got.stats.applied + got.stats.dropped, workers * steps);
+  EXPECT_EQ(got.stats.updates, got.stats.applied);  // one gradient per update
+  EXPECT_GT(got.stats.dropped, 0);
+  EXPECT_EQ(got.stats.staleness.max(), 0);
+}
+
+// ssp:S with S = N - 1 (the tightest that can hold), worker 0 up to 4 ms
+// slower per step than the others.
+TEST(Ps, SspBoundHoldsUnderRandomDelays) {
+  const int n = world_size();
+  if (n < 3) GTEST_SKIP() << "needs two workers";
+  const int workers = n - 1;
+  const int64_t S = workers - 1;
+  auto o = options(1, "ssp:" + std::to_string(S));
+  std::mt19937 rng(7 + n);
+  const auto got = run_ps(o, 40, [&](int w, int64_t) {
+    if (w == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 4000));
+  });
+  EXPECT_EQ(got.stats.applied, workers * 40);
+  EXPECT_LE(got.stats.staleness.max(), S);
+}
+
+// N workers of equal speed (a 2 ms step each): each gradient is applied after
+// the N - 1 others' on average.
+TEST(Ps, AsyncMeanStalenessNearWorkersMinusOne) {
+  const int n = world_size();
+  if (n < 3) GTEST_SKIP() << "needs two workers";
+  const int workers = n - 1;
+  const auto got = run_ps(options(1, "async"), 60, [](int, int64_t) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  });
+  EXPECT_EQ(got.stats.applied, workers * 60);
+  EXPECT_NEAR(got.stats.staleness.mean(), workers - 1, 0.35)
+      << "p50 " << got.stats.staleness.percentile(0.5) << " max " << got.stats.staleness.max();
+}
+
+// A run stopped after 8 of 12 steps and restored from the servers'
+// checkpoints ends bitwise where the uninterrupted run ends (sync: every
+// worker's next gradient is computed on the saved version). The checkpoint
+// of step 4 is taken too, so "the last one wins" is what is checked.
+TEST(Ps, ResumeEqualsUninterrupted) {
+  const int n = world_size();
+  const int servers = n == 4 ? 2 : 1;
+  const auto whole = run_ps(options(servers, "sync"), 12);
+  std::string state;
+  int saves = 0;
+  auto o = options(servers, "sync");
+  o.checkpoint_every = 4;
+  o.on_checkpoint = [&](const std::string& bytes) {
+    state = bytes;
+    ++saves;
+  };
+  run_ps(o, 8);
+  const bool server = ddpx::comm::detail::MpiEnv::get().world_rank() < servers;
+  if (server) EXPECT_EQ(saves, 3);  // after updates 4 and 8, and at the end
+  const auto resumed = run_ps(options(servers, "sync"), 12, {}, state);
+  expect_bitwise(resumed.params, whole.params);
+  EXPECT_EQ(resumed.stats.version, 12);
+  EXPECT_EQ(resumed.stats.applied, whole.stats.applied);
+}
+
+// Every push codec, 2 servers (the first weight split between them) and one
+// worker: equals local SGD on the decoded gradients, with the worker's error
+// feedback kept per (server, segment) as the worker keeps it.
+class PsCodec : public ::testing::TestWithParam<std::string> {};
+TEST_P(PsCodec, TwoServersSplitTensor) {
+  if (world_size() != 3) GTEST_SKIP() << "2 servers + 1 worker: np 3";
+  const int64_t steps = 20;
+  auto o = options(2, "async");
+  o.codec = GetParam();
+  const auto got = run_ps(o, steps);
+  const auto codec = ddpx::comm::MessageCodec::parse(GetParam());
+  auto ref = make_params();
+  const auto layout = ps::detail::Layout::plan({65, 13, 39, 3}, 2);
+  std::map<std::pair<int, size_t>, at::Tensor> residual;
+  auto opt = make_opt("sgd", ref);
+  for (int64_t s = 0; s < steps; ++s) {
+    compute_grads(ref, 0, s);
+    std::vector<at::Tensor> decoded;
+    for (const auto& p : ref) decoded.push_back(at::empty({p.numel()}, at::kFloat));
+    for (int k = 0; k < 2; ++k) {
+      for (size_t i = 0; i < layout.shards[k].size(); ++i) {
+        const auto& sg = layout.shards[k][i];
+        const at::Tensor x =
+            ref[sg.param].grad().reshape(-1).narrow(0, sg.offset, sg.numel).contiguous();
+        at::Tensor& e = residual[{k, i}];
+        if (!e.defined()) e = at::zeros_like(x);
+        decoded[sg.param]
+            .narrow(0, sg.offset, sg.numel)
+            .copy_(codec.decode(codec.encode(x, e), sg.numel));
+      }
+    }
+    for (size_t i = 0; i < ref.size(); ++i) ref[i].mutable_grad() = decoded[i].view(ref[i].sizes());
+    set_lr(*opt, lr_at(s));
+    opt->step();
+  }
+  expect_bitwise(got.params, ref);
+  // Bytes on the wire, exactly: each segment's codec message, a header per
+  // server and a length per segment, for every push.
+  int64_t per_push = 2 * static_cast<int64_t>(sizeof(ps::detail::PushHeader));
+  for (const auto& shard : layout.shards) {
+    for (const auto& sg : shard) per_push += 8 + codec.message_bytes(sg.numel);
+  }
+  EXPECT_EQ(got.stats.bytes_received, steps * per_push);
+  EXPECT_EQ(got.stats.bytes_raw, steps * 4 * 120);
+}
+INSTANTIATE_TEST_SUITE_P(Ps, PsCodec,
+                         ::testing::Values("none", "fp16", "bf16", "int8:16", "topk:0.3"),
+                         [](const auto& info) {
+                           std::string s = info.param;
+                           for (char& c : s)
+                             if (!isalnum(c)) c = '_';
+                           return s;
+                         });
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(PsErrors, BadOptionsNameTheArgument) {
+  const int n = world_size();
+  auto o = options(n, "async");
+  EXPECT_NE(error_of([&] { ps::Session(make_params(), o); }).find("--servers must be in [1, "),
+            std::string::npos);
+  o = options(1, "eventually");
+  EXPECT_NE(
+      error_of([&] { ps::Session(make_params(), o); }).find("unknown consistency 'eventually'"),
+      std::string::npos);
+  o = options(1, "async");
+  o.codec = "gzip";
+  EXPECT_NE(error_of([&] { ps::Session(make_params(), o); }).find("unknown codec 'gzip'"),
+            std::string::npos);
+  if (n >= 3) {
+    o = options(1, "ssp:0");
+    EXPECT_NE(error_of([&] { ps::Session(make_params(), o); }).find("use ssp:"), std::string::npos);
+  }
+}
+
+TEST(PsErrors, ModelMismatchAcrossRanks) {
+  auto params = make_params();
+  if (ddpx::comm::detail::MpiEnv::get().world_rank() == 1) params.pop_back();
+  const auto err = error_of([&] { ps::Session(params, options(1, "async")); });
+  EXPECT_NE(err.find("disagree on the parameter count, parameter shapes"), std::string::npos)
+      << err;
+}
+
+// A worker sends a push whose segment length is wrong, then one computed on
+// a version the server never had: each is refused with an error naming it,
+// and the worker's pull fails with that error.
+TEST(PsErrors, WrongMessagesAreRefused) {
+  for (int variant = 0; variant < 2; ++variant) {
+    auto params = make_params();
+    ps::Session session(params, options(1, "async"));
+    if (session.is_server()) {
+      const auto st = ps::Server(session).serve();
+      EXPECT_EQ(st.applied, 0);
+      EXPECT_EQ(st.workers_lost, session.num_workers());
+    } else {
+      const int w = session.rank() - 1;
+      ps::detail::PushHeader h;
+      h.worker = w;
+      h.flags = ps::detail::kAfterPush;
+      std::vector<at::Tensor> payloads;
+      for (const auto& sg : session.state().layout.shards[0]) {
+        payloads.push_back(at::zeros({4 * sg.numel}, at::kByte));
+      }
+      if (variant == 0)
+        payloads[1] = at::zeros({3}, at::kByte);
+      else
+        h.base = 999;
+      const at::Tensor msg = ps::detail::pack_push(h, payloads);
+      MPI_Send(msg.data_ptr(), static_cast<int>(msg.numel()), MPI_BYTE, 0, ps::detail::kPush,
+               session.state().comm);
+      ps::Worker worker(session);
+      const auto err = error_of([&] { worker.pull(); });
+      if (variant == 0) {
+        EXPECT_NE(err.find("has 3 bytes for segment 1 of 13 elements; expected 52"),
+                  std::string::npos)
+            << err;
+      } else {
+        EXPECT_NE(err.find("computed on version 999"), std::string::npos) << err;
+      }
+      EXPECT_NE(err.find("refused worker"), std::string::npos) << err;
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+}
+
+}  // namespace
