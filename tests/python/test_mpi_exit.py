@@ -6,36 +6,23 @@ exception"): a ddpx thread freed a Work's tensor while Python finalised.
 Launches its own mpirun (mpi_exit_script.py) several times at 2 and 3 ranks."""
 import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from mpi_job import run_job
 
 SCRIPT = Path(__file__).with_name("mpi_exit_script.py")
-MPIRUN = [os.environ.get("DDPX_MPIEXEC", "mpirun"), "--allow-run-as-root", "--oversubscribe",
-          "--bind-to", "none"]
 RUNS = int(os.environ.get("DDPX_EXIT_RUNS", "2"))  # more to stress: DDPX_EXIT_RUNS=20
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 @pytest.mark.parametrize("ending", ["destroy", "no-destroy"])
 def test_job_exits_cleanly_with_works_in_flight(np_, ending):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "OMPI_MCA_orte", "OMPI_MCA_ess"))}
-    env.update(OMP_NUM_THREADS="1")
     for run in range(RUNS):
-        proc = subprocess.Popen(MPIRUN + ["-np", str(np_), sys.executable, str(SCRIPT), ending, "40"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
+        rc, out = run_job(np_, [SCRIPT, ending, 40], timeout=120)
+        if rc is None:
             pytest.fail(f"run {run}: the job hung at exit\n{out}")
         ready = len(re.findall(r"EXIT-READY \d", out))  # ranks' lines may interleave
         assert ready == np_, f"run {run}: {ready} of {np_} ranks got to the end\n{out}"
-        assert proc.returncode == 0, f"run {run}: exit code {proc.returncode}\n{out}"
+        assert rc == 0, f"run {run}: exit code {rc}\n{out}"
         assert "terminate called" not in out and "aborting the MPI job" not in out, out

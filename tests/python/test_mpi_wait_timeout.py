@@ -5,16 +5,12 @@ a margin (the peers are asked who is missing: up to ~1 s more). Launches its
 own mpirun with 2 and 3 ranks (mpi_hang_script.py)."""
 import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from mpi_job import run_job
 
 SCRIPT = Path(__file__).with_name("mpi_hang_script.py")
-MPIRUN = [os.environ.get("DDPX_MPIEXEC", "mpirun"), "--allow-run-as-root", "--oversubscribe",
-          "--bind-to", "none", "--mca", "btl_vader_single_copy_mechanism", "none"]
 TIMEOUT_S = 2
 MARGIN_S = 8
 
@@ -28,18 +24,10 @@ NPS = [2, 3] if os.environ.get("DDPX_WAIT_TIMEOUT_NP2") else [3]
 @pytest.mark.parametrize("np_", NPS)
 @pytest.mark.parametrize("kind,collective", [("future", "ALLREDUCE"), ("callback", "BROADCAST")])
 def test_wait_ends_with_timeout_naming_the_collective(np_, kind, collective):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_COMM_WORLD", "PMIX_", "OMPI_MCA_orte", "OMPI_MCA_ess"))}
-    env.update(DDPX_TIMEOUT_S=str(TIMEOUT_S), OMP_NUM_THREADS="1")
-    # Its own session, so that a hung job is ended whole (mpirun and ranks).
-    proc = subprocess.Popen(MPIRUN + ["-np", str(np_), sys.executable, str(SCRIPT), kind],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    rc, out = run_job(np_, [SCRIPT, kind], timeout=90,
+                      mpirun_extra=["--mca", "btl_vader_single_copy_mechanism", "none"],
+                      env_extra={"DDPX_TIMEOUT_S": str(TIMEOUT_S)})
+    if rc is None:
         pytest.fail(f"the job hung: no timeout error within 90 s\n{out}")
     m = re.search(r"^RESULT (\w+) ([\d.]+) (.*)$", out, re.M)
     assert m, out
