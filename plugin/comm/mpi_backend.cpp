@@ -146,6 +146,7 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
   auto work = c10::make_intrusive<MpiWork>(rank_, type, what(type, seq), outputs, timeout_,
                                            profiling_title(type),
                                            std::optional<std::vector<at::Tensor>>(inputs));
+  if (timing_) work->enable_timing();  // before the worker can start it
   // Peers that also timed out answer within about the same time; give them
   // half the timeout, between 1 and 10 s.
   const auto grace =

@@ -11,7 +11,8 @@
 // Semantics follow ProcessGroupGloo: one tensor per call; AVG is SUM then a
 // division (floating types only); bool SUM/MAX is "any", PRODUCT/MIN "all".
 // The coalesced collectives and the coalescing block are in
-// mpi_backend_coalesced.cpp.
+// mpi_backend_coalesced.cpp; split and the error state in
+// mpi_backend_group.cpp.
 #include <mpi.h>
 
 #include <atomic>
@@ -42,6 +43,19 @@ class MpiBackend final : public c10d::Backend {
   void shutdown() override;
   void abort() override;
   uint64_t getSequenceNumberForGroup() override { return collective_seq_.load(); }
+
+  // Group management (mpi_backend_group.cpp). split: every rank of this group
+  // calls it (torch's split_group does); members of `ranks` (ranks of this
+  // group, in their new order) get a backend on a communicator from
+  // MPI_Comm_split, the others nullptr. getError: TIMEOUT or COMM_ERROR once
+  // a call has failed (MPI is then broken for the whole process).
+  // enableCollectivesTiming: Works posted afterwards answer getDuration().
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
+  c10d::ErrorType getError() override;
+  void enableCollectivesTiming() override { timing_ = true; }
 
   // Between startCoalescing and endCoalescing every call is posted as usual
   // (the worker keeps their order); endCoalescing returns one Work that
@@ -118,6 +132,10 @@ class MpiBackend final : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> seq_{0};
   std::atomic<uint64_t> collective_seq_{0};
+  std::atomic<bool> timing_{false};
+  // The store of the last split() call (caller's thread): its repeat for
+  // another device type is answered without splitting again.
+  c10::intrusive_ptr<c10d::Store> last_split_store_;
   int tag_ub_ = 32767;
   // The coalescing block (caller's thread only, like the c10d calls).
   bool coalescing_ = false;

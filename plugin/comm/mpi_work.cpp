@@ -37,11 +37,33 @@ c10::intrusive_ptr<c10::ivalue::Future> MpiWork::getFuture() {
 
 MpiWork::~MpiWork() { unwatch(this); }
 
+namespace {
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+void MpiWork::mark_started() {
+  if (timed_) started_ns_ = steady_ns();
+}
+
+float MpiWork::getDuration() const {
+  TORCH_CHECK(timed_, "ddpx_mpi: getDuration() needs collective timing: call the process group's "
+                      "_enable_collectives_timing() (enableCollectivesTiming) before the call");
+  const int64_t end = ended_ns_.load();
+  TORCH_CHECK(end != 0, "ddpx_mpi: getDuration() of ", what_, " before it completed");
+  const int64_t start = started_ns_.load();
+  return start == 0 ? 0.0f : static_cast<float>(end - start) / 1e6f;
+}
+
 void MpiWork::complete(std::exception_ptr error) {
   std::unique_lock<std::mutex> lock(done_mu_);
   if (completing_) return;
   completing_ = true;
   lock.unlock();
+  if (timed_) ended_ns_ = steady_ns();
   unwatch(this);  // while the caller still holds this Work (mpi_watchdog.h)
   lock.lock();
   if (future_out_) {
@@ -112,7 +134,9 @@ void MpiWork::time_out(std::chrono::milliseconds limit) {
   const std::string msg =
       "ddpx_mpi: rank " + std::to_string(rank_) + " timed out after " +
       std::to_string(limit.count()) + " ms waiting for " + what_ + ": " +
-      (who.empty() ? "a peer rank died, is stopped, or did not make the same call" : who);
+      (who.empty() ? "a peer rank died, is stopped, or did not make the same call" : who) +
+      "; if the peers are only slow, raise the timeout with init_process_group(timeout=...) or "
+      "DDPX_TIMEOUT_S";
   MpiEnv::get().mark_broken(msg);
   std::exception_ptr error;
   try {
@@ -248,7 +272,10 @@ void MpiWorker::loop() {
       }
     }
     if (entry.task) {
-      if (entry.work) watch(entry.work.get(), entry.work->getTimeout());
+      if (entry.work) {
+        entry.work->mark_started();
+        watch(entry.work.get(), entry.work->getTimeout());
+      }
       Progress progress;
       progress.work = entry.work.get();
       std::exception_ptr error;

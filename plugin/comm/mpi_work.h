@@ -64,6 +64,9 @@ class MpiWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   int sourceRank() const override;
   std::chrono::milliseconds getTimeout() const override { return timeout_; }
+  // Milliseconds from the worker starting the call to its completion; only
+  // for Works posted after the group's enableCollectivesTiming() (as Gloo).
+  float getDuration() const override;
 
   // Called on a timeout to name the peers behind it (mpi_diagnose.h); the
   // sentence ends the error message.
@@ -73,6 +76,10 @@ class MpiWork : public c10d::Work {
   // both try to complete a Work that timed out.
   void complete(std::exception_ptr error);
   void set_source_rank(int rank) { source_rank_ = rank; }
+  // Timing (getDuration): enabled by the backend before the Work is queued;
+  // the worker marks the start, complete() the end.
+  void enable_timing() { timed_ = true; }
+  void mark_started();
   const std::string& what() const { return what_; }
   // Runs `fn` with the Work's error (null on success) once it is complete:
   // at once if it already is, else on the completing thread.
@@ -92,6 +99,9 @@ class MpiWork : public c10d::Work {
   std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<int> source_rank_{-1};
+  bool timed_ = false;
+  std::atomic<int64_t> started_ns_{0};  // steady clock; 0: not started
+  std::atomic<int64_t> ended_ns_{0};    // 0: not complete
   std::function<std::string()> diagnose_;
   std::mutex done_mu_;       // guards the five below
   bool future_out_ = false;  // getFuture() was called

@@ -128,3 +128,69 @@ def test_errors_are_clear():
     t = torch.ones(2)
     dist.all_reduce(t)  # still usable
     assert torch.equal(t, torch.full((2,), float(n)))
+
+
+def _reversed_parity_groups(n):
+    """Evens and odds, each in descending order: the new ranks must follow
+    the order given, not the parent's."""
+    return [g for g in ([k for k in range(n) if k % 2 == 0][::-1],
+                        [k for k in range(n) if k % 2 == 1][::-1]) if g]
+
+
+def test_split_group_collectives_match_reference():
+    r, n = rank_size()
+    assert dist.distributed_c10d._get_default_group()._get_backend(
+        torch.device("cpu")).supports_splitting
+    splits = _reversed_parity_groups(n)
+    pg = dist.split_group(split_ranks=splits)
+    mine = next(g for g in splits if r in g)
+    assert pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER
+    assert dist.get_world_size(pg) == len(mine)
+    assert dist.get_rank(pg) == mine.index(r)
+    t = torch.full((5,), float(r + 1))
+    dist.all_reduce(t, group=pg)
+    assert torch.equal(t, torch.full((5,), float(sum(k + 1 for k in mine))))
+    out = [torch.empty(3) for _ in mine]
+    dist.all_gather(out, torch.full((3,), float(r)), group=pg)
+    assert [int(o[0]) for o in out] == mine  # gathered in the new rank order
+    b = torch.full((2,), float(r))
+    dist.broadcast(b, src=mine[0], group=pg)
+    assert torch.equal(b, torch.full((2,), float(mine[0])))
+    dist.destroy_process_group(pg)
+    dist.barrier()
+
+
+def test_split_group_non_members_get_no_group():
+    r, n = rank_size()
+    pg = dist.split_group(split_ranks=[[1, 0]])
+    if r > 1:
+        assert pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER
+    else:
+        assert dist.get_rank(pg) == 1 - r
+        t = torch.tensor([float(10 ** r)])
+        dist.all_reduce(t, group=pg)
+        assert t.item() == 11.0
+        dist.destroy_process_group(pg)
+    dist.barrier()
+
+
+def test_split_group_bad_rank_is_an_error_on_every_rank():
+    _, n = rank_size()
+    with pytest.raises(Exception, match=r"split\(\) ranks entry"):
+        dist.split_group(split_ranks=[[0, n + 4]])
+    dist.barrier()  # the world still works
+
+
+def test_collectives_timing_and_error_state():
+    pg = dist.new_group()  # its own group: the default one stays untimed
+    backend = pg._get_backend(torch.device("cpu"))
+    assert backend.get_error() == torch._C._distributed_c10d.ErrorType.SUCCESS
+    w = dist.all_reduce(torch.ones(4), group=pg, async_op=True)
+    w.wait()
+    with pytest.raises(RuntimeError, match="collective timing"):
+        w._get_duration()
+    pg._enable_collectives_timing()
+    w = dist.all_reduce(torch.ones(1 << 18), group=pg, async_op=True)
+    w.wait()
+    assert 0.0 < w._get_duration() < 60_000.0
+    dist.destroy_process_group(pg)

@@ -28,3 +28,5 @@ def test_wait_ends_with_timeout_naming_the_collective(np_, kind, collective):
     assert outcome == "error", msg
     assert "timed out" in msg and collective in msg, msg
     assert seconds < TIMEOUT_S + MARGIN_S, (seconds, msg)
+    # The group says so too (Backend.get_error, as torch's fault tolerance asks).
+    assert re.search(r"^ERROR_TYPE ErrorType\.TIMEOUT$", out, re.M), out

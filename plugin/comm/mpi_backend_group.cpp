@@ -1,0 +1,102 @@
+// ddpx_mpi group management: split_group (MPI_Comm_split) and the error
+// state torch asks for (getError).
+#include <algorithm>
+#include <numeric>
+
+#include "plugin/comm/mpi_backend.h"
+#include "plugin/comm/mpi_env.h"
+#include "plugin/comm/mpi_util.h"
+
+namespace ddpx::comm::detail {
+namespace {
+
+std::string list(const std::vector<int>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+// The ranks of `comm`'s members in `parent`, in `comm`'s rank order.
+std::vector<int> ranks_in_parent(MPI_Comm comm, MPI_Comm parent) {
+  MPI_Group g = MPI_GROUP_NULL;
+  MPI_Group pg = MPI_GROUP_NULL;
+  DDPX_MPI_CHECK(MPI_Comm_group(comm, &g));
+  DDPX_MPI_CHECK(MPI_Comm_group(parent, &pg));
+  int n = 0;
+  DDPX_MPI_CHECK(MPI_Group_size(g, &n));
+  std::vector<int> mine(n), theirs(n);
+  std::iota(mine.begin(), mine.end(), 0);
+  DDPX_MPI_CHECK(MPI_Group_translate_ranks(g, n, mine.data(), pg, theirs.data()));
+  MPI_Group_free(&g);
+  MPI_Group_free(&pg);
+  return theirs;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Backend> MpiBackend::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const std::vector<int>& ranks,
+                                                    const c10::intrusive_ptr<Options>& opts) {
+  TORCH_CHECK(!closed_.load(), "ddpx_mpi: split() on a backend that was shut down");
+  // torch's splitGroup calls split once per device type this backend serves
+  // (cpu, cuda), with the same store, and only skips the repeat when the
+  // first call returned a backend: a non-member is asked again. A second
+  // MPI_Comm_split there would pair with the members' next collective.
+  if (store && store == last_split_store_) return nullptr;
+  last_split_store_ = store;
+  TORCH_CHECK(!ranks.empty(), "ddpx_mpi: split() ranks must not be empty");
+  for (int r : ranks) check_rank(r, size_, "split() ranks entry");
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+              "ddpx_mpi: split() ranks has duplicates: ", list(ranks));
+  const auto it = std::find(ranks.begin(), ranks.end(), rank_);
+  const bool member = it != ranks.end();
+  // Groups of one split do not overlap, so their smallest rank tells them
+  // apart; the position in `ranks` is the new rank.
+  const int color = member ? sorted.front() : MPI_UNDEFINED;
+  const int key = member ? static_cast<int>(it - ranks.begin()) : 0;
+
+  // MPI_Comm_split blocks until every rank of this group calls it, and no
+  // watchdog covers it: a barrier first (a Work with this group's deadline)
+  // turns a rank that never comes into a timeout error here, not a hang.
+  barrier(c10d::BarrierOptions())->wait();
+
+  auto worker = member ? worker_for_new_backend() : nullptr;
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm diag = MPI_COMM_NULL;
+  std::vector<int> formed;
+  worker_->run_sync([&] {
+    DDPX_MPI_CHECK(MPI_Comm_split(comm_, color, key, &comm));
+    if (comm == MPI_COMM_NULL) return;
+    formed = ranks_in_parent(comm, comm_);
+    DDPX_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+    DDPX_MPI_CHECK(MPI_Comm_dup(comm, &diag));
+    DDPX_MPI_CHECK(MPI_Comm_set_errhandler(diag, MPI_ERRORS_RETURN));
+  });
+  if (!member) return nullptr;
+  if (formed != ranks) {
+    // The members passed different lists (torch requires the same split on
+    // every rank): the group MPI formed is not the one this rank asked for.
+    worker_->run_sync([&] {
+      MPI_Comm_free(&comm);
+      MPI_Comm_free(&diag);
+    });
+    TORCH_CHECK(false, "ddpx_mpi: split(): rank ", rank_, " asked for the group ", list(ranks),
+                " but its members formed ", list(formed),
+                ": every rank must pass the same split_ranks");
+  }
+  const auto timeout = opts ? opts->timeout : timeout_;
+  auto child = c10::make_intrusive<MpiBackend>(comm, std::move(worker), timeout, diag);
+  if (timing_) child->enableCollectivesTiming();
+  return child;
+}
+
+c10d::ErrorType MpiBackend::getError() {
+  if (!MpiEnv::get().broken()) return c10d::ErrorType::SUCCESS;
+  return MpiEnv::get().broken_why().find("timed out") != std::string::npos
+             ? c10d::ErrorType::TIMEOUT
+             : c10d::ErrorType::COMM_ERROR;
+}
+
+}  // namespace ddpx::comm::detail
