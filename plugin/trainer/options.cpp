@@ -1,6 +1,7 @@
 #include "plugin/trainer/options.h"
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <cstdlib>
 
 namespace ddpx::trainer {
@@ -115,6 +116,21 @@ Options parse_options(int argc, char** argv) {
       ->capture_default_str();
   out->add_flag("--quiet", o.quiet, "no progress lines");
 
+  auto* bench = app.add_option_group("benchmarking");
+  std::string straggler;
+  bench->add_option("--straggler", straggler,
+                    "RANK:MS: rank RANK sleeps MS milliseconds in every step, before backward "
+                    "(an emulated slow worker, as scripts/bench/ps injects)")
+      ->check([](const std::string& v) -> std::string {
+        int rank = -1;
+        double ms = -1;
+        char tail = 0;
+        if (std::sscanf(v.c_str(), "%d:%lf%c", &rank, &ms, &tail) != 2 || rank < 0 || ms < 0) {
+          return "--straggler wants RANK:MS (a rank >= 0 and milliseconds >= 0), got '" + v + "'";
+        }
+        return "";
+      });
+
   // A flag given twice takes its last value, so wrappers such as
   // scripts/run.sh can set defaults that the user's own flags override.
   for (CLI::Option* opt : app.get_options()) {
@@ -124,6 +140,9 @@ Options parse_options(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     std::exit(app.exit(e));
+  }
+  if (!straggler.empty()) {
+    std::sscanf(straggler.c_str(), "%d:%lf", &o.straggler_rank, &o.straggler_ms);
   }
   if (o.resume && o.checkpoint.empty()) {
     std::exit(app.exit(CLI::ValidationError("--resume", "needs --checkpoint PATH")));

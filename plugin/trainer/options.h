@@ -50,6 +50,10 @@ struct Options {
   std::string metrics;           // JSON lines, rank 0
   int64_t log_every = 50;
   bool quiet = false;
+
+  // Benchmarks: an emulated slow rank (--straggler RANK:MS).
+  int straggler_rank = -1;  // -1: none
+  double straggler_ms = 0;  // slept by that rank in each step, before backward
 };
 
 // Parses argv; on --help or a usage error prints and exits (CLI11's codes).

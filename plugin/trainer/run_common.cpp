@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <chrono>
 #include <filesystem>
+#include <thread>
 
 namespace ddpx::trainer {
 namespace {
@@ -15,6 +17,11 @@ std::string default_data_cache(uint64_t seed) {
 }
 
 }  // namespace
+
+void straggle(const Options& o, int rank) {
+  if (rank != o.straggler_rank || o.straggler_ms <= 0) return;
+  std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(o.straggler_ms));
+}
 
 int local_ranks() {
   for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE"}) {

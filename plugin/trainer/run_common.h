@@ -22,6 +22,9 @@ DataSplit load_data(const Options& o, const ScriptedModel& m);
 // "h:mm:ss".
 std::string eta(double seconds);
 
+// --straggler: sleeps the step's delay when `rank` is the slowed one.
+void straggle(const Options& o, int rank);
+
 at::Tensor allreduce_sum(c10d::ProcessGroup& pg, at::Tensor t);
 
 // Accuracy of the model on the test set, each rank of pg scoring its share.

@@ -138,6 +138,7 @@ void run(const Options& o) {
     opt->zero_grad();
     const at::Tensor logits = model.forward({x}).toTensor();
     const at::Tensor loss = torch::nn::functional::cross_entropy(logits, y);
+    straggle(o, rank);
     if (so.unused_ == Unused::Exact) sync.prepare_for_backward({loss});
     loss.backward();
     {

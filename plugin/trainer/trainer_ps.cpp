@@ -220,6 +220,7 @@ void run_ps(const Options& o) {
       for (auto& p : params) p.mutable_grad() = at::Tensor();
       const at::Tensor logits = model.forward({x}).toTensor();
       const at::Tensor loss = torch::nn::functional::cross_entropy(logits, y);
+      straggle(o, session.rank());
       loss.backward();
       const double correct = logits.argmax(1).eq(y).sum().item<double>();
       worker.push(loss.item<double>() * double(o.batch_size), correct, double(o.batch_size));

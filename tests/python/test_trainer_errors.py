@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from trainer_util import TRAIN, model, mpirun_cmd, run
+from trainer_util import TRAIN, model, mpirun_cmd, read_metrics, run
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +148,20 @@ def test_usage_errors():
     fails_with(["--model", model("mlp"), "--optimizer", "rmsprop"], "--optimizer")
     fails_with(["--model", model("mlp"), "--resume"], "--checkpoint")
     fails_with(["--model", model("mlp"), "--steps", 1, "--codec", "zstd"], "zstd")
+    for bad in ("1", "x:5", "-1:5", "0:-2", "0:5ms"):
+        fails_with(["--model", model("mlp"), "--straggler", bad], "--straggler wants RANK:MS")
+
+
+def test_straggler_sleeps_every_step(tmp_path, data_dir):
+    """--straggler (scripts/bench/ps's slow worker) really slows its rank: 8
+    steps at 150 ms each cannot end in under 1.2 s; a rank not named is not
+    slowed (same run otherwise, same result)."""
+    out = {}
+    for name, who in (("slow", "0:150"), ("other", "3:150")):
+        m = tmp_path / f"{name}.jsonl"
+        r = run([TRAIN, "--model", model("mlp"), "--data", data_dir, "--steps", 8, "--quiet",
+                 "--straggler", who, "--metrics", m])
+        assert r.returncode == 0, r.stderr
+        out[name] = [x for x in read_metrics(m) if x.get("event") == "end"][0]
+    assert out["slow"]["elapsed_s"] >= 8 * 0.150
+    assert out["slow"]["loss"] == out["other"]["loss"]
