@@ -99,6 +99,12 @@ Options parse_options(int argc, char** argv) {
                "async: apply pushes in a fixed round-robin order (for tests)");
   ps->add_flag("--ps-staleness-lr", o.ps_staleness_lr,
                "a gradient applied tau > 1 versions stale gets lr / tau");
+  ps->add_option("--ps-async-momentum", o.ps_async_momentum,
+                 "auto: under async and ssp with N workers the server's SGD momentum is "
+                 "--momentum - (1 - 1/N), as asynchrony itself adds about 1 - 1/N (Mitliagkas "
+                 "et al. 2016); as-given: --momentum unchanged")
+      ->check(CLI::IsMember({"auto", "as-given"}))
+      ->capture_default_str();
 
   auto* out = app.add_option_group("output");
   out->add_option("--checkpoint", o.checkpoint, "checkpoint file (written atomically by rank 0)");

@@ -40,6 +40,7 @@ struct Options {
   std::string ps_pull = "after-push";  // after-push | prefetch | inconsistent
   bool ps_deterministic = false;       // async: fixed application order
   bool ps_staleness_lr = false;        // lr / staleness for stale gradients
+  std::string ps_async_momentum = "auto";  // auto | as-given (see trainer_ps.cpp)
 
   // Output.
   std::string checkpoint;        // path; written atomically

@@ -93,7 +93,21 @@ void run_ps(const Options& o) {
   po.deterministic = o.ps_deterministic;
   po.staleness_lr = o.ps_staleness_lr;
   po.timeout_s = o.timeout_s;
-  po.make_optimizer = [&o](std::vector<at::Tensor> p) { return make_optimizer(std::move(p), o); };
+  // N workers pushing asynchronously act like momentum of about 1 - 1/N on
+  // top of the optimizer's own (Mitliagkas et al. 2016, "Asynchrony begets
+  // momentum"): LeNet at momentum 0.9 with 2 async workers stayed at 10-16%
+  // test accuracy, at 0.4 it reached 91% in 80 steps. So by default the
+  // server's SGD momentum is reduced by that much (said at start-up).
+  Options server_o = o;
+  const bool async_like =
+      ps::Consistency::parse(o.consistency).kind != ps::Consistency::Kind::Sync;
+  const int n_workers = std::max(1, world - o.servers);
+  if (async_like && o.ps_async_momentum == "auto" && o.optimizer == "sgd") {
+    server_o.momentum = std::max(0.0, o.momentum - (1.0 - 1.0 / n_workers));
+  }
+  po.make_optimizer = [&server_o](std::vector<at::Tensor> p) {
+    return make_optimizer(std::move(p), server_o);
+  };
   po.lr_at = [&o, &total_updates](int64_t v) { return lr_at(v, total_updates, o); };
   // Each server keeps its own checkpoint, <--checkpoint>.server<k>; the
   // period counts steps of every worker (updates per step: N, or 1 in sync).
@@ -142,6 +156,12 @@ void run_ps(const Options& o) {
               << o.servers << " server(s) + " << workers << " worker(s), consistency "
               << session.consistency().str() << ", " << total << " steps of " << o.batch_size
               << " samples per worker, push codec " << o.codec << std::endl;
+    if (server_o.momentum != o.momentum) {
+      std::cout << "[ddpx-train] async momentum: the server applies " << server_o.momentum
+                << " for --momentum " << o.momentum << " (" << n_workers
+                << " asynchronous workers add about " << 1.0 - 1.0 / n_workers
+                << "; --ps-async-momentum as-given keeps it)" << std::endl;
+    }
   }
 
   const auto t_start = Clock::now();
