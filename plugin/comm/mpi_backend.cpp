@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 #include <mutex>
 
 #include "plugin/comm/mpi_completion.h"
@@ -57,7 +58,9 @@ c10::intrusive_ptr<MpiBackend> MpiBackend::create(const std::vector<int>& world_
   MPI_Comm comm = MPI_COMM_NULL;
   MPI_Comm diag = MPI_COMM_NULL;
   worker->run_sync([&] {
-    if (world_ranks.empty() || static_cast<int>(world_ranks.size()) == env.world_size()) {
+    std::vector<int> identity(env.world_size());
+    std::iota(identity.begin(), identity.end(), 0);
+    if (world_ranks.empty() || world_ranks == identity) {
       DDPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
     } else {
       // Collective over the members only: torch creates a backend on members.

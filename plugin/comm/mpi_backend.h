@@ -28,7 +28,8 @@ namespace ddpx::comm::detail {
 
 class MpiBackend final : public c10d::Backend {
  public:
-  // Collective over `world_ranks` (MPI_COMM_WORLD ranks; empty = all ranks).
+  // Collective over `world_ranks` (MPI_COMM_WORLD ranks, the new group's
+  // ranks in their order; empty = all ranks).
   static c10::intrusive_ptr<MpiBackend> create(const std::vector<int>& world_ranks,
                                                std::chrono::milliseconds timeout);
 
@@ -54,6 +55,12 @@ class MpiBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
                                           const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override;
+  // merge: the `size` processes that call it with one store (torch's
+  // mergeRemoteGroup) become a group, ranked in the store's order; they must
+  // be processes of this MPI job.
+  c10::intrusive_ptr<c10d::Backend> merge(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const c10::intrusive_ptr<Options>& opts, const int& rank,
+                                          const int& size) override;
   c10d::ErrorType getError() override;
   void enableCollectivesTiming() override { timing_ = true; }
 

@@ -1,6 +1,8 @@
-// ddpx_mpi group management: split_group (MPI_Comm_split) and the error
-// state torch asks for (getError).
+// ddpx_mpi group management: split_group (MPI_Comm_split), merge (a group
+// of processes met through a store, within one MPI job) and the error state
+// torch asks for (getError).
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 
 #include "plugin/comm/mpi_backend.h"
@@ -32,7 +34,47 @@ std::vector<int> ranks_in_parent(MPI_Comm comm, MPI_Comm parent) {
   return theirs;
 }
 
+// Which MPI job this process belongs to: processes of different jobs have
+// overlapping world ranks and no communicator in common.
+std::string mpi_job() {
+  for (const char* v : {"PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"}) {
+    if (const char* s = std::getenv(v)) return s;
+  }
+  return "singleton";
+}
+
 }  // namespace
+
+c10::intrusive_ptr<c10d::Backend> MpiBackend::merge(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const c10::intrusive_ptr<Options>& opts,
+                                                    const int& rank, const int& size) {
+  TORCH_CHECK(store, "ddpx_mpi: merge() needs a store");
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "ddpx_mpi: merge() rank ", rank,
+              " is not in [0, size ", size, ")");
+  const auto timeout = opts ? opts->timeout : timeout_;
+  // Each member says who it is in MPI_COMM_WORLD; the merged group's ranks
+  // follow the store's order (torch draws them with store->add).
+  const std::string me = mpi_job() + ":" + std::to_string(MpiEnv::get().world_rank());
+  store->set("ddpx_mpi_merge/" + std::to_string(rank), std::vector<uint8_t>(me.begin(), me.end()));
+  std::vector<int> world_ranks(size);
+  for (int r = 0; r < size; ++r) {
+    const std::string key = "ddpx_mpi_merge/" + std::to_string(r);
+    store->wait({key}, timeout);
+    const auto bytes = store->get(key);
+    const std::string who(bytes.begin(), bytes.end());
+    const auto colon = who.rfind(':');
+    TORCH_CHECK(colon != std::string::npos, "ddpx_mpi: merge(): bad entry '", who, "' in the store");
+    TORCH_CHECK(who.substr(0, colon) == mpi_job(), "ddpx_mpi: merge(): rank ", r,
+                " of the merged group runs in another MPI job (", who.substr(0, colon),
+                ", this one is ", mpi_job(), "); MPI joins the processes of one job only");
+    world_ranks[r] = std::stoi(who.substr(colon + 1));
+  }
+  std::vector<int> sorted = world_ranks;
+  std::sort(sorted.begin(), sorted.end());
+  TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+              "ddpx_mpi: merge(): a process joined twice: world ranks ", list(world_ranks));
+  return MpiBackend::create(world_ranks, timeout);
+}
 
 c10::intrusive_ptr<c10d::Backend> MpiBackend::split(const c10::intrusive_ptr<c10d::Store>& store,
                                                     const std::vector<int>& ranks,

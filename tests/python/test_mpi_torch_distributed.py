@@ -194,3 +194,21 @@ def test_collectives_timing_and_error_state():
     w.wait()
     assert 0.0 < w._get_duration() < 60_000.0
     dist.destroy_process_group(pg)
+
+
+def test_merge_remote_group_ranks_in_store_order():
+    """ProcessGroup.merge_remote_group (Gloo implements it; torch's fault
+    tolerance uses it): the processes that meet on one store become a group,
+    ranked in the order the store hands out."""
+    r, n = rank_size()
+    store = dist.PrefixStore("merge-test", dist.distributed_c10d._get_default_store())
+    pg = dist.distributed_c10d._get_default_group()
+    merged = pg.merge_remote_group(store, n, datetime.timedelta(seconds=60))
+    ranks = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    merged.allgather([ranks], [torch.tensor([r])]).wait()
+    assert sorted(int(t) for t in ranks) == list(range(n))
+    assert int(ranks[merged.rank()]) == r  # the merged rank is this process's slot
+    t = torch.tensor([float(r + 1)])
+    merged.allreduce([t]).wait()
+    assert t.item() == n * (n + 1) / 2
+    dist.barrier()
