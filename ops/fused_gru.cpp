@@ -65,6 +65,9 @@ TORCH_LIBRARY_FRAGMENT(ddpx, m) {
       "Tensor[] params, Tensor output, Tensor gates, Tensor layer_outputs, "
       "Tensor dropout_masks, bool has_biases, int num_layers, bool bidirectional, "
       "bool batch_first) -> (Tensor grad_input, Tensor grad_hx, Tensor[] grad_params)");
+  // How the gate kernel of one time step runs for this input on its device
+  // ("serial" or "batch-parallel:<tasks>" on CPU): the benchmark prints it.
+  m.def("fused_gru_path(Tensor input, int hidden_size, bool batch_first=False) -> str");
 }
 
 }  // namespace ddpx
