@@ -32,15 +32,14 @@ ConvPath auto_rule(const CpuConv& p, at::ScalarType dtype, ConvPass pass) {
   const int64_t macs = p.n * p.cout * p.oh * p.ow * p.kc;
   if (p.cig > 1) return macs <= kSmallMacs ? ConvPath::kGemm : ConvPath::kAten;
   // One input channel per group: single-channel images, LeNet's first layer,
-  // depthwise. Backward: ATen's weight gradient for these is slow (2-5x ours
-  // at every size measured), so the direct loops take the backward always.
+  // depthwise. Each output plane is one plane-by-filter correlation, which
+  // the direct loops do at memory speed; oneDNN pads the one channel to its
+  // 16-channel blocks. Backward: ATen's weight gradient is slow here (2-5x
+  // ours at every size measured). Forward: the one loss measured is oneDNN's
+  // depthwise kernel for filters larger than 3x3.
   if (pass == ConvPass::kBackward) return ConvPath::kDirect;
-  // Forward: oneDNN pads the one input channel to its 16-channel blocks, which
-  // multiplies the traffic on large single-channel images (the seed's, where
-  // we are 15-30x faster); with several filters or groups per image its
-  // register blocking over output channels wins once the call is big enough.
-  const bool single_image_filter = p.groups == 1 && p.cout <= 2;
-  return single_image_filter || macs <= kSmallMacs ? ConvPath::kDirect : ConvPath::kAten;
+  const bool large_depthwise = p.groups > 1 && p.kh * p.kw > 9 && macs > kSmallMacs;
+  return large_depthwise ? ConvPath::kAten : ConvPath::kDirect;
 }
 
 }  // namespace

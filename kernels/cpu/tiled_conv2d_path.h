@@ -9,34 +9,33 @@
 //          depthwise and slow-conv kernels where oneDNN does not apply)
 //
 // Measured (issue 26) on this project's 2-core AVX-512 machine, torch's
-// oneDNN, float32, stride 1, "same" padding, torch.set_num_threads(2) unless
-// noted; ratio = that path's time / F.conv2d's (forward; forward+backward),
-// the range over repeated runs. The machine was shared with another build, and
-// oneDNN's own time swung 3-10x between runs, hence the wide ranges: re-measure
-// on a quiet machine with scripts/bench/conv2d --path direct|gemm|aten.
+// oneDNN, float32, stride 1, "same" padding, 1 and 2 threads; ratio = that
+// path's time / F.conv2d's (forward; forward+backward), timed interleaved with
+// F.conv2d, the range over repeated runs (after this issue's direct-loop
+// changes). The machine was shared with another engineer's build and tests:
+// OpenMP's 2-thread regions then stall for scheduler ticks (F.conv2d of LeNet
+// conv1 at batch 1 took 16 ms instead of 0.1 ms), hence the wide ranges.
+// Re-measure on a quiet machine: scripts/bench/conv2d --path direct|gemm|aten.
 //
-//   case (N x Cin x H=W -> Cout, k, groups)  direct               gemm               chosen
-//   seed 1x1x512..2048 -> 1, k3/k5           0.04-0.5; 0.02-0.09  -                  direct
-//   lenet conv1 1x1x28 -> 6, k5              0.27-0.7; 0.3-0.5    0.6-0.7; 0.4-0.8   direct
-//   lenet conv1 64x1x28 -> 6, k5             0.3-2.2; 0.36-0.76   0.8-2.2; 0.4-0.8   aten/direct
-//   lenet conv2 1x6x14 -> 16, k5             1.2-1.3; 1.2-1.5     0.5-1.1; 0.6-0.85  gemm
-//   lenet conv2 64x6x14 -> 16, k5            5-8; 4-11            2.3-3.9; 1.9-3.3   aten
-//   depthwise 8x32..64x56, k3 g=C            0.45-1.2; 0.39-0.94  0.3-1.8; 0.3-1.4   aten/direct
-//   depthwise 8x32x56, k5 g32                0.43-2.3; 0.2-0.4    1-7; 0.4-1.0       aten/direct
-//   resnet 8x64x56 .. 32x256x14, k3          5-28; 5-28           0.8-1.6; 0.9-1.6   aten
+//   case (N x Cin x H=W -> Cout, k, groups)  direct               gemm                chosen
+//   seed 1x1x512..2048 -> 1, k3/k5           0.04-0.29; 0.02-0.1  -                   direct
+//   lenet conv1 1x1x28 -> 6, k5              0.01-0.7; 0.01-0.5   0.6-0.7; 0.4-0.8    direct
+//   lenet conv1 64x1x28 -> 6, k5             0.3-0.82; 0.36-0.76  0.8-2.2; 0.4-0.8    direct
+//   lenet conv2 1x6x14 -> 16, k5             1.2-1.3; 1.2-1.5     0.3-1.1; 0.36-0.85  gemm
+//   lenet conv2 64x6x14 -> 16, k5            5-8; 4-11            2.3-3.9; 1.9-3.3    aten
+//   depthwise 8x32..64x56, k3 g=C            0.45-0.67; 0.53-0.8  0.3-1.8; 0.3-1.4    direct
+//   depthwise 8x32x56, k5 g32                0.43-2.3; 0.2-0.4    1-7; 0.4-1.0        aten/direct
+//   resnet 8x64x56 .. 32x256x14, k3          5-28; 5-28           0.8-1.6; 0.9-1.6    aten
 //
-// The aten path itself measures 1.0-1.3x F.conv2d on calls under ~0.2 ms:
-// torch.ops' Python call (~10 us against F.conv2d's ~1 us) and our autograd
-// node (~7 us) are fixed costs that only our own kernels can win back, so
-// small problems stay on them.
+// The aten path itself costs 1.0-1.1x F.conv2d: torch.ops' Python call (~10 us
+// against F.conv2d's ~1 us; 50% of a tiny call's profile is CPython) and our
+// autograd node (~5% of it) are fixed costs that only our own kernels can win
+// back, so small problems stay on them.
 //
 // So the rule (auto_rule in tiled_conv2d_path.cpp), for float32:
-//  * backward with one input channel per group (single-channel images, LeNet's
-//    first layer, depthwise): direct. ATen's weight gradient is slow there.
-//  * forward with one input channel per group: direct for a single image
-//    filter (<= 2 output channels, the seed's images, where oneDNN pads the
-//    channel to 16 lanes) or a small call (<= 1M multiply-adds); else aten,
-//    whose register blocking over output channels wins on a quiet machine.
+//  * one input channel per group (single-channel images, LeNet's first layer,
+//    depthwise): direct, except the forward of depthwise filters larger than
+//    3x3 beyond 1M multiply-adds (oneDNN's depthwise kernel wins there).
 //  * several input channels per group: gemm for a small call (<= 1M
 //    multiply-adds: oneDNN's per-call cost dominates), else aten. Our implicit
 //    GEMM lost to oneDNN's blocked layouts at every larger size we measured.
