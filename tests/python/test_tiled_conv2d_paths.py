@@ -89,13 +89,24 @@ def test_forced_path_gradcheck(path, monkeypatch):
                                     (x, w, b))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("cin,groups", [(6, 1), (6, 6), (1, 1)], ids=["plain", "depthwise", "single"])
 @pytest.mark.parametrize("path", PATHS)
-def test_forced_path_opcheck(path, monkeypatch):
+def test_forced_path_opcheck(path, cin, groups, layout, monkeypatch):
+    # The Meta kernels must predict each path's output strides (ATen's own for
+    # the aten path), for the forward and the backward op.
     monkeypatch.setenv("DDPX_CONV_PATH", path)
-    x = torch.randn(2, 6, 9, 8, requires_grad=True)
-    w = torch.randn(4, 6, 3, 3, requires_grad=True)
-    b = torch.randn(4, requires_grad=True)
-    torch.library.opcheck(op, (x, w, b, [1, 1], [1, 1], [1, 1], 1))
+    x = torch.randn(2, cin, 9, 8)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    cout = 4 if groups == 1 else cin
+    w = torch.randn(cout, cin // groups, 3, 3)
+    b = torch.randn(cout, requires_grad=True)
+    args = ([1, 1], [1, 1], [1, 1], groups)
+    torch.library.opcheck(op, (x.clone().requires_grad_(), w.clone().requires_grad_(), b, *args))
+    go = torch.randn(2, cout, 9, 8)
+    torch.library.opcheck(torch.ops.ddpx._tiled_conv2d_backward,
+                          (go, x, w, *args, [True, True, True]))
 
 
 @pytest.mark.parametrize("path", PATHS)
