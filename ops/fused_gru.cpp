@@ -22,6 +22,13 @@ std::tuple<at::Tensor, at::Tensor> fused_gru(const at::Tensor& input,
                  batch_first);
 }
 
+std::string fused_gru_path(const at::Tensor& input, int64_t hidden_size, bool batch_first) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ddpx::fused_gru_path", "")
+                       .typed<decltype(fused_gru_path)>();
+  return op.call(input, hidden_size, batch_first);
+}
+
 namespace detail {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _fused_gru_forward(

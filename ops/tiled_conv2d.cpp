@@ -16,6 +16,15 @@ at::Tensor tiled_conv2d(const at::Tensor& input, const at::Tensor& weight,
   return op.call(input, weight, bias, stride, padding, dilation, groups);
 }
 
+std::string tiled_conv2d_path(const at::Tensor& input, const at::Tensor& weight,
+                              at::IntArrayRef stride, at::IntArrayRef padding,
+                              at::IntArrayRef dilation, int64_t groups) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ddpx::tiled_conv2d_path", "")
+                       .typed<decltype(tiled_conv2d_path)>();
+  return op.call(input, weight, stride, padding, dilation, groups);
+}
+
 TORCH_LIBRARY_FRAGMENT(ddpx, m) {
   m.def(
       "tiled_conv2d(Tensor input, Tensor weight, Tensor? bias=None, int[2] stride=1, "
