@@ -33,13 +33,20 @@ ConvPath auto_rule(const CpuConv& p, at::ScalarType dtype, ConvPass pass) {
   if (p.cig > 1) return macs <= kSmallMacs ? ConvPath::kGemm : ConvPath::kAten;
   // One input channel per group: single-channel images, LeNet's first layer,
   // depthwise. Each output plane is one plane-by-filter correlation, which
-  // the direct loops do at memory speed; oneDNN pads the one channel to its
-  // 16-channel blocks. Backward: ATen's weight gradient is slow here (2-5x
-  // ours at every size measured). Forward: the one loss measured is oneDNN's
-  // depthwise kernel for filters larger than 3x3.
-  if (pass == ConvPass::kBackward) return ConvPath::kDirect;
-  const bool large_depthwise = p.groups > 1 && p.kh * p.kw > 9 && macs > kSmallMacs;
-  return large_depthwise ? ConvPath::kAten : ConvPath::kDirect;
+  // the direct loops do at memory speed. Where oneDNN still wins on a quiet
+  // machine: its register blocking over output channels in the forward of
+  // larger calls (LeNet conv1 at batch 64: ours 1.33x), and its 3x3 depthwise
+  // kernels in both passes (ours 1.3-1.6x). ATen's backward is slow for every
+  // other shape here (2-4x ours: LeNet conv1, 5x5 depthwise).
+  const bool small = macs <= kSmallMacs;
+  if (pass == ConvPass::kBackward) {
+    const bool depthwise_3x3 = p.groups > 1 && p.kh * p.kw <= 9;
+    return depthwise_3x3 && !small ? ConvPath::kAten : ConvPath::kDirect;
+  }
+  // oneDNN pads the one channel to its 16-channel blocks: on a single filter
+  // over large images (the seed's) that multiplies its traffic.
+  const bool single_image_filter = p.groups == 1 && p.cout <= 2;
+  return single_image_filter || small ? ConvPath::kDirect : ConvPath::kAten;
 }
 
 }  // namespace

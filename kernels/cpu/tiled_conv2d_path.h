@@ -9,33 +9,38 @@
 //          depthwise and slow-conv kernels where oneDNN does not apply)
 //
 // Measured (issue 26) on this project's 2-core AVX-512 machine, torch's
-// oneDNN, float32, stride 1, "same" padding, 1 and 2 threads; ratio = that
-// path's time / F.conv2d's (forward; forward+backward), timed interleaved with
-// F.conv2d, the range over repeated runs (after this issue's direct-loop
-// changes). The machine was shared with another engineer's build and tests:
-// OpenMP's 2-thread regions then stall for scheduler ticks (F.conv2d of LeNet
-// conv1 at batch 1 took 16 ms instead of 0.1 ms), hence the wide ranges.
-// Re-measure on a quiet machine: scripts/bench/conv2d --path direct|gemm|aten.
+// oneDNN, float32, stride 1, "same" padding, torch.set_num_threads(2); ratio =
+// that path's time / F.conv2d's, forward; forward+backward, timed interleaved
+// with F.conv2d (scripts/bench/conv2d). Single figures come from the one run
+// on a quiet machine (13:33 UTC, after this issue's direct-loop changes);
+// ranges span runs while another engineer's build and tests shared the two
+// cores. Those runs are not comparable: OpenMP's 2-thread regions then stall
+// for scheduler ticks (F.conv2d of LeNet conv1 at batch 1 took 16 ms instead
+// of 0.2 ms), which hurt oneDNN's many regions more than our few and made the
+// direct loops look faster than they are. Re-measure on a quiet machine with
+// scripts/bench/conv2d --path direct|gemm|aten before changing the rule.
 //
-//   case (N x Cin x H=W -> Cout, k, groups)  direct               gemm                chosen
-//   seed 1x1x512..2048 -> 1, k3/k5           0.04-0.29; 0.02-0.1  -                   direct
-//   lenet conv1 1x1x28 -> 6, k5              0.01-0.7; 0.01-0.5   0.6-0.7; 0.4-0.8    direct
-//   lenet conv1 64x1x28 -> 6, k5             0.3-0.82; 0.36-0.76  0.8-2.2; 0.4-0.8    direct
-//   lenet conv2 1x6x14 -> 16, k5             1.2-1.3; 1.2-1.5     0.3-1.1; 0.36-0.85  gemm
-//   lenet conv2 64x6x14 -> 16, k5            5-8; 4-11            2.3-3.9; 1.9-3.3    aten
-//   depthwise 8x32..64x56, k3 g=C            0.45-0.67; 0.53-0.8  0.3-1.8; 0.3-1.4    direct
-//   depthwise 8x32x56, k5 g32                0.43-2.3; 0.2-0.4    1-7; 0.4-1.0        aten/direct
-//   resnet 8x64x56 .. 32x256x14, k3          5-28; 5-28           0.8-1.6; 0.9-1.6    aten
+//   case (N x Cin x H=W -> Cout, k, groups)  direct                gemm              chosen
+//   seed 1x1x512..2048 -> 1, k3/k5           0.05-0.21; 0.03-0.07  -                 direct
+//   lenet conv1 1x1x28 -> 6, k5              0.43; 0.39            0.5-0.7; 0.4-0.8  direct
+//   lenet conv1 64x1x28 -> 6, k5             1.33; 0.90            1.4-2.2; 0.3-0.8  aten/direct
+//   lenet conv2 1x6x14 -> 16, k5             1.2-1.3; 1.2-1.5      0.95; 0.79        gemm
+//   lenet conv2 64x6x14 -> 16, k5            5-8; 4-11             2.3-3.9; 1.9-3.3  aten
+//   depthwise 8x32..64x56, k3 g=C            1.34-1.39; 1.56-1.62  0.3-1.8; 0.3-1.4  aten
+//   depthwise 8x32x56, k5 g32                0.4-2.3; 0.2-0.4      1.2-7; 0.4-1.0    aten/direct
+//   resnet 8x64x56 .. 32x256x14, k3          5-28; 5-28            0.8-1.7; 0.9-1.6  aten
 //
 // The aten path itself costs 1.0-1.1x F.conv2d: torch.ops' Python call (~10 us
-// against F.conv2d's ~1 us; 50% of a tiny call's profile is CPython) and our
-// autograd node (~5% of it) are fixed costs that only our own kernels can win
-// back, so small problems stay on them.
+// against F.conv2d's ~1 us; half of a tiny call's profile is CPython) is a
+// fixed cost that only our own kernels can win back, so small calls stay on
+// them.
 //
 // So the rule (auto_rule in tiled_conv2d_path.cpp), for float32:
 //  * one input channel per group (single-channel images, LeNet's first layer,
-//    depthwise): direct, except the forward of depthwise filters larger than
-//    3x3 beyond 1M multiply-adds (oneDNN's depthwise kernel wins there).
+//    depthwise): forward direct for a single filter per image (<= 2 output
+//    channels) or a small call (<= 1M multiply-adds), else aten; backward
+//    direct, except 3x3 (or smaller) depthwise beyond 1M multiply-adds, where
+//    oneDNN's depthwise kernel wins.
 //  * several input channels per group: gemm for a small call (<= 1M
 //    multiply-adds: oneDNN's per-call cost dominates), else aten. Our implicit
 //    GEMM lost to oneDNN's blocked layouts at every larger size we measured.

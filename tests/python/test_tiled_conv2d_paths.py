@@ -140,12 +140,13 @@ AUTO = [
     ((1, 1, 512, 512), (1, 1, 3, 3), 1, torch.float32, "direct"),  # the seed's images
     ((1, 1, 2048, 2048), (1, 1, 5, 5), 1, torch.float32, "direct"),
     ((1, 1, 28, 28), (6, 1, 5, 5), 1, torch.float32, "direct"),  # LeNet conv1, batch 1
-    ((64, 1, 28, 28), (6, 1, 5, 5), 1, torch.float32, "direct"),  # batch 64
+    ((64, 1, 28, 28), (6, 1, 5, 5), 1, torch.float32, "aten/direct"),  # batch 64
     ((1, 6, 14, 14), (16, 6, 5, 5), 1, torch.float32, "gemm"),  # LeNet conv2, batch 1
     ((64, 6, 14, 14), (16, 6, 5, 5), 1, torch.float32, "aten"),  # batch 64
-    ((8, 32, 56, 56), (32, 1, 3, 3), 32, torch.float32, "direct"),  # depthwise
+    ((8, 32, 56, 56), (32, 1, 3, 3), 32, torch.float32, "aten"),  # depthwise
     ((8, 32, 56, 56), (32, 1, 5, 5), 32, torch.float32, "aten/direct"),
     ((1, 4, 16, 16), (4, 1, 5, 5), 4, torch.float32, "direct"),  # small depthwise
+    ((1, 4, 16, 16), (4, 1, 3, 3), 4, torch.float32, "direct"),
     ((8, 64, 56, 56), (64, 64, 3, 3), 1, torch.float32, "aten"),  # ResNet
     ((2, 2, 9, 9), (2, 2, 3, 3), 1, torch.float64, "direct"),  # float64: the seed's rule
     ((2, 8, 9, 9), (2, 8, 3, 3), 1, torch.float64, "gemm"),
