@@ -44,20 +44,19 @@ def time_fn(fn, repeat, warmup=2):
 
 
 def interleaved(fn_ours, fn_peer, repeat, warmup=2):
-    """Median times of two functions, alternated so drift hits both alike."""
+    """Median times of two functions, alternated so drift hits both alike; which
+    one goes first alternates too, so neither always inherits the other's
+    caches and thread-pool state."""
     for _ in range(warmup):
         fn_ours()
         fn_peer()
-    ours, peer = [], []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn_ours()
-        t1 = time.perf_counter()
-        fn_peer()
-        t2 = time.perf_counter()
-        ours.append(t1 - t0)
-        peer.append(t2 - t1)
-    return statistics.median(ours), statistics.median(peer)
+    fns, times = (fn_ours, fn_peer), ([], [])
+    for i in range(repeat):
+        for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def geomean(values):
