@@ -22,6 +22,13 @@ std::tuple<at::Tensor, at::Tensor> fused_gru(const at::Tensor& input,
                  batch_first);
 }
 
+std::string fused_gru_path(const at::Tensor& input, int64_t hidden_size, bool batch_first) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ddpx::fused_gru_path", "")
+                       .typed<decltype(fused_gru_path)>();
+  return op.call(input, hidden_size, batch_first);
+}
+
 namespace detail {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> _fused_gru_forward(
@@ -65,6 +72,9 @@ TORCH_LIBRARY_FRAGMENT(ddpx, m) {
       "Tensor[] params, Tensor output, Tensor gates, Tensor layer_outputs, "
       "Tensor dropout_masks, bool has_biases, int num_layers, bool bidirectional, "
       "bool batch_first) -> (Tensor grad_input, Tensor grad_hx, Tensor[] grad_params)");
+  // How the gate kernel of one time step runs for this input on its device
+  // ("serial" or "batch-parallel:<tasks>" on CPU): the benchmark prints it.
+  m.def("fused_gru_path(Tensor input, int hidden_size, bool batch_first=False) -> str");
 }
 
 }  // namespace ddpx

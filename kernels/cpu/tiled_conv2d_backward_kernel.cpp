@@ -1,5 +1,6 @@
 // CPU kernel of ddpx::_tiled_conv2d_backward: grad_input, grad_weight and
-// grad_bias, each only when its output_mask entry is set.
+// grad_bias, each only when its output_mask entry is set, by the path the
+// forward took (tiled_conv2d_path.h): ATen's convolution_backward, or ours:
 //
 // Direct path (few input channels per group):
 //  * grad_input with unit stride is a correlation of grad_output with the
@@ -19,11 +20,14 @@
 #include <vector>
 
 #include "kernels/cpu/tiled_conv2d_cpu.h"
+#include "kernels/cpu/tiled_conv2d_path.h"
 
 namespace ddpx::detail::cpu {
 namespace {
 
-// grad_x: [n, c, h, w] zeros on entry.
+// grad_x: [n, c, h, w], uninitialised: each task zeroes the rows it owns right
+// before accumulating into them (a separate zero pass costs a full trip
+// through memory on these memory-bound planes).
 template <typename T>
 void direct_grad_input(const CpuConv& p, const T* go, const at::Tensor& wt, T* gx) {
   const int64_t planes = p.n * p.c;
@@ -48,6 +52,7 @@ void direct_grad_input(const CpuConv& p, const T* go, const at::Tensor& wt, T* g
         const int64_t nn = plane / p.c, ic = plane % p.c;
         const int64_t grp = ic / p.cig, icg = ic % p.cig;
         const int64_t y0 = blk * rows, y1 = std::min(p.h, y0 + rows);
+        std::fill(gx + (plane * p.h + y0) * p.w, gx + (plane * p.h + y1) * p.w, T(0));
         for (int64_t k = 0; k < p.cog; ++k) {
           const int64_t oc = grp * p.cog + k;
           const T* src = go + (nn * p.cout + oc) * p.oh * p.ow;
@@ -70,6 +75,7 @@ void direct_grad_input(const CpuConv& p, const T* go, const at::Tensor& wt, T* g
       const int64_t nn = plane / p.c, ic = plane % p.c;
       const int64_t grp = ic / p.cig, icg = ic % p.cig;
       T* dst = gx + plane * p.h * p.w;
+      std::fill(dst, dst + p.h * p.w, T(0));
       for (int64_t k = 0; k < p.cog; ++k) {
         const int64_t oc = grp * p.cog + k;
         const T* src = go + (nn * p.cout + oc) * p.oh * p.ow;
@@ -171,8 +177,8 @@ void gemm_backward(const CpuConv& p, const at::Tensor& x, const at::Tensor& go,
         go_t = view2d(gbuf, p.cog, cols, cols, opts);
       }
       if (need_gw) {
-          const at::Tensor panel =
-              input_panel(p, xp, grp, n0, n1, y0, y1, direct_panel, outer, col, opts);
+        const at::Tensor panel =
+            input_panel(p, xp, grp, n0, n1, y0, y1, direct_panel, outer, col, opts);
         gw_acc.narrow(0, grp * p.cog, p.cog).addmm_(go_t, panel.t());
       }
       if (need_gx) {
@@ -228,18 +234,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_cpu(
   const Conv2dShape s = check_tiled_conv2d_backward_args(grad_output, input, weight, stride,
                                                          padding, dilation, groups);
   const CpuConv p = make_cpu_conv(s);
+  const ConvPath path = choose_conv_path(p, input.scalar_type(), ConvPass::kBackward);
+  if (path == ConvPath::kAten) {
+    auto batched = [&](const at::Tensor& t) { return s.unbatched ? t.unsqueeze(0) : t; };
+    auto [gx, gw, gb] = at::convolution_backward(
+        batched(grad_output), batched(input), weight,
+        /*bias_sizes=*/
+        output_mask[2] ? at::OptionalIntArrayRef(weight.sizes().slice(0, 1))
+                       : at::OptionalIntArrayRef(),
+        stride, padding, dilation, /*transposed=*/false, /*output_padding=*/{0, 0}, groups,
+        output_mask);
+    // ATen may hand back gradients nobody asked for (oneDNN computes grad_bias
+    // with grad_weight); our contract is undefined for every unset mask entry.
+    if (!output_mask[0]) gx = at::Tensor();
+    if (!output_mask[1]) gw = at::Tensor();
+    if (!output_mask[2]) gb = at::Tensor();
+    if (gx.defined() && s.unbatched) gx = gx.squeeze(0);
+    return {gx, gw, gb};
+  }
   const auto fmt = conv2d_output_memory_format(input, weight);
   const at::Tensor x = (s.unbatched ? input.unsqueeze(0) : input).contiguous();
   const at::Tensor go = (s.unbatched ? grad_output.unsqueeze(0) : grad_output).contiguous();
   const at::Tensor wt = weight.contiguous();
 
   at::Tensor gx, gw, gb;
-  if (output_mask[0]) gx = at::zeros_like(x, at::MemoryFormat::Contiguous);
+  if (output_mask[0]) {
+    // The direct path zeroes grad_input itself; col2im accumulates into zeros.
+    gx = path == ConvPath::kDirect ? at::empty_like(x, at::MemoryFormat::Contiguous)
+                                   : at::zeros_like(x, at::MemoryFormat::Contiguous);
+  }
   if (output_mask[1]) gw = at::zeros_like(wt, at::MemoryFormat::Contiguous);
   if (output_mask[2]) gb = go.sum({0, 2, 3});
   if (go.numel() > 0 && (gx.defined() || gw.defined())) {
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "tiled_conv2d_backward_cpu", [&] {
-      if (use_direct_path(p)) {
+      if (path == ConvPath::kDirect) {
         if (gx.defined()) {
           direct_grad_input<scalar_t>(p, go.data_ptr<scalar_t>(), wt, gx.data_ptr<scalar_t>());
         }

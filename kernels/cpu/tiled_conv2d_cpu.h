@@ -2,7 +2,7 @@
 // Pieces shared by the CPU forward (tiled_conv2d_kernel.cpp) and backward
 // (tiled_conv2d_backward_kernel.cpp) kernels of ddpx::tiled_conv2d.
 //
-// Two paths, chosen per problem by use_direct_path():
+// Our two paths (tiled_conv2d_path.h chooses between them and ATen):
 //  * direct: few input channels per group (single channel, depthwise, LeNet's
 //    first layer). Each output plane is a sum of a few plane-by-filter
 //    correlations done by the vectorised loops of tiled_conv2d_vec.cpp; work is
@@ -12,6 +12,7 @@
 //    contiguous panel col [cig*kh*kw, tile pixels] sized to stay in L2, and one
 //    GEMM out_tile[cog, pixels] += W_g[cog, cig*kh*kw] @ col does the work.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -54,10 +55,6 @@ inline CpuConv make_cpu_conv(const Conv2dShape& s) {
   p.kc = p.cig * p.kh * p.kw;
   return p;
 }
-
-// Direct loops win while each output sums over few input channels: the GEMM
-// path's panel gather costs as much as the arithmetic there.
-inline bool use_direct_path(const CpuConv& p) { return p.cig <= 4; }
 
 inline PlaneGeom forward_plane(const CpuConv& p) {
   return PlaneGeom{p.h, p.w, p.oh, p.ow, p.kh, p.kw, p.sh, p.sw, p.ph, p.pw, p.dh, p.dw};
@@ -229,8 +226,7 @@ inline at::Tensor view2d(void* data, int64_t rows, int64_t cols, int64_t ld,
 // ([kc, cols]), channels in parallel unless tasks already are (`outer`).
 template <typename T>
 at::Tensor input_panel(const CpuConv& p, T* x, int64_t grp, int64_t n0, int64_t n1, int64_t y0,
-                       int64_t y1, bool direct, bool outer, T* col,
-                       const at::TensorOptions& opts) {
+                       int64_t y1, bool direct, bool outer, T* col, const at::TensorOptions& opts) {
   auto x_g = [&](int64_t nn) { return x + (nn * p.c + grp * p.cig) * p.h * p.w; };
   const int64_t pix = (y1 - y0) * p.ow, cols = (n1 - n0) * pix;
   if (direct) return view2d(x_g(n0) + y0 * p.ow, p.kc, pix, p.h * p.w, opts);

@@ -44,20 +44,19 @@ def time_fn(fn, repeat, warmup=2):
 
 
 def interleaved(fn_ours, fn_peer, repeat, warmup=2):
-    """Median times of two functions, alternated so drift hits both alike."""
+    """Median times of two functions, alternated so drift hits both alike; which
+    one goes first alternates too, so neither always inherits the other's
+    caches and thread-pool state."""
     for _ in range(warmup):
         fn_ours()
         fn_peer()
-    ours, peer = [], []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn_ours()
-        t1 = time.perf_counter()
-        fn_peer()
-        t2 = time.perf_counter()
-        ours.append(t1 - t0)
-        peer.append(t2 - t1)
-    return statistics.median(ours), statistics.median(peer)
+    fns, times = (fn_ours, fn_peer), ([], [])
+    for i in range(repeat):
+        for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def geomean(values):
@@ -65,25 +64,35 @@ def geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
-def report(name, columns, rows, ratio_key="ratio", extra=None):
-    """Print rows (dicts) as a table and the geomean of `ratio_key`; save JSON."""
+def _summary(rows, key):
+    """(geomean, worst row) of column `key` over the rows that have it."""
+    rated = [r for r in rows if r.get(key) is not None]
+    return geomean([r[key] for r in rated]), max(rated, key=lambda r: r[key], default=None)
+
+
+def report(name, columns, rows, ratio_key="ratio", extra=None, also=()):
+    """Print rows (dicts) as a table, then the worst case and the geomean of
+    each ratio column in `also` and last of `ratio_key`; save JSON."""
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
-    rated = [r for r in rows if r.get(ratio_key) is not None]
-    g = geomean([r[ratio_key] for r in rated])
-    worst = max(rated, key=lambda r: r[ratio_key], default=None)
+    summary = {}
+    for key in (*also, ratio_key):
+        g, worst = _summary(rows, key)
+        summary[key] = {"geomean": g, "worst": worst[key] if worst else None,
+                        "worst_case": worst.get(columns[0]) if worst else None}
+        label = "ratio" if key == ratio_key else key
+        if worst:  # the case a user loses most on, named (the first column)
+            print(f"worst {label}: {worst[key]:.3f} ({_fmt(worst.get(columns[0]))})")
+        print(f"geomean {label}: {g:.3f}")
     out = ROOT / "bench_results"
     out.mkdir(exist_ok=True)
     with open(out / f"{name}.json", "w") as f:
-        json.dump({"name": name, "rows": rows, "geomean_ratio": g,
-                   "worst_ratio": worst[ratio_key] if worst else None, **(extra or {})}, f,
-                  indent=1)
-    if worst:  # the case a user loses most on, named (the first column)
-        print(f"worst ratio: {worst[ratio_key]:.3f} ({_fmt(worst.get(columns[0]))})")
-    print(f"geomean ratio: {g:.3f}")
-    return g
+        json.dump({"name": name, "rows": rows, "geomean_ratio": summary[ratio_key]["geomean"],
+                   "worst_ratio": summary[ratio_key]["worst"], "summary": summary,
+                   **(extra or {})}, f, indent=1)
+    return summary[ratio_key]["geomean"]
 
 
 def _fmt(v):

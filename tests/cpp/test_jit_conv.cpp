@@ -55,6 +55,40 @@ TEST(JitConv, CppEntryMatchesAtenWithAutograd) {
   EXPECT_TRUE(at::allclose(ddpx::tiled_conv2d(x.detach(), w1), at::conv2d(x.detach(), w1)));
 }
 
+// The C++ entries of the path ops (issue 26) and a float32 problem on each
+// automatic CPU path, through the C++ entry with autograd.
+TEST(JitConv, CppPathEntriesAndEachAutoPath) {
+  torch::manual_seed(0);
+  struct Case {
+    std::vector<int64_t> x, w;
+    int64_t groups;
+    std::string path;
+  };
+  const std::vector<Case> cases = {
+      {{1, 1, 64, 64}, {1, 1, 3, 3}, 1, "direct"},
+      {{1, 6, 14, 14}, {16, 6, 5, 5}, 1, "gemm"},
+      {{8, 16, 16, 16}, {32, 16, 3, 3}, 1, "aten"},
+      {{8, 32, 56, 56}, {32, 1, 5, 5}, 32, "aten/direct"},
+  };
+  for (const auto& c : cases) {
+    at::Tensor x = torch::randn(c.x).requires_grad_();
+    at::Tensor w = torch::randn(c.w).requires_grad_();
+    const int64_t pad = c.w[3] / 2;
+    ASSERT_EQ(ddpx::tiled_conv2d_path(x, w, {1, 1}, {pad, pad}, {1, 1}, c.groups), c.path);
+    at::Tensor y = ddpx::tiled_conv2d(x, w, std::nullopt, {1, 1}, {pad, pad}, {1, 1}, c.groups);
+    at::Tensor r = at::conv2d(x, w, {}, {1, 1}, {pad, pad}, {1, 1}, c.groups);
+    EXPECT_TRUE(at::allclose(y, r, 1e-4, 1e-3)) << c.path;
+    auto g = torch::autograd::grad({y.sum()}, {x, w});
+    auto gr = torch::autograd::grad({r.sum()}, {x, w});
+    for (size_t i = 0; i < 2; ++i) {
+      const double scale = std::max(1.0, gr[i].abs().max().item<double>());
+      EXPECT_TRUE(at::allclose(g[i], gr[i], 1e-4, 1e-4 * scale)) << c.path << " grad " << i;
+    }
+  }
+  EXPECT_EQ(ddpx::fused_gru_path(torch::empty({5, 16, 3}), 64), "serial");
+  EXPECT_EQ(ddpx::fused_gru_path(torch::empty({5, 64, 3}), 256), "batch-parallel:4");
+}
+
 TEST(JitConv, BadArgumentIsNamed) {
   auto x = torch::randn({1, 4, 8, 8});
   try {

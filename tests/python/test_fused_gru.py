@@ -82,6 +82,38 @@ def test_enough_configurations():
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[_cfg_id(c) for c in CONFIGS])
 def test_matches_nn_gru(cfg):
+    compare_with_nn_gru(cfg)
+
+
+# Batches large enough that the CPU gate step is split across the batch rows
+# (tasks of 4096 // hidden rows): hidden 33 gives 124 rows per task, so batch
+# 257 makes 3 tasks, the last one 9 rows; hidden 300 gives 13 rows per task.
+PARALLEL = [
+    (1, False, False, True, 3, 257, 5, 33, True, False, False, torch.float64),
+    (2, True, True, False, 2, 257, 4, 33, False, True, False, torch.float64),
+    (1, True, False, True, 2, 40, 3, 300, True, True, False, torch.float32),
+    (2, False, True, True, 2, 27, 6, 300, False, False, False, torch.float64),
+]
+
+
+@pytest.mark.parametrize("cfg", PARALLEL, ids=[_cfg_id(c) for c in PARALLEL])
+def test_batch_parallel_gate_step_matches_nn_gru(cfg):
+    B, H = cfg[5], cfg[7]
+    per = 4096 // H
+    path = torch.ops.ddpx.fused_gru_path(torch.empty(2, B, 3), H)
+    assert path == f"batch-parallel:{-(-B // per)}"
+    compare_with_nn_gru(cfg)
+
+
+def test_gate_step_path_is_serial_for_small_steps():
+    assert torch.ops.ddpx.fused_gru_path(torch.empty(5, 16, 3), 64) == "serial"
+    assert torch.ops.ddpx.fused_gru_path(torch.empty(5, 3), 4096) == "serial"  # unbatched
+    assert torch.ops.ddpx.fused_gru_path(torch.empty(64, 5, 3), 256, True) == "batch-parallel:4"
+    with pytest.raises(RuntimeError, match="hidden_size must be positive"):
+        torch.ops.ddpx.fused_gru_path(torch.empty(5, 2, 3), 0)
+
+
+def compare_with_nn_gru(cfg):
     L, bi, bf, bias, T, B, I, H, with_hx, noncontig, unbatched, dtype = cfg
     torch.manual_seed(zlib.crc32(_cfg_id(cfg).encode()))
     gru = make_gru(I, H, L, bias, bi, bf, dtype)

@@ -106,9 +106,14 @@ def test_config_coverage():
     assert {True, False} == {c["bias"] for c in CONFIGS}
 
 
+# `auto` is what users get (mostly ATen's convolution in float32, see
+# kernels/cpu/tiled_conv2d_path.h); `tiled` keeps every configuration on our own
+# direct / implicit-GEMM kernels, which this suite was written for.
+@pytest.mark.parametrize("path", ["auto", "tiled"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("c", CONFIGS, ids=[_cfg_id(c) for c in CONFIGS])
-def test_matches_aten(c, dtype):
+def test_matches_aten(c, dtype, path, monkeypatch):
+    monkeypatch.setenv("DDPX_CONV_PATH", path)
     gen = torch.Generator().manual_seed(hash(_cfg_id(c)) % (2**31))
     x = _make_input(c, dtype, gen)
     w = torch.randn(c["cout"], c["cin"] // c["groups"], c["kh"], c["kw"], dtype=dtype,

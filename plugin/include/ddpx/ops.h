@@ -28,6 +28,16 @@ at::Tensor tiled_conv2d(const at::Tensor& input, const at::Tensor& weight,
                         at::IntArrayRef stride = {1, 1}, at::IntArrayRef padding = {0, 0},
                         at::IntArrayRef dilation = {1, 1}, int64_t groups = 1);
 
+// Which algorithm tiled_conv2d takes for these arguments on input's device:
+// on CPU "direct", "gemm" or "aten", "<forward>/<backward>" when they differ.
+std::string tiled_conv2d_path(const at::Tensor& input, const at::Tensor& weight,
+                              at::IntArrayRef stride = {1, 1}, at::IntArrayRef padding = {0, 0},
+                              at::IntArrayRef dilation = {1, 1}, int64_t groups = 1);
+
+// How fused_gru's gate kernel runs one time step of `input` on its device: on
+// CPU "serial" or "batch-parallel:<tasks>".
+std::string fused_gru_path(const at::Tensor& input, int64_t hidden_size, bool batch_first = false);
+
 // Mean of `input` over the ranks of `group` through `codec` (grammar and
 // protocol in ddpx/codec.h); `key` names the codec's persistent state.
 at::Tensor compressed_allreduce(const at::Tensor& input, const std::string& codec = "none",

@@ -1,0 +1,73 @@
+#pragma once
+// Which CPU algorithm serves a ddpx::tiled_conv2d problem, decided per shape
+// (as cuDNN's and ATen's own heuristics do) so that the op is never slower
+// than ATen's convolution on the shapes users train:
+//
+//  direct  the seed's vectorised plane-by-filter loops (tiled_conv2d_vec.cpp)
+//  gemm    our implicit GEMM over L2-sized im2col panels (tiled_conv2d_cpu.h)
+//  aten    at::convolution / at::convolution_backward (oneDNN, or ATen's
+//          depthwise and slow-conv kernels where oneDNN does not apply)
+//
+// Measured (issue 26) on this project's 2-core AVX-512 machine, torch's
+// oneDNN, float32, stride 1, "same" padding, torch.set_num_threads(2); ratio =
+// that path's time / F.conv2d's, forward; forward+backward, timed interleaved
+// with F.conv2d (scripts/bench/conv2d). Single figures come from the one run
+// on a quiet machine (13:33 UTC, after this issue's direct-loop changes);
+// ranges span runs while another engineer's build and tests shared the two
+// cores. Those runs are not comparable: OpenMP's 2-thread regions then stall
+// for scheduler ticks (F.conv2d of LeNet conv1 at batch 1 took 16 ms instead
+// of 0.2 ms), which hurt oneDNN's many regions more than our few and made the
+// direct loops look faster than they are. Re-measure on a quiet machine with
+// scripts/bench/conv2d --path direct|gemm|aten before changing the rule.
+//
+//   case (N x Cin x H=W -> Cout, k, groups)  direct                gemm              chosen
+//   seed 1x1x512..2048 -> 1, k3/k5           0.05-0.21; 0.03-0.07  -                 direct
+//   lenet conv1 1x1x28 -> 6, k5              0.43; 0.39            0.5-0.7; 0.4-0.8  direct
+//   lenet conv1 64x1x28 -> 6, k5             1.33; 0.90            1.4-2.2; 0.3-0.8  aten/direct
+//   lenet conv2 1x6x14 -> 16, k5             1.2-1.3; 1.2-1.5      0.95; 0.79        gemm
+//   lenet conv2 64x6x14 -> 16, k5            5-8; 4-11             2.3-3.9; 1.9-3.3  aten
+//   depthwise 8x32..64x56, k3 g=C            1.34-1.39; 1.56-1.62  0.3-1.8; 0.3-1.4  aten
+//   depthwise 8x32x56, k5 g32                0.4-2.3; 0.2-0.4      1.2-7; 0.4-1.0    aten/direct
+//   resnet 8x64x56 .. 32x256x14, k3          5-28; 5-28            0.8-1.7; 0.9-1.6  aten
+//
+// The aten path itself costs 1.0-1.1x F.conv2d: torch.ops' Python call (~10 us
+// against F.conv2d's ~1 us; half of a tiny call's profile is CPython) is a
+// fixed cost that only our own kernels can win back, so small calls stay on
+// them.
+//
+// So the rule (auto_rule in tiled_conv2d_path.cpp), for float32:
+//  * one input channel per group (single-channel images, LeNet's first layer,
+//    depthwise): forward direct for a single filter per image (<= 2 output
+//    channels) or a small call (<= 1M multiply-adds), else aten; backward
+//    direct, except 3x3 (or smaller) depthwise beyond 1M multiply-adds, where
+//    oneDNN's depthwise kernel wins.
+//  * several input channels per group: gemm for a small call (<= 1M
+//    multiply-adds: oneDNN's per-call cost dominates), else aten. Our implicit
+//    GEMM lost to oneDNN's blocked layouts at every larger size we measured.
+//  float64 never reaches oneDNN (ATen's slow im2col path serves it): there the
+//  seed's rule stays (direct for <= 4 input channels per group, else gemm).
+//
+// DDPX_CONV_PATH=auto|tiled|direct|gemm|aten overrides the choice (read on
+// every call, so tests can switch it): `tiled` is the seed's own rule (direct
+// for <= 4 input channels per group, else gemm), the others force one path.
+#include <string>
+
+#include "kernels/cpu/tiled_conv2d_cpu.h"
+
+namespace ddpx::detail::cpu {
+
+enum class ConvPath { kDirect, kGemm, kAten };
+enum class ConvPass { kForward, kBackward };
+
+const char* conv_path_name(ConvPath path);
+
+// The path that serves one pass of problem `p`. The passes may differ: each
+// reads only its own arguments (input, weight, grad_output), never a layout
+// the other left behind.
+ConvPath choose_conv_path(const CpuConv& p, at::ScalarType dtype, ConvPass pass);
+
+// What ddpx::tiled_conv2d_path reports: "direct", or "<forward>/<backward>"
+// ("aten/direct") when the passes differ.
+std::string conv_paths_name(const CpuConv& p, at::ScalarType dtype);
+
+}  // namespace ddpx::detail::cpu
