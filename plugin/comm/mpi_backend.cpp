@@ -138,7 +138,8 @@ std::string MpiBackend::what(c10d::OpType type, uint64_t seq) const {
 c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
                                              const std::vector<at::Tensor>& outputs,
                                              const std::vector<at::Tensor>& inputs,
-                                             std::function<void(MpiWorker::Progress&)> task) {
+                                             std::function<void(MpiWorker::Progress&)> task,
+                                             std::optional<std::chrono::milliseconds> timeout) {
   TORCH_CHECK(!closed_.load(), "ddpx_mpi: the backend was shut down");
   // Posted from a Future callback, which will likely wait for it next.
   CompletionQueue::note_blocking();
@@ -146,7 +147,8 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
               "ddpx_mpi: an earlier call timed out or failed; the MPI job cannot continue: ",
               MpiEnv::get().broken_why());
   const uint64_t seq = seq_++;
-  auto work = c10::make_intrusive<MpiWork>(rank_, type, what(type, seq), outputs, timeout_,
+  auto work = c10::make_intrusive<MpiWork>(rank_, type, what(type, seq), outputs,
+                                           timeout.value_or(timeout_),
                                            profiling_title(type),
                                            std::optional<std::vector<at::Tensor>>(inputs));
   if (timing_) work->enable_timing();  // before the worker can start it

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <vector>
@@ -61,6 +62,13 @@ class MpiBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> merge(const c10::intrusive_ptr<c10d::Store>& store,
                                           const c10::intrusive_ptr<Options>& opts, const int& rank,
                                           const int& size) override;
+  // reconfigure: the group rebuilt in place among the processes whose
+  // handles (get_reconfigure_handle: "job:world_rank") are given, in the
+  // list's order (a set: world-rank order); calls posted before it finish on
+  // the old communicator. Members only: torch's fault-tolerance flow.
+  bool supportsReconfigure() const override { return true; }
+  c10d::ReconfigureHandle get_reconfigure_handle() const override;
+  c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
   c10d::ErrorType getError() override;
   void enableCollectivesTiming() override { timing_ = true; }
 
@@ -125,9 +133,11 @@ class MpiBackend final : public c10d::Backend {
  private:
   // Creates the Work and queues `task` on the worker, under the caller's
   // current stream when `outputs` live on a device.
+  // `timeout` overrides the group's for this Work's deadline.
   c10::intrusive_ptr<MpiWork> post(c10d::OpType type, const std::vector<at::Tensor>& outputs,
                                    const std::vector<at::Tensor>& inputs,
-                                   std::function<void(MpiWorker::Progress&)> task);
+                                   std::function<void(MpiWorker::Progress&)> task,
+                                   std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   std::string what(c10d::OpType type, uint64_t seq) const;
   c10::intrusive_ptr<MpiWork> post_recv(std::vector<at::Tensor>& tensors, int src, int tag);
   void check_tag(int tag) const;

@@ -1,9 +1,12 @@
 // ddpx_mpi group management: split_group (MPI_Comm_split), merge (a group
-// of processes met through a store, within one MPI job) and the error state
-// torch asks for (getError).
+// of processes met through a store, within one MPI job), reconfigure (the
+// group rebuilt in place among handles) and the error state torch asks for
+// (getError).
 #include <algorithm>
 #include <cstdlib>
 #include <numeric>
+#include <unordered_set>
+#include <variant>
 
 #include "plugin/comm/mpi_backend.h"
 #include "plugin/comm/mpi_env.h"
@@ -132,6 +135,76 @@ c10::intrusive_ptr<c10d::Backend> MpiBackend::split(const c10::intrusive_ptr<c10
   auto child = c10::make_intrusive<MpiBackend>(comm, std::move(worker), timeout, diag);
   if (timing_) child->enableCollectivesTiming();
   return child;
+}
+
+c10d::ReconfigureHandle MpiBackend::get_reconfigure_handle() const {
+  return mpi_job() + ":" + std::to_string(MpiEnv::get().world_rank());
+}
+
+c10::intrusive_ptr<c10d::Work> MpiBackend::reconfigure(const c10d::ReconfigureOptions& opts) {
+  TORCH_CHECK(!closed_.load(), "ddpx_mpi: reconfigure() on a backend that was shut down");
+  // (world rank, handle) per member: a list keeps its order, a set is put
+  // in world-rank order so that every member sees the same ranks.
+  std::vector<std::pair<int, std::string>> members;
+  auto add = [&](const std::string& h) {
+    const auto colon = h.rfind(':');
+    TORCH_CHECK(colon != std::string::npos && colon + 1 < h.size(),
+                "ddpx_mpi: reconfigure(): '", h, "' is not a ddpx_mpi handle (job:world_rank)");
+    TORCH_CHECK(h.substr(0, colon) == mpi_job(), "ddpx_mpi: reconfigure(): handle '", h,
+                "' belongs to another MPI job (this one is ", mpi_job(),
+                "); MPI joins the processes of one job only");
+    const int wr = std::stoi(h.substr(colon + 1));
+    check_rank(wr, MpiEnv::get().world_size(), "reconfigure() handle's world rank");
+    members.emplace_back(wr, h);
+  };
+  if (const auto* list = std::get_if<std::vector<c10d::ReconfigureHandle>>(&opts.handles)) {
+    for (const auto& h : *list) add(h);
+  } else {
+    for (const auto& h : std::get<std::unordered_set<c10d::ReconfigureHandle>>(opts.handles)) add(h);
+    std::sort(members.begin(), members.end());
+  }
+  TORCH_CHECK(!members.empty(), "ddpx_mpi: reconfigure(): handles must not be empty");
+  std::vector<int> world_ranks;
+  for (const auto& m : members) world_ranks.push_back(m.first);
+  std::vector<int> sorted = world_ranks;
+  std::sort(sorted.begin(), sorted.end());
+  TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+              "ddpx_mpi: reconfigure(): a handle appears twice: world ranks ", list(world_ranks));
+  const int me = MpiEnv::get().world_rank();
+  TORCH_CHECK(std::find(world_ranks.begin(), world_ranks.end(), me) != world_ranks.end(),
+              "ddpx_mpi: reconfigure(): this process's handle (", get_reconfigure_handle(),
+              ") is not among the handles");
+  // The uuid tells concurrent creations apart (it is fresh per call, as the
+  // API requires); MPI tags are non-negative and bounded.
+  const int tag = static_cast<int>(static_cast<uint64_t>(opts.uuid) % static_cast<uint64_t>(tag_ub_));
+  // A Work on the worker, behind every call posted before: those finish on
+  // the old communicator, everything after runs on the new one, and the
+  // group's deadline covers members that never come (MPI_Comm_create_group
+  // blocks until all of them call it).
+  return post(
+      c10d::OpType::UNKNOWN, {}, {},
+      [this, world_ranks, tag](MpiWorker::Progress&) {
+        MPI_Group world_group = MPI_GROUP_NULL;
+        MPI_Group group = MPI_GROUP_NULL;
+        DDPX_MPI_CHECK(MPI_Comm_group(MPI_COMM_WORLD, &world_group));
+        DDPX_MPI_CHECK(MPI_Group_incl(world_group, static_cast<int>(world_ranks.size()),
+                                      world_ranks.data(), &group));
+        MPI_Comm comm = MPI_COMM_NULL;
+        MPI_Comm diag = MPI_COMM_NULL;
+        DDPX_MPI_CHECK(MPI_Comm_create_group(MPI_COMM_WORLD, group, tag, &comm));
+        MPI_Group_free(&group);
+        MPI_Group_free(&world_group);
+        DDPX_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+        DDPX_MPI_CHECK(MPI_Comm_dup(comm, &diag));
+        DDPX_MPI_CHECK(MPI_Comm_set_errhandler(diag, MPI_ERRORS_RETURN));
+        MPI_Comm_free(&comm_);
+        if (diag_ != MPI_COMM_NULL) MPI_Comm_free(&diag_);
+        comm_ = comm;
+        diag_ = diag;
+        DDPX_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+        DDPX_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+      },
+      opts.timeout);
 }
 
 c10d::ErrorType MpiBackend::getError() {

@@ -212,3 +212,31 @@ def test_merge_remote_group_ranks_in_store_order():
     merged.allreduce([t]).wait()
     assert t.item() == n * (n + 1) / 2
     dist.barrier()
+
+
+def test_reconfigure_rebuilds_the_group_among_handles():
+    """Backend.reconfigure (Gloo implements it; torch's fault tolerance uses
+    it): the members named by their handles form the group again, in the
+    list's order; the others keep theirs; a bad handle is an error naming it."""
+    r, n = rank_size()
+    pg = dist.new_group()  # its own group: the default one stays as it is
+    b = pg._get_backend(torch.device("cpu"))
+    assert b.supports_reconfigure
+    handles = [None] * n
+    dist.all_gather_object(handles, b.get_reconfigure_handle())
+    members = [handles[1], handles[0]]  # ranks 0 and 1, swapped
+    opts = torch._C._distributed_c10d.ReconfigureOptions()
+    opts.uuid = 4242
+    opts.handles = members
+    if r < 2:
+        b.reconfigure(opts).wait()
+        assert (b.rank(), b.size()) == (1 - r, 2)
+        t = torch.tensor([float(10 ** r)])
+        b.allreduce([t]).wait()
+        assert t.item() == 11.0
+    bad = torch._C._distributed_c10d.ReconfigureOptions()
+    bad.uuid = 4243
+    bad.handles = ["another-job:0"]
+    with pytest.raises(RuntimeError, match="another MPI job"):
+        b.reconfigure(bad)
+    dist.barrier()
