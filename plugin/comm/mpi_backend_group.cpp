@@ -46,6 +46,30 @@ std::string mpi_job() {
   return "singleton";
 }
 
+// "job:world_rank": a process of this machine's MPI jobs (merge's store
+// entries, reconfigure's handles).
+std::string member_id() { return mpi_job() + ":" + std::to_string(MpiEnv::get().world_rank()); }
+
+// The world rank in a member_id, which must be of this job.
+int world_rank_of(const std::string& id, const char* call) {
+  const auto colon = id.rfind(':');
+  TORCH_CHECK(colon != std::string::npos && colon + 1 < id.size(), "ddpx_mpi: ", call, ": '", id,
+              "' is not a ddpx_mpi member id (job:world_rank)");
+  TORCH_CHECK(id.substr(0, colon) == mpi_job(), "ddpx_mpi: ", call, ": '", id,
+              "' belongs to another MPI job (this one is ", mpi_job(),
+              "); MPI joins the processes of one job only");
+  const int rank = std::stoi(id.substr(colon + 1));
+  check_rank(rank, MpiEnv::get().world_size(), "member id's world rank");
+  return rank;
+}
+
+void check_distinct(const std::vector<int>& ranks, const char* what) {
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "ddpx_mpi: ",
+              what, " has duplicates: ", list(ranks));
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Backend> MpiBackend::merge(const c10::intrusive_ptr<c10d::Store>& store,
@@ -57,25 +81,16 @@ c10::intrusive_ptr<c10d::Backend> MpiBackend::merge(const c10::intrusive_ptr<c10
   const auto timeout = opts ? opts->timeout : timeout_;
   // Each member says who it is in MPI_COMM_WORLD; the merged group's ranks
   // follow the store's order (torch draws them with store->add).
-  const std::string me = mpi_job() + ":" + std::to_string(MpiEnv::get().world_rank());
+  const std::string me = member_id();
   store->set("ddpx_mpi_merge/" + std::to_string(rank), std::vector<uint8_t>(me.begin(), me.end()));
   std::vector<int> world_ranks(size);
   for (int r = 0; r < size; ++r) {
     const std::string key = "ddpx_mpi_merge/" + std::to_string(r);
     store->wait({key}, timeout);
     const auto bytes = store->get(key);
-    const std::string who(bytes.begin(), bytes.end());
-    const auto colon = who.rfind(':');
-    TORCH_CHECK(colon != std::string::npos, "ddpx_mpi: merge(): bad entry '", who, "' in the store");
-    TORCH_CHECK(who.substr(0, colon) == mpi_job(), "ddpx_mpi: merge(): rank ", r,
-                " of the merged group runs in another MPI job (", who.substr(0, colon),
-                ", this one is ", mpi_job(), "); MPI joins the processes of one job only");
-    world_ranks[r] = std::stoi(who.substr(colon + 1));
+    world_ranks[r] = world_rank_of(std::string(bytes.begin(), bytes.end()), "merge()");
   }
-  std::vector<int> sorted = world_ranks;
-  std::sort(sorted.begin(), sorted.end());
-  TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
-              "ddpx_mpi: merge(): a process joined twice: world ranks ", list(world_ranks));
+  check_distinct(world_ranks, "merge(): the world ranks that joined");
   return MpiBackend::create(world_ranks, timeout);
 }
 
@@ -91,15 +106,12 @@ c10::intrusive_ptr<c10d::Backend> MpiBackend::split(const c10::intrusive_ptr<c10
   last_split_store_ = store;
   TORCH_CHECK(!ranks.empty(), "ddpx_mpi: split() ranks must not be empty");
   for (int r : ranks) check_rank(r, size_, "split() ranks entry");
-  std::vector<int> sorted = ranks;
-  std::sort(sorted.begin(), sorted.end());
-  TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
-              "ddpx_mpi: split() ranks has duplicates: ", list(ranks));
+  check_distinct(ranks, "split() ranks");
   const auto it = std::find(ranks.begin(), ranks.end(), rank_);
   const bool member = it != ranks.end();
   // Groups of one split do not overlap, so their smallest rank tells them
   // apart; the position in `ranks` is the new rank.
-  const int color = member ? sorted.front() : MPI_UNDEFINED;
+  const int color = member ? *std::min_element(ranks.begin(), ranks.end()) : MPI_UNDEFINED;
   const int key = member ? static_cast<int>(it - ranks.begin()) : 0;
 
   // MPI_Comm_split blocks until every rank of this group calls it, and no
@@ -137,39 +149,23 @@ c10::intrusive_ptr<c10d::Backend> MpiBackend::split(const c10::intrusive_ptr<c10
   return child;
 }
 
-c10d::ReconfigureHandle MpiBackend::get_reconfigure_handle() const {
-  return mpi_job() + ":" + std::to_string(MpiEnv::get().world_rank());
-}
+c10d::ReconfigureHandle MpiBackend::get_reconfigure_handle() const { return member_id(); }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::reconfigure(const c10d::ReconfigureOptions& opts) {
   TORCH_CHECK(!closed_.load(), "ddpx_mpi: reconfigure() on a backend that was shut down");
-  // (world rank, handle) per member: a list keeps its order, a set is put
-  // in world-rank order so that every member sees the same ranks.
-  std::vector<std::pair<int, std::string>> members;
-  auto add = [&](const std::string& h) {
-    const auto colon = h.rfind(':');
-    TORCH_CHECK(colon != std::string::npos && colon + 1 < h.size(),
-                "ddpx_mpi: reconfigure(): '", h, "' is not a ddpx_mpi handle (job:world_rank)");
-    TORCH_CHECK(h.substr(0, colon) == mpi_job(), "ddpx_mpi: reconfigure(): handle '", h,
-                "' belongs to another MPI job (this one is ", mpi_job(),
-                "); MPI joins the processes of one job only");
-    const int wr = std::stoi(h.substr(colon + 1));
-    check_rank(wr, MpiEnv::get().world_size(), "reconfigure() handle's world rank");
-    members.emplace_back(wr, h);
-  };
-  if (const auto* list = std::get_if<std::vector<c10d::ReconfigureHandle>>(&opts.handles)) {
-    for (const auto& h : *list) add(h);
-  } else {
-    for (const auto& h : std::get<std::unordered_set<c10d::ReconfigureHandle>>(opts.handles)) add(h);
-    std::sort(members.begin(), members.end());
-  }
-  TORCH_CHECK(!members.empty(), "ddpx_mpi: reconfigure(): handles must not be empty");
+  // A list keeps its order; a set is put in world-rank order so that every
+  // member sees the same ranks.
   std::vector<int> world_ranks;
-  for (const auto& m : members) world_ranks.push_back(m.first);
-  std::vector<int> sorted = world_ranks;
-  std::sort(sorted.begin(), sorted.end());
-  TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
-              "ddpx_mpi: reconfigure(): a handle appears twice: world ranks ", list(world_ranks));
+  if (const auto* handles = std::get_if<std::vector<c10d::ReconfigureHandle>>(&opts.handles)) {
+    for (const auto& h : *handles) world_ranks.push_back(world_rank_of(h, "reconfigure()"));
+  } else {
+    for (const auto& h : std::get<std::unordered_set<c10d::ReconfigureHandle>>(opts.handles)) {
+      world_ranks.push_back(world_rank_of(h, "reconfigure()"));
+    }
+    std::sort(world_ranks.begin(), world_ranks.end());
+  }
+  TORCH_CHECK(!world_ranks.empty(), "ddpx_mpi: reconfigure(): handles must not be empty");
+  check_distinct(world_ranks, "reconfigure(): the handles' world ranks");
   const int me = MpiEnv::get().world_rank();
   TORCH_CHECK(std::find(world_ranks.begin(), world_ranks.end(), me) != world_ranks.end(),
               "ddpx_mpi: reconfigure(): this process's handle (", get_reconfigure_handle(),
