@@ -31,7 +31,12 @@ Dataset generate(const DocSpec& s, const Vocab& v, int64_t n, std::mt19937_64& r
   for (int64_t d = 0; d < n; ++d) {
     // Sentence topics: the label's topic holds a strict plurality of sentences.
     const int label = cls(rng);
-    const int majority = S / C + 1 + static_cast<int>(rng() % 2);
+    // The label's topic gets `majority` sentences and every other topic
+    // fewer, so the rest must fit in (C - 1) x (majority - 1): raise it until
+    // they do (with 6 sentences and 4 topics, 2 did not, and the draw below
+    // never ended).
+    int majority = S / C + 1 + static_cast<int>(rng() % 2);
+    while (S - majority > (C - 1) * (majority - 1)) ++majority;
     std::vector<int> topics(S);
     std::vector<int> count(C, 0);
     for (int i = 0; i < S; ++i) {
