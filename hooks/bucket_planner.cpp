@@ -166,6 +166,7 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
   LinkModel link{timing};
   if (timing_cuts) timing_cuts->assign(order.size(), 0);
   bool late_section = false;
+  int unit_section = -1;
   // One open bucket per (dtype, device); index into `out`. Integer keys: this
   // runs every step (GradSync's re-plan check), so no strings.
   std::map<std::tuple<int, int, int>, size_t> open;
@@ -199,6 +200,10 @@ std::vector<BucketPlan> plan_buckets(const std::vector<int>& order,
     if (is_late != late_section) {  // a late parameter never shares a bucket with a reliable one
       close_all();
       late_section = is_late;
+    }
+    if (info.unit != unit_section) {  // nor two drop units, nor a unit and the rest
+      close_all();
+      unit_section = info.unit;
     }
     auto it = open.find(key);
     // Timing: had the open bucket not waited for p, the link would have been

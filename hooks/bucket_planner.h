@@ -17,6 +17,10 @@ struct ParamInfo {
   // bucket of its own, reduced as rows (sparse_reduce.h), with no dense
   // storage; as the rows sent are unknown, it counts no bytes in plans.
   bool sparse = false;
+  // Its drop unit (GradSyncOptions::drop_units; -1: none): a bucket never
+  // holds two units, nor a unit and other parameters, so a unit declared
+  // unused for a step skips whole buckets (no partial sends).
+  int unit = -1;
 };
 
 struct BucketPlan {
@@ -53,7 +57,7 @@ struct PlanTiming {
 // Walks `order`; a sparse parameter gets a bucket of its own (never late: its
 // reduction tells every rank who used it), listed before the first other
 // bucket whose last parameter comes after it, which stays open around it.
-// A bucket holds one dtype and device and closes when it would exceed its cap (the first bucket's
+// A bucket holds one dtype, device and drop unit (ParamInfo::unit) and closes when it would exceed its cap (the first bucket's
 // cap is `first_cap_bytes`, so communication starts early). late[p] (empty: none) marks late
 // parameters: they never share a bucket with the others. cuts[k] (empty: none) closes every open
 // bucket before order[k]. With `timing`, every open bucket also closes before order[k] when, by the

@@ -43,7 +43,15 @@ void GradSync::Impl::finish_step() {
   const auto f0 = Clock::now();
   std::vector<std::string> missing;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    std::unique_lock<std::mutex> lock(mu);
+    if (declare_error) {  // held since the first hook, alike on every rank
+      const auto error = declare_error;
+      clear_declared_locked();
+      expected_unused.clear();
+      early_used.clear();
+      lock.unlock();
+      fail_step(error);
+    }
     stats.backward_us = us_since(t0, f0);
     for (size_t p = 0; p < params.size(); ++p) {
       if (ready[p]) continue;
@@ -56,6 +64,7 @@ void GradSync::Impl::finish_step() {
     }
     if (!missing.empty()) {
       active = false;
+      clear_declared_locked();
       // Buckets already launched must finish before the storage is reused.
       for (auto& f : futures) if (f.valid()) f.wait();
       std::string list;
@@ -80,8 +89,9 @@ void GradSync::Impl::finish_step() {
     for (int p : arrival) f[p] = 1 + sparse_dim[p];
     for (int p : carried) f[p] = 1 + sparse_dim[p];
     f[n] = propose && channels[0]->pg().getRank() == 0 ? 1 : 0;  // only rank 0's counts
-    f[n + 1] = surprises.empty() ? 0 : 1;
-    for (int p = 0; p < n; ++p) f[n + 2 + p] = f[p] ? 0 : 1;
+    f[n + 1] = surprises.empty() && declared_surprises.empty() ? 0 : 1;
+    // (Declared unused: not a miss, so never late for it.)
+    for (int p = 0; p < n; ++p) f[n + 2 + p] = f[p] || declared[p] ? 0 : 1;
     // MAX of the negated trips: the least over ranks, the one of the rank
     // that arrived last, which did not wait for the others (skew).
     f[2 * n + 2] = last_trip_us < 0 ? kNoTrip
@@ -145,23 +155,30 @@ void GradSync::Impl::finish_step() {
   // a late bucket, of the early agreement). Flagged in the agreement, so
   // every rank fails alike.
   if (fl[n + 1] != 0) {
-    std::string here;
-    for (size_t i = 0; i < surprises.size() && i < 8; ++i) {
-      here += (i ? ", '" : "'") + names[surprises[i]] + "'";
-    }
+    auto list = [this](const std::vector<int>& ps) {
+      std::string out;
+      for (size_t i = 0; i < ps.size() && i < 8; ++i) out += (i ? ", '" : "'") + names[ps[i]] + "'";
+      return out.empty() ? std::string("none; on another rank") : out;
+    };
     std::lock_guard<std::mutex> lock(mu);
     active = false;
     early_used.clear();
+    const bool declared_here = !declared_surprises.empty();
+    const std::string here = list(declared_here ? declared_surprises : surprises);
+    clear_declared_locked();
+    TORCH_CHECK(!declared_here, "GradSync: parameter(s) declared unused for this step "
+                "(declare_unused) received a gradient (on this rank: ", here, "); its "
+                "gradient was not averaged. Declare only what the step's forward skips");
     TORCH_CHECK(false, "GradSync: a parameter received a gradient, but the outputs given to "
-                "prepare_for_backward do not reach it (on this rank: ",
-                here.empty() ? std::string("none; on another rank") : here,
-                "); pass every output that backward starts from");
+                "prepare_for_backward do not reach it (on this rank: ", here, "); pass every "
+                "output that backward starts from (or, if it was declared unused on another "
+                "rank, declare only what the forward skips)");
   }
   write_back(used);
   // Lateness follows "unused on some rank", the same on every rank, so each
   // rank decides alike whether the late set changed (no vote needed).
   const std::vector<char> missed(fl + n + 2, fl + 2 * n + 2);
-  predictor.observe(arrival, &missed, &arrival_us);
+  predictor.observe(arrival, &missed, &arrival_us, &declared);
   used_anywhere.observe(used);
   learn_link_rate(fl[2 * n + 2] == kNoTrip ? -1.0 : -static_cast<double>(fl[2 * n + 2]));
   last_trip_us = us_since(agree_t0, agree_t1);
@@ -205,6 +222,7 @@ void GradSync::Impl::finish_step() {
   profiler->end_step(stats, {t0, f0, wait0, w0, f1, agree_t0, agree_t1}, hook_cpu_us, wire);
   expected_unused.clear();
   early_used.clear();
+  clear_declared_locked();
   for (int p = 0; p < n; ++p) accumulated[p].store(false, std::memory_order_relaxed);
   active = false;
   if (profiler->flush_due()) flush_trace();  // the first step after the window
@@ -220,7 +238,10 @@ void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
       // bucket its slot was sent all the same, carrying the codec's residual
       // for it; the mean of what the ranks sent is owed again, so error
       // feedback loses nothing (over the ranks, the sum is conserved).
-      if (take_residuals && !plan[bucket_of[p]].late && !info[p].sparse) owe(i, views[p]);
+      // (A declared one's slot was not sent: it owes nothing new.)
+      if (take_residuals && !plan[bucket_of[p]].late && !info[p].sparse && !declared[p]) {
+        owe(i, views[p]);
+      }
       continue;
     }
     if (info[p].sparse) {

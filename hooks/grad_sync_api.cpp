@@ -74,6 +74,18 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     hooks::broadcast_from_rank0(*pg, state);
   }
   for (const auto& p : params) I.info.push_back({p.numel(), p.scalar_type(), p.device()});
+  for (size_t u = 0; u < options.drop_units_.size(); ++u) {
+    const std::string& prefix = options.drop_units_[u];
+    bool any = false;
+    for (size_t p = 0; p < names.size(); ++p) {
+      if (names[p].rfind(prefix, 0) != 0 || I.info[p].unit >= 0) continue;
+      I.info[p].unit = static_cast<int>(u);  // the first unit that names it
+      any = true;
+    }
+    TORCH_CHECK(any, "GradSync: drop_units names '", prefix,
+                "', which is the prefix of no parameter that requires grad (or only of "
+                "parameters an earlier unit has)");
+  }
   I.declare_sparse(*pg, options.sparse_params_);
   I.replan(I.order_of(I.predictor), I.late_for(I.predictor));
   // The hooks outlive GradSync on the parameters' accumulators (autograd has
@@ -131,6 +143,48 @@ GradSync::GradSync(const torch::jit::Module& module, comm::ProcessGroupPtr pg,
                    GradSyncOptions options)
     : GradSync(jit_named(module, true), std::move(pg),
                with_sparse_modules(module, std::move(options)), jit_named(module, false)) {}
+
+void GradSync::declare_unused(const std::vector<std::string>& names_or_prefixes) {
+  auto& I = *impl_;
+  TORCH_CHECK(!I.no_sync.load(std::memory_order_relaxed),
+              "GradSync: declare_unused applies to a synced backward; call it outside no_sync "
+              "(before the backward that reduces)");
+  std::lock_guard<std::mutex> lock(I.mu);
+  TORCH_CHECK(!I.active, "GradSync: declare_unused must be called between steps, not during "
+              "backward");
+  TORCH_CHECK(!I.declare_check.valid(), "GradSync: declare_unused was called twice before one "
+              "backward; declare the step's whole set in one call");
+  const int n = static_cast<int>(I.params.size());
+  std::vector<char> d(n, 0);
+  for (const auto& s : names_or_prefixes) {
+    const auto exact = std::find(I.names.begin(), I.names.end(), s);
+    if (exact != I.names.end()) {
+      d[exact - I.names.begin()] = 1;
+      continue;
+    }
+    bool any = false;
+    for (int p = 0; p < n; ++p) {
+      if (!s.empty() && I.names[p].rfind(s, 0) == 0) d[p] = any = true;
+    }
+    TORCH_CHECK(any, "GradSync: declare_unused names '", s, "', which is neither a parameter "
+                "that requires grad nor the prefix of one");
+  }
+  // What the ranks compare: a hash of the set (FNV-1a over the indices) and
+  // whether some declared parameter holds a no_sync gradient here.
+  uint64_t h = 1469598103934665603ULL;
+  int64_t bad = 0, count = 0;
+  for (int p = 0; p < n; ++p) {
+    if (!d[p]) continue;
+    h = (h ^ static_cast<uint64_t>(p)) * 1099511628211ULL;
+    ++count;
+    if (I.accumulated[p].load(std::memory_order_relaxed)) bad = 1;
+  }
+  const int64_t key = static_cast<int64_t>(h >> 2);  // non-negative, so -key fits
+  I.declare_msg = at::tensor({key, -key, bad}, at::kLong);
+  I.declare_check = I.agree_max(I.declare_msg, "ddpx::declare_unused");
+  I.declared = std::move(d);
+  I.n_declared = static_cast<int>(count);
+}
 
 GradSync::~GradSync() {
   impl_->alive->store(nullptr, std::memory_order_release);

@@ -89,11 +89,48 @@ void GradSync::Impl::begin_step_locked() {
   hook_cpu_us = 0;
   profiler->begin_step(stats.step, t0, static_cast<int>(plan.size()));
   torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_step(); });
+  skipped_in.assign(plan.size(), 0);
+  declared_surprises.clear();
+  declare_error = nullptr;
+  if (declare_check.valid()) settle_declared_locked();
   if (!expected_unused.empty()) {
     for (size_t p = 0; p < params.size(); ++p) {
       if (expected_unused[p]) mark_ready_locked(static_cast<int>(p), /*used=*/false);
     }
   }
+}
+
+void GradSync::Impl::settle_declared_locked() {
+  try {
+    declare_check.get();
+    const int64_t* m = declare_msg.const_data_ptr<int64_t>();
+    TORCH_CHECK(m[2] == 0, "GradSync: step ", stats.step, ": a parameter declared unused "
+                "(declare_unused) holds a gradient accumulated under no_sync on some rank; "
+                "declare only what no micro-batch of the step used");
+    TORCH_CHECK(m[0] == -m[1], "GradSync: step ", stats.step, ": the ranks declared different "
+                "parameters unused (declare_unused); a drop pattern must be the same on every "
+                "rank (drawn from a shared seed and the step), or not declared at all");
+  } catch (...) {
+    // Held: nothing launches, every rank ends the step in the error.
+    declare_error = std::current_exception();
+    return;
+  }
+  for (size_t p = 0; p < params.size(); ++p) {
+    if (!declared[p]) continue;
+    // No gradient, no zeros, no residual: its slot stays off the wire and
+    // its .grad untouched (as for a parameter unused on every rank).
+    ready[p] = 1;
+    const int b = bucket_of[p];
+    ++skipped_in[b];
+    if (--pending[b] == 0) stats.buckets[b].ready_us = 0;
+  }
+  launch_ready_locked();
+}
+
+void GradSync::Impl::clear_declared_locked() {
+  if (n_declared > 0) std::fill(declared.begin(), declared.end(), 0);
+  n_declared = 0;
+  declare_error = nullptr;
 }
 
 void GradSync::Impl::note_writer_locked(int b) {
@@ -147,6 +184,11 @@ void GradSync::Impl::mark_ready_locked(int p, bool used) {
   }
   const int b = bucket_of[p];
   if (--pending[b] == 0) stats.buckets[b].ready_us = hooks::us_since(t0, Clock::now());
+  launch_ready_locked();
+}
+
+void GradSync::Impl::launch_ready_locked() {
+  if (declare_error) return;  // the step fails on every rank: nothing goes out
   // Late buckets wait for the used-parameter agreement: from
   // prepare_for_backward (Exact), else finish_step's. Under Predict they
   // come after every reliable bucket in the plan; under Exact, where their
@@ -158,11 +200,12 @@ void GradSync::Impl::mark_ready_locked(int p, bool used) {
 }
 
 void GradSync::Impl::launch_bucket_locked(int b, const std::vector<char>& anywhere) {
-  if (!plan[b].late) {
+  if (!plan[b].late && skipped_in[b] == 0) {
     launch_locked(b);
     return;
   }
-  auto runs = used_runs(b, anywhere);
+  // (A sparse bucket holds one parameter: skipped means nothing to send.)
+  auto runs = plan[b].sparse ? std::vector<Run>{} : sent_runs(b, anywhere);
   if (!runs.empty()) {
     launch_locked(b, std::move(runs));
     return;
@@ -180,20 +223,25 @@ void GradSync::Impl::on_grad(int p) {
   const auto h0 = Clock::now();
   hooks::Range range("ddpx::hook");
   const at::Tensor& g = params[p].grad();
+  // Declared unused, yet here: neither copied nor sent (its slot may be
+  // off the wire), an error at the step's end on every rank.
+  const bool skip = declared[p] != 0;
   // The copy needs no lock: slots (and sparse_dim entries) are per
   // parameter, and the plan only changes at the step boundary, after every
   // hook of the step has run.
-  const bool in_slot = g.defined() && gather_grad(p, g);
+  const bool in_slot = g.defined() && !skip && gather_grad(p, g);
   std::lock_guard<std::mutex> lock(mu);
   if (!active) {
     begin_step_locked();
     begin_us = hooks::us_since(h0, Clock::now());  // per step, not per parameter
   }
   grad_in_slot[p] = in_slot ? 1 : 0;
-  if (g.defined() && ready[p] && !expected_unused.empty() && expected_unused[p]) {
+  if (skip) {
+    if (g.defined()) declared_surprises.push_back(p);
+  } else if (g.defined() && ready[p] && !expected_unused.empty() && expected_unused[p]) {
     surprises.push_back(p);  // an error at the step's end, on every rank
   }
-  if (g.defined()) mark_ready_locked(p, /*used=*/true);
+  if (g.defined() && !skip) mark_ready_locked(p, /*used=*/true);
   ++stats.hook_calls;
   const auto h1 = Clock::now();
   hook_cpu_us = hook_cpu_us + hooks::us_since(h0, h1);

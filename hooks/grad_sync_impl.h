@@ -122,6 +122,21 @@ struct GradSync::Impl {
   // agreed in prepare_for_backward, so late buckets need not wait for the
   // end of backward. Empty when not known.
   std::vector<char> early_used;
+  // ---- layer dropping (declare_unused) ---------------------------------------
+  // Per parameter: declared unused for the next synced backward. Set between
+  // steps (under mu), read by the hooks without the lock, cleared at the
+  // step's end.
+  std::vector<char> declared;
+  int n_declared = 0;
+  std::vector<int> skipped_in;  // per bucket: its declared parameters this step
+  // The ranks compare declarations on channel 0 ([hash, -hash, bad],
+  // MAX-reduced), overlapping the forward; the step's first hook settles it.
+  std::future<void> declare_check;
+  at::Tensor declare_msg;
+  // The comparison failed (a mismatch, a bad declaration, the collective):
+  // nothing launches this step, and it ends in this error on every rank.
+  std::exception_ptr declare_error;
+  std::vector<int> declared_surprises;  // declared, yet a gradient came
   StepStats stats, last;
   Clock::time_point t0;
   Clock::time_point agree_t0, agree_t1;  // the step-end agreement, on channel 0
@@ -136,6 +151,7 @@ struct GradSync::Impl {
         predictor(n),
         used_anywhere(n),
         accumulated(new std::atomic<bool>[n]()),
+        declared(n, 0),
         sparse_dim(n, 0),
         planned_sparse_dim(n, 0),
         sparse_in(n),
@@ -215,9 +231,18 @@ struct GradSync::Impl {
   void note_writer_locked(int b);
 
   void mark_ready_locked(int p, bool used);
+  // Launches, in plan order, every bucket that is complete (and whose turn
+  // it is); late ones only once the used parameters are agreed.
+  void launch_ready_locked();
+
+  // First hook: waits for the comparison of declarations (declare_unused)
+  // and, if the ranks agree, takes the declared parameters out of the step.
+  void settle_declared_locked();
+  void clear_declared_locked();
 
   // Launches bucket b; a late one without the slots that no rank used
-  // (`anywhere`: the agreed used flags), or not at all if none was.
+  // (`anywhere`: the agreed used flags), any without the slots declared
+  // unused, or not at all if nothing is left.
   void launch_bucket_locked(int b, const std::vector<char>& anywhere);
 
   // A contiguous range of a bucket's storage: [offset, offset + numel).
@@ -242,9 +267,10 @@ struct GradSync::Impl {
   std::vector<std::pair<at::Tensor, at::Tensor>> take_carries_locked(int b,
                                                                      const std::vector<Run>& runs);
 
-  // The runs of late bucket b's slots whose parameters some rank used
-  // (globally_used from the step-end agreement); empty when none was.
-  std::vector<Run> used_runs(int b, const std::vector<char>& globally_used) const;
+  // The runs of bucket b's slots to send: not declared unused and, in a late
+  // bucket, used by some rank (globally_used from the step-end agreement);
+  // empty when none is.
+  std::vector<Run> sent_runs(int b, const std::vector<char>& globally_used) const;
 
   void on_grad(int p);
 
@@ -288,7 +314,7 @@ struct GradSync::Impl {
 
   hooks::OrderPredictor with_this_step() const {
     hooks::OrderPredictor next = predictor;
-    next.observe(arrival, nullptr, &arrival_us);
+    next.observe(arrival, nullptr, &arrival_us, &declared);
     return next;
   }
 

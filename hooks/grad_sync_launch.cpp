@@ -162,11 +162,11 @@ std::vector<std::pair<at::Tensor, at::Tensor>> GradSync::Impl::take_carries_lock
   return owed;
 }
 
-std::vector<GradSync::Impl::Run> GradSync::Impl::used_runs(
+std::vector<GradSync::Impl::Run> GradSync::Impl::sent_runs(
     int b, const std::vector<char>& globally_used) const {
   std::vector<Run> runs;
   for (int p : plan[b].params) {
-    if (!globally_used[p]) continue;
+    if (declared[p] || (plan[b].late && !globally_used[p])) continue;
     const int64_t off = offset_of[p], n = info[p].numel;
     if (!runs.empty() && runs.back().offset + runs.back().numel == off) {
       runs.back().numel += n;

@@ -12,10 +12,35 @@ OrderPredictor::OrderPredictor(int n, double alpha)
   for (int i = 0; i < n; ++i) position_ema_[i] = n > 1 ? 1.0 - double(i) / (n - 1) : 0.0;
 }
 
+namespace {
+
+// The last order with `arrival` in the places of the parameters not excused
+// (in arrival's order), the excused ones where they were; arrivals beyond
+// those places go at the end. Excused ones never seen are left out.
+std::vector<int> merge_excused(const std::vector<int>& last, const std::vector<int>& arrival,
+                               const std::vector<char>& excused) {
+  std::vector<int> out;
+  out.reserve(last.size() + arrival.size());
+  size_t next = 0;
+  for (int p : last) {
+    if (excused[p]) {
+      out.push_back(p);
+    } else if (next < arrival.size()) {
+      out.push_back(arrival[next++]);
+    }
+  }
+  out.insert(out.end(), arrival.begin() + static_cast<std::ptrdiff_t>(next), arrival.end());
+  return out;
+}
+
+}  // namespace
+
 void OrderPredictor::observe(const std::vector<int>& arrival, const std::vector<char>* missed,
-                             const std::vector<double>* arrival_us) {
+                             const std::vector<double>* arrival_us,
+                             const std::vector<char>* excused) {
   const int n = static_cast<int>(position_ema_.size());
   TORCH_INTERNAL_ASSERT(!missed || static_cast<int>(missed->size()) == n);
+  TORCH_INTERNAL_ASSERT(!excused || static_cast<int>(excused->size()) == n);
   std::vector<double> pos(n, -1.0);
   const int m = static_cast<int>(arrival.size());
   for (int k = 0; k < m; ++k) {
@@ -27,6 +52,7 @@ void OrderPredictor::observe(const std::vector<int>& arrival, const std::vector<
   const double am = steps_ == 0 ? 1.0 : kMissAlpha;
   const auto late_before = late_set();
   for (int i = 0; i < n; ++i) {
+    if (excused && (*excused)[i]) continue;  // dropped by the step's pattern: no news
     const bool used = pos[i] >= 0;
     used_ema_[i] = (1 - a) * used_ema_[i] + a * (used ? 1.0 : 0.0);
     const bool miss = missed ? (*missed)[i] != 0 : !used;
@@ -46,13 +72,14 @@ void OrderPredictor::observe(const std::vector<int>& arrival, const std::vector<
   // Stability is of the reliable parameters' order: late ones go to late
   // buckets whatever their order, and an alternating pair of experts never
   // repeats the raw one.
+  const std::vector<int> order = excused ? merge_excused(last_order_, arrival, *excused) : arrival;
   std::vector<int> reliable;
-  for (int p : arrival) {
+  for (int p : order) {
     if (!late(p)) reliable.push_back(p);
   }
   stable_steps_ = steps_ > 0 && reliable == last_reliable_ ? stable_steps_ + 1 : 0;
   late_stable_steps_ = late_set() == late_before ? late_stable_steps_ + 1 : 0;
-  last_order_ = arrival;
+  last_order_ = order;
   last_reliable_ = std::move(reliable);
   ++steps_;
 }

@@ -31,9 +31,14 @@ class OrderPredictor {
   // instead of this rank's arrival, so every rank holds the same late set.
   // `arrival_us` (optional): per parameter, when its gradient arrived, in us
   // from the start of backward (negative: it did not); averaged into
-  // predicted_arrival_us().
+  // predicted_arrival_us(). `excused` (optional): per parameter, declared
+  // unused for this step (GradSync::declare_unused, a layer-drop pattern):
+  // not a miss, and what is known of it (use, position, time) stays as it
+  // was; in the order it keeps its last place, so a step that only drops
+  // blocks repeats the order (stable) and never re-plans.
   void observe(const std::vector<int>& arrival, const std::vector<char>* missed = nullptr,
-               const std::vector<double>* arrival_us = nullptr);
+               const std::vector<double>* arrival_us = nullptr,
+               const std::vector<char>* excused = nullptr);
 
   // late_last: the late parameters after every reliable one, for late
   // buckets that launch at the end of backward (Unused::Predict). Otherwise

@@ -115,6 +115,13 @@ struct GradSyncOptions {
   // weights of submodules whose constant `sparse` is true, as DDP finds
   // nn.Embedding(sparse=True).
   DDPX_OPT(std::vector<std::string>, sparse_params, {})
+  // Layer dropping: name prefixes of the units a trainer may declare unused
+  // for a step (declare_unused), e.g. {"blocks.0.", "blocks.1.", ...}. Each
+  // unit's parameters get buckets of their own, so a dropped unit skips
+  // whole buckets (a unit's codec state then waits, whole, for its next
+  // send). Optional: without it, a partly dropped bucket sends the runs of
+  // its kept slots.
+  DDPX_OPT(std::vector<std::string>, drop_units, {})
 #undef DDPX_OPT
   // Extra process groups: buckets go round-robin over {pg, channels...}.
   std::vector<comm::ProcessGroupPtr> channels;
@@ -174,6 +181,21 @@ class GradSync {
 
   // Unused::Exact: call before backward with the forward's outputs.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  // Layer dropping: the parameters that the next synced backward produces
+  // no gradient for on any rank (the blocks a shared drop pattern skips),
+  // each a parameter name or a prefix of names (a drop unit). Every rank
+  // must declare the same set for the same step, e.g. drawn from (seed,
+  // step, block); call it on every rank or on none, between steps (outside
+  // no_sync). Their slots stay off the wire, they are neither predicted
+  // unused nor re-planned around, and their .grad is left untouched, as for
+  // parameters unused on every rank. The ranks compare the declarations in
+  // one small collective that overlaps the forward; a mismatch, a declared
+  // parameter that still gets a gradient, or one holding a gradient
+  // accumulated under no_sync fails the step on every rank with an error
+  // naming it. A per-rank pattern must not be declared: it is what
+  // Unused::Predict / Exact handle.
+  void declare_unused(const std::vector<std::string>& names_or_prefixes);
 
   // While alive, backward accumulates locally; the next synced step reduces
   // the accumulated gradients.
