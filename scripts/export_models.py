@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Scripts the models of torchscript_models/ and saves DIR/{lenet,mlp,han}.pt
+"""Scripts the models of torchscript_models/ and saves DIR/{lenet,mlp,han,transformer}.pt
 for ddpx-train (run at build time by torchscript_models/CMakeLists.txt).
 
     export_models.py --out DIR [--lib libddpx.so] [--aten] [--seed N]
@@ -22,8 +22,9 @@ sys.path.insert(0, os.path.normpath(MODELS_DIR))
 from han import HAN  # noqa: E402
 from lenet import LeNet  # noqa: E402
 from mlp import MLP  # noqa: E402
+from transformer import Transformer  # noqa: E402
 
-MODELS = {"lenet": LeNet, "mlp": MLP, "han": HAN}
+MODELS = {"lenet": LeNet, "mlp": MLP, "han": HAN, "transformer": Transformer}
 
 
 def build(name: str, seed: int = 0, aten: bool = False) -> torch.nn.Module:
@@ -45,7 +46,7 @@ def script(model: torch.nn.Module) -> torch.jit.ScriptModule:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="directory for lenet.pt, mlp.pt, han.pt")
+    parser.add_argument("--out", required=True, help="directory for the .pt files (one per model)")
     parser.add_argument("--lib", default=os.environ.get("DDPX_LIB"),
                         help="path of libddpx.so (default: $DDPX_LIB)")
     parser.add_argument("--aten", action="store_true",
