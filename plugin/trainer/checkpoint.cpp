@@ -43,6 +43,12 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
                 "--optimizer ", v.isString() ? v.toStringRef() : "?", ", this run uses --optimizer ",
                 t.optimizer_kind);
   }
+  // The drop pattern of step t is a function of the schedule and the seed:
+  // another one would not continue the run. (Older files: no layer drop.)
+  const std::string drop = ar.try_read("layer_drop", v) && v.isString() ? v.toStringRef() : "none";
+  TORCH_CHECK(drop == t.layer_drop, "it was written with layer drop '", drop,
+              "', this run uses '", t.layer_drop, "' (--layer-drop, --pld-gamma, "
+              "--layer-drop-pattern, --layer-drop-scale and --seed must match to resume)");
   at::NoGradGuard no_grad;
   // Model state as two lists (names, tensors): parameter names contain dots,
   // which archive keys must not.
@@ -135,6 +141,7 @@ void save_checkpoint(const std::string& path, TrainObjects& t, const Position& p
   ar.write("model_names", c10::IValue(names));
   ar.write("model_tensors", c10::IValue(tensors));
   ar.write("optimizer_kind", c10::IValue(t.optimizer_kind));
+  ar.write("layer_drop", c10::IValue(t.layer_drop));
   torch::serialize::OutputArchive opt;
   t.optimizer.save(opt);
   ar.write("optimizer", opt);

@@ -30,6 +30,9 @@ struct TrainObjects {
   torch::optim::Optimizer& optimizer;
   std::string optimizer_kind;  // --optimizer: a state of another kind does not load
   GradSync& sync;
+  // LayerDrop::describe() of the run: its pattern is a function of the step,
+  // so a resumed run continues it only under the same schedule and seed.
+  std::string layer_drop = "none";
 };
 
 void save_checkpoint(const std::string& path, TrainObjects& t, const Position& pos);

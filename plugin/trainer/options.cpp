@@ -81,6 +81,27 @@ Options parse_options(int argc, char** argv) {
                    "collective timeout (default: DDPX_TIMEOUT_S, else 30 min)")
       ->check(CLI::NonNegativeNumber);
 
+  auto* drop = app.add_option_group("layer dropping (models with blocks, e.g. transformer.pt)");
+  drop->add_option("--layer-drop", o.layer_drop,
+                   "none | constant:P (LayerDrop) | stochastic-depth:P (P at the last block, "
+                   "linear in depth) | pld:THETA (Progressive Layer Dropping to keep "
+                   "probability THETA)")
+      ->capture_default_str();
+  drop->add_option("--pld-gamma", o.pld_gamma, "pld: theta(t) = (1 - THETA) exp(-gamma t) + THETA")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  drop->add_option("--layer-drop-pattern", o.layer_drop_pattern,
+                   "shared: one pattern on every rank from (seed, step, block), its blocks kept "
+                   "off the wire; per-rank: each rank draws its own (LayerDrop's semantics, "
+                   "zeros averaged)")
+      ->check(CLI::IsMember({"shared", "per-rank"}))
+      ->capture_default_str();
+  drop->add_option("--layer-drop-scale", o.layer_drop_scale,
+                   "inverse: a kept block's residual branches are scaled by 1/keep-probability; "
+                   "none: not scaled")
+      ->check(CLI::IsMember({"inverse", "none"}))
+      ->capture_default_str();
+
   auto* ps = app.add_option_group("parameter server (--mode ps)");
   ps->add_option("--servers", o.servers, "server ranks K (the first K); the others are workers")
       ->check(CLI::PositiveNumber)

@@ -42,6 +42,12 @@ struct Options {
   bool ps_staleness_lr = false;        // lr / staleness for stale gradients
   std::string ps_async_momentum = "auto";  // auto | as-given (see trainer_ps.cpp)
 
+  // Layer dropping (layer_drop.h): models with a block_scale attribute.
+  std::string layer_drop = "none";  // none | constant:P | stochastic-depth:P | pld:THETA
+  double pld_gamma = 0.001;
+  std::string layer_drop_pattern = "shared";  // shared | per-rank
+  std::string layer_drop_scale = "inverse";   // inverse | none
+
   // Output.
   std::string checkpoint;        // path; written atomically
   int64_t checkpoint_every = 0;  // steps; 0: only at the end

@@ -2,6 +2,7 @@
 
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
+#include <ddpx/layer_drop.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/torch.h>
 
@@ -45,6 +46,29 @@ void refuse_to_overwrite(const Options& o, c10d::ProcessGroup& pg) {
               "--checkpoint path (a fresh run never overwrites a checkpoint)");
 }
 
+// The blocks --layer-drop drops: the model's `block_scale` (a list of floats,
+// one per block, as torchscript_models/transformer.py has), whose block i
+// holds the parameters "blocks.<i>.*". Returns their prefixes.
+std::vector<std::string> drop_units(const torch::jit::Module& m, const std::string& path) {
+  TORCH_CHECK(m.hasattr("block_scale") && m.attr("block_scale").isDoubleList(),
+              "ddpx-train: --layer-drop needs a model with blocks to drop (a List[float] "
+              "attribute 'block_scale', e.g. transformer.pt); ", path, " has none");
+  const auto depth = m.attr("block_scale").toDoubleList().size();
+  std::vector<std::string> units;
+  for (size_t i = 0; i < depth; ++i) {
+    units.push_back("blocks." + std::to_string(i) + ".");
+    bool any = false;
+    for (const auto& p : m.named_parameters()) any = any || p.name.rfind(units.back(), 0) == 0;
+    TORCH_CHECK(any, "ddpx-train: model ", path, " has ", depth, " entries in block_scale but no "
+                "parameters named ", units.back(), "*");
+  }
+  return units;
+}
+
+void set_block_scale(torch::jit::Module& m, const std::vector<double>& scales) {
+  m.setattr("block_scale", c10::List<double>(c10::ArrayRef<double>(scales)));
+}
+
 }  // namespace
 
 void run(const Options& o) {
@@ -62,6 +86,14 @@ void run(const Options& o) {
   ScriptedModel sm = load_model(o.model);
   torch::jit::Module& model = sm.module;
   model.train();
+  const LayerDrop drop = parse_layer_drop(o.layer_drop, o.pld_gamma, o.layer_drop_pattern,
+                                          o.layer_drop_scale, o.seed);
+  const std::vector<std::string> units =
+      drop.active() ? drop_units(model, o.model) : std::vector<std::string>{};
+  const int depth = static_cast<int>(units.size());
+  TORCH_CHECK(!drop.per_rank || !drop.active() || o.unused != "off",
+              "ddpx-train: --layer-drop-pattern per-rank leaves blocks unused on some ranks; it "
+              "needs --unused predict or exact");
   const DataSplit data = load_data(o, sm);
   const int64_t per_rank = data.train.size() / world;
   const int64_t steps_per_epoch = per_rank / o.batch_size;
@@ -80,6 +112,9 @@ void run(const Options& o) {
       .first_bucket_mb(o.first_bucket_mb)
       .codec(o.codec)
       .unused(parse_unused(o.unused));
+  // A shared pattern is declared to GradSync each step: each block gets
+  // buckets of its own, which a dropped block skips whole.
+  if (drop.active() && !drop.per_rank) so.drop_units(units);
   const std::string backend = comm::detect_launcher() == comm::Launcher::Mpi ? "ddpx_mpi" : "gloo";
   for (int c = 1; c < o.channels; ++c) {
     comm::MakeOptions mo;
@@ -89,7 +124,7 @@ void run(const Options& o) {
   }
   GradSync sync(model, pg, so);
 
-  TrainObjects objs{model, *opt, o.optimizer, sync};
+  TrainObjects objs{model, *opt, o.optimizer, sync, drop.describe()};
   Position pos;
   if (!o.checkpoint.empty()) {
     if (o.resume) {
@@ -114,12 +149,17 @@ void run(const Options& o) {
               << world << " rank(s) over " << (world > 1 ? backend : "one process") << ", " << total
               << " steps of " << o.batch_size << " x " << world << " samples, codec " << o.codec
               << std::endl;
+    if (drop.active()) {
+      std::cout << "[ddpx-train] layer drop: " << drop.describe() << " over " << depth
+                << " blocks" << std::endl;
+    }
   }
 
   const auto t_start = Clock::now();
   auto t_window = t_start;
   const int64_t first_step = pos.step;
   double w_loss = 0, w_correct = 0, w_count = 0, last_loss = 0, last_acc = 0;
+  double w_kept = 0, w_steps = 0, last_kept = 1;
   at::Tensor idx;
   int64_t idx_epoch = -1;
   while (pos.step < total) {
@@ -136,6 +176,17 @@ void run(const Options& o) {
     const at::Tensor y = data.train.targets.index_select(0, rows);
     set_lr(*opt, lr_at(pos.step, total, o));
     opt->zero_grad();
+    if (drop.active()) {
+      const std::vector<double> scales = drop.scales(pos.step, depth, rank);
+      set_block_scale(model, scales);
+      std::vector<std::string> dropped;
+      for (int b = 0; b < depth; ++b) {
+        if (scales[b] == 0) dropped.push_back(units[b]);
+      }
+      if (!drop.per_rank) sync.declare_unused(dropped);
+      w_kept += 1.0 - static_cast<double>(dropped.size()) / depth;
+    }
+    w_steps += 1;
     const at::Tensor logits = model.forward({x}).toTensor();
     const at::Tensor loss = torch::nn::functional::cross_entropy(logits, y);
     straggle(o, rank);
@@ -160,6 +211,7 @@ void run(const Options& o) {
       const double rate = w[2].item<double>() / std::max(dt, 1e-9);
       last_loss = w[0].item<double>() / w[2].item<double>();
       last_acc = w[1].item<double>() / w[2].item<double>();
+      last_kept = drop.active() ? w_kept / std::max(w_steps, 1.0) : 1.0;  // rank 0's blocks
       const double per_step = elapsed / double(pos.step - first_step);
       if (lead && !o.quiet) {
         char line[256];
@@ -168,7 +220,9 @@ void run(const Options& o) {
                       "%.0f samples/s  ETA %s",
                       (long long)pos.step, (long long)total, (long long)pos.epoch, last_loss,
                       100 * last_acc, rate, eta(per_step * double(total - pos.step)).c_str());
-        std::cout << line << std::endl;
+        char kept[32] = "";
+        if (drop.active()) std::snprintf(kept, sizeof kept, "  kept %.2f", last_kept);
+        std::cout << line << kept << std::endl;
       }
       if (metrics.is_open()) {
         const auto& st = sync.last_step();
@@ -182,12 +236,14 @@ void run(const Options& o) {
                                   {"backward_us", st.backward_us},
                                   {"exposed_comm_us", st.exposed_comm_us},
                                   {"hook_cpu_us", st.hook_cpu_us},
-                                  {"replans", st.replans}}
+                                  {"replans", st.replans},
+                                  {"bytes_reduced", st.bytes_reduced},
+                                  {"kept_fraction", last_kept}}
                        .dump()
                 << std::endl;
       }
       t_window = now;
-      w_loss = w_correct = w_count = 0;
+      w_loss = w_correct = w_count = w_kept = w_steps = 0;
     }
     const bool save_now = o.checkpoint_every > 0 && pos.step % o.checkpoint_every == 0;
     if (lead && !o.checkpoint.empty() && (save_now || pos.step == total)) {
@@ -196,6 +252,7 @@ void run(const Options& o) {
   }
 
   sync.flush_trace();  // collective: every rank, before anything can fail alone
+  if (drop.active()) set_block_scale(model, std::vector<double>(depth, 1.0));  // every block
   const double test_acc = evaluate(model, data.test, *pg, 256);
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
   if (lead) {
@@ -220,7 +277,8 @@ void run(const Options& o) {
                                 {"test_accuracy", test_acc},
                                 {"elapsed_s", elapsed},
                                 {"bytes_sent_per_step", prof.bytes_sent},
-                                {"compression", prof.compression}}
+                                {"compression", prof.compression},
+                                {"layer_drop", drop.describe()}}
                      .dump()
               << std::endl;
     }

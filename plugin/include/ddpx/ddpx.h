@@ -2,5 +2,6 @@
 // Umbrella header: everything a C++ trainer needs from ddpx.
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
+#include <ddpx/layer_drop.h>
 #include <ddpx/ops.h>
 #include <ddpx/codec.h>
