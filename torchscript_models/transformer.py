@@ -16,7 +16,9 @@ schedule, so a block's expected contribution is the one evaluation sees with
 every block at 1 (timm's DropPath convention; fairseq's LayerDrop does not
 rescale: set s = 1). Every block at 1 (the default) is the plain encoder.
 Parameters of block i are named "blocks.<i>.*": the drop units GradSync is
-told about.
+told about. The defaults keep what no pattern drops small (a 500-word
+vocabulary: the embedding is 5% of the bytes, the blocks 94%), so dropping a
+block saves nearly its share of the wire.
 """
 import math
 from typing import List
@@ -50,7 +52,7 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, vocab_size: int = 2000, sentences: int = 6, words: int = 8,
+    def __init__(self, vocab_size: int = 500, sentences: int = 6, words: int = 8,
                  dim: int = 128, depth: int = 6, heads: int = 4, num_classes: int = 4,
                  aten: bool = False):
         super().__init__()

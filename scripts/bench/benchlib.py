@@ -173,3 +173,31 @@ def mpirun_tcp_loopback(np_=2):
     return [shutil.which("mpirun") or "mpirun", "--allow-run-as-root", "--oversubscribe",
             "-np", str(np_), "--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
             "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo"]
+
+
+def trainer_env():
+    """Environment of ddpx-train under mpirun as root, one intra-op thread."""
+    return dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                OMP_NUM_THREADS="1")
+
+
+def ddpx_train(np_, model, steps, extra, prefix=(), log_every=10, batch=32):
+    """Runs ddpx-train on np_ ranks (MPI over TCP loopback, so a ShapedLink
+    shapes it; `prefix` runs it inside one) on build/torchscript_models/<model>.pt;
+    returns (the progress records, the end record) of its --metrics."""
+    import subprocess
+    import tempfile
+
+    build = Path(os.environ.get("DDPX_BUILD", ROOT / "build"))
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "m.jsonl"
+        cmd = list(prefix) + mpirun_tcp_loopback(np_) + ["--bind-to", "none"] + [
+            str(build / "ddpx-train"), "--model", str(build / "torchscript_models" / f"{model}.pt"),
+            "--steps", str(steps), "--batch-size", str(batch), "--threads", "1",
+            "--log-every", str(log_every), "--quiet", "--metrics", str(metrics),
+            *map(str, extra)]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env())
+        if r.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    return [m for m in lines if "event" not in m], next(m for m in lines if m.get("event") == "end")

@@ -1,7 +1,9 @@
 """The peer of scripts/bench/train: PyTorch's DistributedDataParallel (Python,
 Gloo) training the same scripted model file on the same kind of data, with
-the same batch size, optimizer and logging windows as ddpx-train. Launched
-under mpirun; prints one JSON line (rank 0)."""
+the same batch size, optimizer and logging windows as ddpx-train, and (for
+scripts/bench/layerdrop) the same layer-drop pattern, drawn by
+torch.ops.ddpx.layer_drop_scales, with find_unused_parameters=True as DDP
+needs for it. Launched under mpirun; prints one JSON line (rank 0)."""
 import argparse
 import json
 import os
@@ -31,6 +33,11 @@ def main():
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--target", type=float, default=0.0, help="window accuracy to time")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    p.add_argument("--layer-drop", default="none", help="as ddpx-train's")
+    p.add_argument("--pld-gamma", type=float, default=0.001)
+    p.add_argument("--layer-drop-pattern", choices=["shared", "per-rank"], default="shared")
+    p.add_argument("--seed", type=int, default=1, help="of the drop pattern, as ddpx-train's")
     a = p.parse_args()
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
     world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
@@ -42,8 +49,13 @@ def main():
     torch.manual_seed(1)
     model = torch.jit.load(a.model)
     model.train()
-    ddp = DDP(model)
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    drop = a.layer_drop != "none"
+    ddp = DDP(model, find_unused_parameters=drop)
+    if a.optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=a.lr)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    depth = len(model.block_scale) if drop else 0
     if model.ddpx_input == "image":
         x_all, y_all = load_images(a.data)
     else:
@@ -51,18 +63,23 @@ def main():
         x_all = torch.randint(1, model.vocab_size, (n, model.sentences, model.words))
         y_all = torch.randint(0, model.num_classes, (n,))
     idx = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(1))[rank::world]
-    windows, tta = [], None
+    windows, step_s, tta = [], [], None
     correct = count = 0
     t0 = tw = time.perf_counter()
     for step in range(1, a.steps + 1):
         b = (step - 1) * a.batch_size % (len(idx) - a.batch_size)
         rows = idx[b:b + a.batch_size]
         x, y = x_all[rows], y_all[rows]
+        t_step = time.perf_counter()
+        if drop:  # step - 1: ddpx-train counts steps from 0 when drawing
+            model.block_scale = torch.ops.ddpx.layer_drop_scales(
+                a.layer_drop, step - 1, depth, rank, a.seed, a.pld_gamma, a.layer_drop_pattern)
         opt.zero_grad()
         logits = ddp(x)
         loss = F.cross_entropy(logits, y)
         loss.backward()
         opt.step()
+        step_s.append(time.perf_counter() - t_step)
         correct += (logits.argmax(1) == y).sum().item()
         count += len(y)
         if step % a.log_every == 0:
@@ -76,7 +93,9 @@ def main():
     if rank == 0:
         steady = windows[1:] or windows
         print(json.dumps({"samples_per_s": float(np.median(steady)), "time_to_accuracy_s": tta,
-                          "elapsed_s": time.perf_counter() - t0}), flush=True)
+                          "elapsed_s": time.perf_counter() - t0,
+                          "step_ms": 1000 * float(np.median(step_s[len(step_s) // 5:]))}),
+              flush=True)
     dist.destroy_process_group()
 
 

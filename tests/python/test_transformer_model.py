@@ -25,7 +25,7 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 PATTERNS = [[1.0] * 6, [2.0, 0.0, 1.25, 0.0, 0.0, 1.0], [0.0] * 6, [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]]
 
 
-def documents(n, seed=0, vocab=2000, s=6, w=8):
+def documents(n, seed=0, vocab=500, s=6, w=8):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(1, vocab, (n, s, w), generator=g)
     if n > 1:
@@ -130,7 +130,7 @@ def test_empty_batch(pair):
 @pytest.mark.parametrize("x,scales,message", [
     (torch.ones(2, 48, dtype=torch.int64), None, r"x must be \[N, sentences, words\]"),
     (torch.ones(2, 6, 8, dtype=torch.int32), None, "x must be int64"),
-    (torch.full((2, 6, 8), 2000), None, "vocab_size=2000"),
+    (torch.full((2, 6, 8), 500), None, "vocab_size=500"),
     (torch.ones(2, 7, 8, dtype=torch.int64), None, "positions for 48"),
     (torch.ones(2, 6, 8, dtype=torch.int64), [1.0] * 5, "block_scale has 5 entries for 6 blocks"),
 ])
@@ -148,7 +148,7 @@ def test_exported_file_has_the_trainer_contract(tmp_path):
     m.save(str(path))
     loaded = torch.jit.load(str(path))
     assert loaded.ddpx_input == "tokens" and loaded.num_classes == 4
-    assert (loaded.vocab_size, loaded.sentences, loaded.words) == (2000, 6, 8)
+    assert (loaded.vocab_size, loaded.sentences, loaded.words) == (500, 6, 8)
     assert list(loaded.block_scale) == [1.0] * 6
     units = sorted({n.split(".")[1] for n, _ in loaded.named_parameters() if n.startswith("blocks.")})
     assert units == [str(i) for i in range(6)]
