@@ -88,19 +88,21 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
   }
   I.declare_sparse(*pg, options.sparse_params_);
   I.replan(I.order_of(I.predictor), I.late_for(I.predictor));
-  // The hooks outlive GradSync on the parameters' accumulators (autograd has
-  // no way to remove one); they reach it through a pointer the destructor
-  // clears, so a backward after GradSync is gone is a plain local backward.
+  // The hooks reach GradSync through a pointer the destructor clears, so a
+  // backward that races the destruction is a plain local backward; the
+  // destructor then removes them from the accumulators (a trainer that builds
+  // GradSync anew, say per phase, must not pile up dead hooks).
   I.alive = std::make_shared<std::atomic<Impl*>>(impl_.get());
   for (size_t i = 0; i < params.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params[i]);
     const int idx = static_cast<int>(i);
-    acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+    auto hook = std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [alive = I.alive, idx](const torch::autograd::variable_list& outputs,
                                const torch::autograd::variable_list&) {
           if (Impl* self = alive->load(std::memory_order_acquire)) self->on_grad(idx);
           return outputs;
-        }));
+        });
+    I.hook_keys.push_back(acc->add_post_hook(std::move(hook)));
     I.accumulators.push_back(std::move(acc));
   }
 }
@@ -188,6 +190,11 @@ void GradSync::declare_unused(const std::vector<std::string>& names_or_prefixes)
 
 GradSync::~GradSync() {
   impl_->alive->store(nullptr, std::memory_order_release);
+  // (As DDP's Reducer does: no backward over these parameters may run
+  // concurrently with the destruction.)
+  for (size_t i = 0; i < impl_->accumulators.size(); ++i) {
+    impl_->accumulators[i]->del_post_hook(impl_->hook_keys[i]);
+  }
   auto& P = *impl_->profiler;
   if (!P.needs_flush()) return;
   try {

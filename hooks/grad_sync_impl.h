@@ -43,6 +43,7 @@ struct GradSync::Impl {
   std::vector<at::Tensor> buffers;  // broadcast from rank 0 (broadcast_buffers)
   std::vector<hooks::ParamInfo> info;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;  // keep hooks alive
+  std::vector<uintptr_t> hook_keys;  // per accumulator: our post hook, removed at destruction
   std::shared_ptr<std::atomic<Impl*>> alive;  // what the hooks call; null once destroyed
   GradSyncOptions opts;
   std::vector<std::unique_ptr<hooks::Channel>> channels;

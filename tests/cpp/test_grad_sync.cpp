@@ -429,8 +429,8 @@ TEST(GradSync, AGroupWithoutABackendForTheTensorsIsNamed) {
 
 }  // namespace
 
-// The hooks stay on the parameters after GradSync is gone: a later backward
-// must be a plain local one (no call into freed memory, no communication).
+// After GradSync is gone a later backward must be a plain local one (no call
+// into freed memory, no communication).
 TEST(GradSync, BackwardAfterDestructionIsLocal) {
   auto& pg = world();
   torch::manual_seed(5);
@@ -452,5 +452,32 @@ TEST(GradSync, BackwardAfterDestructionIsLocal) {
   for (const auto& item : ref->named_parameters()) {
     EXPECT_TRUE(at::equal(item.value().grad(), model->named_parameters()[item.key()].grad()))
         << item.key();
+  }
+}
+
+// A trainer that builds GradSync anew over the same parameters (per phase,
+// per run in one process) must not pile up hooks on their accumulators: the
+// destructor removes its own, and each backward calls one.
+TEST(GradSync, ConstructionsDoNotPileUpHooks) {
+  auto& pg = world();
+  torch::manual_seed(5);
+  MLP model;
+  const auto x = global_batch(8, 78).narrow(0, pg->getRank() * kB, kB);
+  std::vector<size_t> before;
+  for (const auto& p : model->parameters()) {
+    before.push_back(torch::autograd::impl::grad_accumulator(p)->post_hooks().size());
+  }
+  for (int i = 0; i < 20; ++i) {
+    GradSync sync(model->named_parameters(), pg);
+    model->zero_grad();
+    model->forward(x).sum().backward();
+    size_t k = 0;
+    for (const auto& p : model->parameters()) {
+      EXPECT_EQ(torch::autograd::impl::grad_accumulator(p)->post_hooks().size(), before[k++] + 1);
+    }
+  }
+  size_t k = 0;
+  for (const auto& p : model->parameters()) {
+    EXPECT_EQ(torch::autograd::impl::grad_accumulator(p)->post_hooks().size(), before[k++]);
   }
 }
