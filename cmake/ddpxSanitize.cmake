@@ -40,13 +40,24 @@ endif()
 # mpirun passes them on to its ranks). Suppressions: tests/sanitize/*.supp,
 # each entry with the reason it is not ours to fix.
 set(DDPX_SANITIZER_ENV "")
+set(DDPX_SANITIZER_MPI_ENV "")  # overrides for tests under mpirun
 set(DDPX_PYTHON_LAUNCH "")  # prefix of the Python fixtures' command line
 set(_supp ${CMAKE_CURRENT_SOURCE_DIR}/tests/sanitize)
 if(DDPX_SANITIZE STREQUAL "address")
   set(DDPX_SANITIZER_ENV
       "ASAN_OPTIONS=detect_leaks=1:halt_on_error=1:check_initialization_order=1"
       "UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:suppressions=${_supp}/ubsan.supp"
-      "LSAN_OPTIONS=suppressions=${_supp}/lsan.supp:print_suppressions=0")
+      "LSAN_OPTIONS=suppressions=${_supp}/lsan.supp:print_suppressions=0"
+      # Open MPI keeps its components loaded at finalize, so the leak report
+      # can name them (tests/sanitize/lsan.supp) instead of <unknown module>.
+      "OMPI_MCA_mca_base_component_disable_dlclose=1")
+  # Multi-rank tests (under mpirun): no leak check. Open MPI leaves hundreds
+  # of allocations at finalize inside components it has already unloaded, so
+  # no suppression can name them (tests/sanitize/lsan.supp); memory errors
+  # and UB are still checked there, and leaks by the unit tests, the fuzz
+  # targets and the GradSync churn of scripts/bench/soak.
+  set(DDPX_SANITIZER_MPI_ENV
+      "ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:check_initialization_order=1")
   set(_rt libclang_rt.asan-x86_64.so)
 elseif(DDPX_SANITIZE STREQUAL "thread")
   set(DDPX_SANITIZER_ENV
