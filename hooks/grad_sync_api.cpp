@@ -291,6 +291,8 @@ void GradSync::flush_trace() {
 }
 
 struct GradSync::PhaseGuard::State {
+  // Spelled out: clang before 16 has no parenthesised aggregate init (make_unique).
+  State(hooks::Profiler& p, std::string n) : profiler(p), name(std::move(n)) {}
   hooks::Profiler& profiler;
   std::string name;
   at::RecordFunction range{at::RecordScope::USER_SCOPE};

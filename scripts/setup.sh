@@ -9,7 +9,8 @@ source scripts/versions.sh
 
 # --- system packages (Debian) ------------------------------------------------
 apt_pkgs=(openmpi-bin libopenmpi-dev ninja-build cmake g++ ccache libgtest-dev
-          libgloo-dev libcli11-dev nlohmann-json3-dev iproute2 procps)
+          libgloo-dev libcli11-dev nlohmann-json3-dev iproute2 procps
+          nftables)  # nftables: the lossy link of tests/python/test_trainer_network.py
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "plugin/comm/backend_registry.h"
 #include "plugin/comm/mpi_env.h"
@@ -167,7 +168,16 @@ void abort_job(int code) {
   int initialised = 0, finalised = 0;
   MPI_Initialized(&initialised);
   MPI_Finalized(&finalised);
-  if (detail::launched_by_mpi() && initialised && !finalised) MPI_Abort(MPI_COMM_WORLD, code);
+  if (detail::launched_by_mpi() && initialised && !finalised) {
+    // MPI_Abort asks mpirun to end the job; with the network to it cut too
+    // (tests/python/test_trainer_network.py) it never returns. Leave on our
+    // own after a grace: mpirun sees this rank exit and ends the others.
+    std::thread([code] {
+      std::this_thread::sleep_for(std::chrono::seconds(5));
+      std::_Exit(code);
+    }).detach();
+    MPI_Abort(MPI_COMM_WORLD, code);
+  }
   std::_Exit(code);
 }
 

@@ -8,6 +8,7 @@
 #include <unordered_set>
 #include <variant>
 
+#include "plugin/comm/member_id.h"
 #include "plugin/comm/mpi_backend.h"
 #include "plugin/comm/mpi_env.h"
 #include "plugin/comm/mpi_util.h"
@@ -52,15 +53,7 @@ std::string member_id() { return mpi_job() + ":" + std::to_string(MpiEnv::get().
 
 // The world rank in a member_id, which must be of this job.
 int world_rank_of(const std::string& id, const char* call) {
-  const auto colon = id.rfind(':');
-  TORCH_CHECK(colon != std::string::npos && colon + 1 < id.size(), "ddpx_mpi: ", call, ": '", id,
-              "' is not a ddpx_mpi member id (job:world_rank)");
-  TORCH_CHECK(id.substr(0, colon) == mpi_job(), "ddpx_mpi: ", call, ": '", id,
-              "' belongs to another MPI job (this one is ", mpi_job(),
-              "); MPI joins the processes of one job only");
-  const int rank = std::stoi(id.substr(colon + 1));
-  check_rank(rank, MpiEnv::get().world_size(), "member id's world rank");
-  return rank;
+  return parse_member_id(id, mpi_job(), MpiEnv::get().world_size(), call);
 }
 
 void check_distinct(const std::vector<int>& ranks, const char* what) {

@@ -46,7 +46,8 @@ Push parse_push(const at::Tensor& msg, int source_worker, const std::vector<int6
   TORCH_CHECK(size >= head, "ddpx ps: a push from worker ", source_worker, " of ", size,
               " bytes is shorter than its header and segment lengths (", head, " bytes)");
   std::vector<int64_t> lengths(h.segments);
-  std::memcpy(lengths.data(), in + sizeof(PushHeader), 8 * lengths.size());
+  // Not for zero segments: memcpy must not see the empty vector's null pointer.
+  if (!lengths.empty()) std::memcpy(lengths.data(), in + sizeof(PushHeader), 8 * lengths.size());
   int64_t offset = head;
   for (size_t i = 0; i < lengths.size(); ++i) {
     const int64_t want = p.codec.message_bytes(seg_numel[i]);

@@ -79,6 +79,13 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
   ar.read("gradsync.plan_order", order);
   ar.read("gradsync.predictor", predictor);
   ar.read("gradsync.steps", v);
+  // The file says what these tensors are: another dtype or a strided view (an
+  // expanded one's storage is smaller than its numel) would be misread.
+  TORCH_CHECK(order.scalar_type() == at::kLong && predictor.scalar_type() == at::kDouble,
+              "gradsync.plan_order is ", order.scalar_type(), " and gradsync.predictor ",
+              predictor.scalar_type(), "; expected Long and Double");
+  order = order.contiguous();
+  predictor = predictor.contiguous();
   GradSync::State s;
   s.plan_order.assign(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
   s.predictor.assign(predictor.data_ptr<double>(), predictor.data_ptr<double>() + predictor.numel());
@@ -178,15 +185,28 @@ bool load_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjec
   at::Tensor buf = at::empty({header[1].item<int64_t>()}, at::kByte);
   if (pg.getRank() == 0) std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
   broadcast(pg, buf);
+  restore_checkpoint(reinterpret_cast<const char*>(buf.data_ptr()),
+                     static_cast<size_t>(buf.numel()), path, t, pos);
+  return true;
+}
+
+void restore_checkpoint(const char* data, size_t size, const std::string& name, TrainObjects& t,
+                        Position& pos) {
   try {
     torch::serialize::InputArchive ar;
-    ar.load_from(reinterpret_cast<const char*>(buf.data_ptr()), static_cast<size_t>(buf.numel()));
+    ar.load_from(data, size);
     restore(ar, t, pos);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "ddpx-train: checkpoint ", path, " is corrupt, truncated or not this "
-                "run's: ", e.what_without_backtrace(), " (the file is left as it is)");
+    TORCH_CHECK(false, "ddpx-train: checkpoint ", name,
+                " is corrupt, truncated or not this "
+                "run's: ",
+                e.what_without_backtrace(), " (the file is left as it is)");
+  } catch (const std::exception& e) {
+    // TorchScript's loader reports a mangled archive (code it cannot compile)
+    // as torch::jit::ErrorReport, which is no c10::Error (tests/fuzz).
+    TORCH_CHECK(false, "ddpx-train: checkpoint ", name,
+                " is corrupt or not a checkpoint: ", e.what(), " (the file is left as it is)");
   }
-  return true;
 }
 
 }  // namespace ddpx::trainer

@@ -48,4 +48,11 @@ void write_durably(const std::string& path, const std::string& bytes);
 bool load_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjects& t,
                      Position& pos);
 
+// Local: restores a checkpoint's bytes (`name` is its file, for messages)
+// into `t` and `pos`; load_checkpoint's parser, which tests/fuzz drives.
+// Throws a c10::Error naming the file when the bytes are not a checkpoint of
+// this run's model and optimizer.
+void restore_checkpoint(const char* data, size_t size, const std::string& name, TrainObjects& t,
+                        Position& pos);
+
 }  // namespace ddpx::trainer

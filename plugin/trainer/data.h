@@ -60,6 +60,12 @@ void ensure_synthetic_images(const std::string& dir, uint64_t seed);
 // unknown type or a size that disagrees with the header.
 at::Tensor read_idx(const std::string& path);
 
+// The parsers behind read_idx and load_data_path's torch.save files, on bytes
+// in memory (`name` is the file, for messages); tests/fuzz drives them.
+at::Tensor parse_idx(const char* data, size_t size, const std::string& name);
+DataSplit parse_saved_dict(const char* data, size_t size, const std::string& name,
+                           const InputSpec& spec);
+
 // Loads `path` (an idx directory or a torch.save file) for `spec`: checks
 // shapes, dtypes, counts, labels (0..num_classes-1) and token ids (0..vocab-1)
 // and throws naming the file and both shapes on a mismatch. Integer images

@@ -3,6 +3,8 @@
 // into the form the trainer feeds (images: standardised float [N, C, H, W];
 // tokens: int64 [N, S, W]; labels: int64 [N]).
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/serialize.h>
 
 #include <algorithm>
@@ -133,6 +135,37 @@ DataSplit finish(Dataset train, Dataset test, const InputSpec& s) {
   return out;
 }
 
+// torch::pickle_load reads a torch.save zip through a reader that copies
+// whatever range the zip's directory names, past the end of the bytes when
+// the file is damaged (a heap over-read inside torch, found by
+// tests/fuzz/fuzz_data_file). This one answers such reads short, which the
+// zip reader reports as a damaged file.
+class BoundedReader final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  BoundedReader(const char* data, size_t size) : data_(data), size_(size) {}
+  size_t size() const override { return size_; }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= size_ || n == 0) return 0;
+    n = static_cast<size_t>(std::min<uint64_t>(n, size_ - pos));
+    std::memcpy(buf, data_ + pos, n);
+    return n;
+  }
+
+ private:
+  const char* data_;
+  size_t size_;
+};
+
+// torch.save's bytes: what torch::pickle_load does, through BoundedReader.
+c10::IValue load_saved(const char* data, size_t size) {
+  if (size >= 4 && std::memcmp(data, "PK\x03\x04", 4) == 0) {
+    caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BoundedReader>(data, size));
+    return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
+                                             std::nullopt, std::nullopt, std::nullopt, reader);
+  }
+  return torch::pickle_load(std::vector<char>(data, data + size));  // torch's older format
+}
+
 DataSplit load_idx_dir(const std::string& dir, const InputSpec& s) {
   TORCH_CHECK(s.kind == "image", "ddpx-train: --data ", dir, " is an idx directory (images) but ",
               s.model, " is a token model; give it a torch.save file of token ids");
@@ -151,13 +184,24 @@ DataSplit load_idx_dir(const std::string& dir, const InputSpec& s) {
 }
 
 DataSplit load_saved_dict(const std::string& path, const InputSpec& s) {
+  const std::vector<char> bytes = read_bytes(path);
+  return parse_saved_dict(bytes.data(), bytes.size(), path, s);
+}
+
+}  // namespace
+
+DataSplit parse_saved_dict(const char* data, size_t size, const std::string& path,
+                           const InputSpec& s) {
   c10::IValue v;
   try {
-    v = torch::pickle_load(read_bytes(path));
+    v = load_saved(data, size);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "ddpx-train: --data ", path,
                 " is neither an idx directory nor a file written by torch.save (",
                 e.what_without_backtrace(), ")");
+  } catch (const std::exception& e) {  // torch's loaders also throw others (jit::ErrorReport)
+    TORCH_CHECK(false, "ddpx-train: --data ", path,
+                " is neither an idx directory nor a file written by torch.save (", e.what(), ")");
   }
   TORCH_CHECK(v.isGenericDict(), "ddpx-train: --data ", path, " holds a ", v.tagKind(),
               "; save a dict: torch.save({'train_x': ..., 'train_y': ..., 'test_x': ..., "
@@ -180,13 +224,10 @@ DataSplit load_saved_dict(const std::string& path, const InputSpec& s) {
                 checked_split(t[2], t[3], s, what[2], what[3]), s);
 }
 
-}  // namespace
-
-at::Tensor read_idx(const std::string& path) {
-  const std::vector<char> bytes = read_bytes(path);
-  TORCH_CHECK(bytes.size() >= 4, "ddpx-train: corrupt idx file ", path, ": ", bytes.size(),
+at::Tensor parse_idx(const char* data, size_t size, const std::string& path) {
+  TORCH_CHECK(size >= 4, "ddpx-train: corrupt idx file ", path, ": ", size,
               " bytes, shorter than its magic number (truncated?)");
-  const uint32_t magic = be32(bytes.data());
+  const uint32_t magic = be32(data);
   const auto code = static_cast<uint8_t>(magic >> 8), rank = static_cast<uint8_t>(magic);
   const IdxType* type = nullptr;
   for (const auto& it : kIdxTypes) type = it.code == code ? &it : type;
@@ -195,29 +236,35 @@ at::Tensor read_idx(const std::string& path) {
               " is not an idx header (0x0000TTDD: type TT 08, 09, "
               "0B, 0C, 0D or 0E; DD 1 to 4 dimensions; images are 2051, labels 2049)");
   const size_t header = 4 + 4 * size_t(rank);
-  TORCH_CHECK(bytes.size() >= header, "ddpx-train: corrupt idx file ", path, ": ", bytes.size(),
+  TORCH_CHECK(size >= header, "ddpx-train: corrupt idx file ", path, ": ", size,
               " bytes, shorter than its header (truncated?)");
   std::vector<int64_t> shape;
   uint64_t numel = 1;
   constexpr uint64_t kMaxElements = uint64_t(1) << 40;  // checked before multiplying
   for (size_t d = 0; d < rank; ++d) {
-    shape.push_back(be32(bytes.data() + 4 + 4 * d));
+    shape.push_back(be32(data + 4 + 4 * d));
     const auto n = uint64_t(shape.back());
     TORCH_CHECK(n == 0 || numel <= kMaxElements / n, "ddpx-train: corrupt idx file ", path,
                 ": its header promises [", dims(shape), "...] elements");
     numel *= n;
   }
   const size_t elem = c10::elementSize(type->dtype);
-  TORCH_CHECK(bytes.size() == header + numel * elem, "ddpx-train: corrupt idx file ", path, ": ",
-              bytes.size(), " bytes, its header promises ", header + numel * elem, " ([",
-              dims(shape), "] of ", type->dtype, "; truncated?)");
+  TORCH_CHECK(size == header + numel * elem, "ddpx-train: corrupt idx file ", path, ": ", size,
+              " bytes, its header promises ", header + numel * elem, " ([", dims(shape), "] of ",
+              type->dtype, "; truncated?)");
   at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type->dtype));
   auto* out = static_cast<char*>(t.data_ptr());
-  std::memcpy(out, bytes.data() + header, numel * elem);
+  if (numel == 0) return t;  // no storage: memcpy must not see its null pointer
+  std::memcpy(out, data + header, numel * elem);
   if (elem > 1) {  // big-endian on disk
     for (uint64_t i = 0; i < numel; ++i) std::reverse(out + i * elem, out + (i + 1) * elem);
   }
   return t;
+}
+
+at::Tensor read_idx(const std::string& path) {
+  const std::vector<char> bytes = read_bytes(path);
+  return parse_idx(bytes.data(), bytes.size(), path);
 }
 
 DataSplit load_data_path(const std::string& path, const InputSpec& s) {

@@ -334,8 +334,11 @@ TEST(BucketPlanner, PredictedFinishRewardsSendingBeforeAPause) {
 }
 
 TEST(BucketPlanner, CheapestPlanCutsOnlyWhereTheLinkNeedsIt) {
-  // 100 gradients of 4000 bytes, one every 100 us (10 ms of backward).
-  const auto [order, t] = even_stream(100, 100.0);
+  // 100 gradients of 4000 bytes, one every 100 us (10 ms of backward). (No
+  // structured binding: the lambda below uses it, which clang 14 refuses.)
+  const EvenStream stream = even_stream(100, 100.0);
+  const std::vector<int>& order = stream.order;
+  const std::vector<double>& t = stream.t;
   const auto info = floats(std::vector<int64_t>(100, 1000));
   const int64_t cap = 1LL << 30;
   auto cost_at = [&](const PlanTiming& timing, double gap) {
