@@ -152,11 +152,11 @@ struct GradSync::Impl {
         predictor(n),
         used_anywhere(n),
         accumulated(new std::atomic<bool>[n]()),
-        declared(n, 0),
         sparse_dim(n, 0),
         planned_sparse_dim(n, 0),
         sparse_in(n),
-        sparse_out(n) {}
+        sparse_out(n),
+        declared(n, 0) {}
 
   int64_t first_cap_bytes() const {
     return static_cast<int64_t>(opts.first_bucket_mb_ * (1 << 20));
