@@ -21,6 +21,31 @@ def check_image(x: torch.Tensor):
         raise ValueError("x must be float32, got {}".format(x.dtype))
 
 
+def token_contract(m: nn.Module, vocab_size: int, sentences: int, words: int, num_classes: int,
+                   aten: bool):
+    """The attributes ddpx-train reads from a token model (module.attr(name)):
+    what it feeds (token ids [N, sentences, words] below vocab_size) and how
+    many classes it scores; aten_reference records an --aten export."""
+    m.ddpx_input = "tokens"
+    m.num_classes = num_classes
+    m.vocab_size = vocab_size
+    m.sentences = sentences
+    m.words = words
+    m.aten_reference = aten
+
+
+def check_tokens(x: torch.Tensor, vocab_size: int):
+    """The token contract of han and transformer: int64 ids [N, S, W] in
+    [0, vocab_size)."""
+    if x.dim() != 3:
+        raise ValueError("x must be [N, sentences, words] token ids, got shape {}".format(x.shape))
+    if x.dtype != torch.int64:
+        raise ValueError("x must be int64 token ids, got {}".format(x.dtype))
+    if x.numel() > 0 and (int(x.min()) < 0 or int(x.max()) >= vocab_size):
+        raise ValueError("x must hold token ids in [0, vocab_size={}), got [{}, {}]".format(
+            vocab_size, int(x.min()), int(x.max())))
+
+
 class Conv2d(nn.Module):
     """F.conv2d with nn.Conv2d's parameters (weight [C_out, C_in, k, k], bias
     [C_out]) and its default initialisation."""

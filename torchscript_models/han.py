@@ -13,20 +13,14 @@ and a sentence with no word pools to zeros.
 import torch
 from torch import nn
 
-from ddpx_layers import GRU, Attention
+from ddpx_layers import GRU, Attention, check_tokens, token_contract
 
 
 class HAN(nn.Module):
     def __init__(self, vocab_size: int = 2000, sentences: int = 8, words: int = 12,
                  embed: int = 64, hidden: int = 64, num_classes: int = 4, aten: bool = False):
         super().__init__()
-        # Read by ddpx-train through module.attr(name).
-        self.ddpx_input = "tokens"
-        self.num_classes = num_classes
-        self.vocab_size = vocab_size
-        self.sentences = sentences
-        self.words = words
-        self.aten_reference = aten  # exported with --aten
+        token_contract(self, vocab_size, sentences, words, num_classes, aten)
         self.embedding = nn.Embedding(vocab_size, embed, padding_idx=0)
         self.word_gru = GRU(embed, hidden, bidirectional=True, aten=aten)
         self.word_attention = Attention(2 * hidden)
@@ -35,14 +29,7 @@ class HAN(nn.Module):
         self.classifier = nn.Linear(2 * hidden, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, S, W] int64 -> [N, num_classes]
-        if x.dim() != 3:
-            raise ValueError("x must be [N, sentences, words] token ids, got shape {}".format(
-                x.shape))
-        if x.dtype != torch.int64:
-            raise ValueError("x must be int64 token ids, got {}".format(x.dtype))
-        if x.numel() > 0 and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
-            raise ValueError("x must hold token ids in [0, vocab_size={}), got [{}, {}]".format(
-                self.vocab_size, int(x.min()), int(x.max())))
+        check_tokens(x, self.vocab_size)
         n, s, w = x.size(0), x.size(1), x.size(2)
         words = x.reshape(n * s, w)
         word_mask = words != 0                                   # [N*S, W]

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ddpx_layers import check_tokens, token_contract
+
 
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, hidden: int):
@@ -56,13 +58,8 @@ class Transformer(nn.Module):
                  dim: int = 128, depth: int = 6, heads: int = 4, num_classes: int = 4,
                  aten: bool = False):
         super().__init__()
-        # Read by ddpx-train through module.attr(name), as for HAN.
-        self.ddpx_input = "tokens"
-        self.num_classes = num_classes
-        self.vocab_size = vocab_size
-        self.sentences = sentences
-        self.words = words
-        self.aten_reference = aten  # no ddpx op here: both exports are the same model
+        # (No ddpx op here: the --aten export is the same model.)
+        token_contract(self, vocab_size, sentences, words, num_classes, aten)
         self.depth = depth
         self.block_scale: List[float] = [1.0] * depth
         self.embedding = nn.Embedding(vocab_size, dim, padding_idx=0)
@@ -72,17 +69,10 @@ class Transformer(nn.Module):
         self.classifier = nn.Linear(dim, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, S, W] int64 -> [N, num_classes]
-        if x.dim() != 3:
-            raise ValueError("x must be [N, sentences, words] token ids, got shape {}".format(
-                x.shape))
-        if x.dtype != torch.int64:
-            raise ValueError("x must be int64 token ids, got {}".format(x.dtype))
+        check_tokens(x, self.vocab_size)
         if x.size(1) * x.size(2) > self.position.size(0):
             raise ValueError("x has {} tokens per document; the model holds positions for {}"
                              .format(x.size(1) * x.size(2), self.position.size(0)))
-        if x.numel() > 0 and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
-            raise ValueError("x must hold token ids in [0, vocab_size={}), got [{}, {}]".format(
-                self.vocab_size, int(x.min()), int(x.max())))
         if len(self.block_scale) != len(self.blocks):
             raise ValueError("block_scale has {} entries for {} blocks".format(
                 len(self.block_scale), len(self.blocks)))
