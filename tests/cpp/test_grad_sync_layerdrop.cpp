@@ -58,6 +58,14 @@ struct StackImpl : torch::nn::Module {
 };
 TORCH_MODULE(Stack);
 
+// The one-process reference and the model under GradSync, same weights.
+std::pair<Stack, Stack> twin_stacks() {
+  torch::manual_seed(7);
+  Stack ref;
+  torch::manual_seed(7);
+  return {ref, Stack()};
+}
+
 std::vector<std::string> all_units() {
   std::vector<std::string> u;
   for (int b = 0; b < kBlocks; ++b) u.push_back("blocks." + std::to_string(b) + ".");
@@ -97,10 +105,7 @@ int64_t kept_bytes(Stack& m, const std::vector<double>& scales) {
 void run_shared(GradSyncOptions opts, bool zero_in_place, bool check_bytes) {
   auto& pg = world();
   const int r = pg->getRank(), n = pg->getSize();
-  torch::manual_seed(7);
-  Stack ref;
-  torch::manual_seed(7);
-  Stack m;
+  auto [ref, m] = twin_stacks();
   GradSync sync(m->named_parameters(), pg, opts);
   const auto plan0 = sync.bucket_plan();
   for (int step = 0; step < 8; ++step) {
@@ -159,10 +164,7 @@ TEST(GradSyncLayerDrop, WithoutUnitsAPartlyDroppedBucketSendsItsKeptRuns) {
 
 TEST(GradSyncLayerDrop, CodecSendsOnlyKeptBlocksCompressed) {
   auto& pg = world();
-  torch::manual_seed(7);
-  Stack ref;
-  torch::manual_seed(7);
-  Stack m;
+  auto [ref, m] = twin_stacks();
   GradSync sync(m->named_parameters(), pg, unit_buckets().codec("fp16"));
   for (int step = 0; step < 6; ++step) {
     const auto scales = pattern(step, 0);
@@ -186,10 +188,7 @@ TEST(GradSyncLayerDrop, CodecSendsOnlyKeptBlocksCompressed) {
 TEST(GradSyncLayerDrop, NoSyncAccumulationWithTheStepsPattern) {
   auto& pg = world();
   const int r = pg->getRank(), n = pg->getSize();
-  torch::manual_seed(7);
-  Stack ref;
-  torch::manual_seed(7);
-  Stack m;
+  auto [ref, m] = twin_stacks();
   GradSync sync(m->named_parameters(), pg, unit_buckets());
   for (int step = 2; step < 6; ++step) {
     const auto scales = pattern(step, 0);
@@ -216,10 +215,7 @@ TEST(GradSyncLayerDrop, PerRankPatternUndeclaredMatchesOneProcessWithEachRanksPa
   auto& pg = world();
   const int r = pg->getRank(), n = pg->getSize();
   for (Unused mode : {Unused::Predict, Unused::Exact}) {
-    torch::manual_seed(7);
-    Stack ref;
-    torch::manual_seed(7);
-    Stack m;
+    auto [ref, m] = twin_stacks();
     GradSync sync(m->named_parameters(), pg, unit_buckets().unused(mode));
     for (int step = 0; step < 8; ++step) {
       const auto g = global_batch(6, 700 + step);
