@@ -20,6 +20,9 @@ void GradSync::Impl::fail_step(std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> lock(mu);
     active = false;
+    clear_declared_locked();
+    expected_unused.clear();
+    early_used.clear();
   }
   std::string what;
   try {
@@ -46,9 +49,6 @@ void GradSync::Impl::finish_step() {
     std::unique_lock<std::mutex> lock(mu);
     if (declare_error) {  // held since the first hook, alike on every rank
       const auto error = declare_error;
-      clear_declared_locked();
-      expected_unused.clear();
-      early_used.clear();
       lock.unlock();
       fail_step(error);
     }
@@ -84,10 +84,12 @@ void GradSync::Impl::finish_step() {
   //  proposal | a surprise gradient | unused here (n) | -(the last
   //  agreement's round trip here, us)]
   auto flags = at::zeros({2 * n + 3}, at::kInt);
+  used_here.assign(n, 0);
   {
     auto* f = flags.data_ptr<int>();
     for (int p : arrival) f[p] = 1 + sparse_dim[p];
     for (int p : carried) f[p] = 1 + sparse_dim[p];
+    for (int p = 0; p < n; ++p) used_here[p] = f[p] != 0;
     f[n] = propose && channels[0]->pg().getRank() == 0 ? 1 : 0;  // only rank 0's counts
     f[n + 1] = surprises.empty() && declared_surprises.empty() ? 0 : 1;
     // (Declared unused: not a miss, so never late for it.)
@@ -97,7 +99,59 @@ void GradSync::Impl::finish_step() {
     f[2 * n + 2] = last_trip_us < 0 ? kNoTrip
                                     : -static_cast<int>(std::min(last_trip_us, 1e9));
   }
-  auto agree = agree_max(flags, "ddpx::step_agreement", &agree_t0, &agree_t1);
+  end_flags = flags;
+  end_agree = agree_max(flags, "ddpx::step_agreement", &agree_t0, &agree_t1);
+  end_f0 = f0;
+  end_cpu_us = us_since(f0, Clock::now());
+  if (!gates) {
+    complete_step();
+    return;
+  }
+  // NextForward: backward returns now; each parameter's gate opens when its
+  // update has landed.
+  gates->close_all();
+  completing = worker->submit([this](c10d::ProcessGroup&) {
+    try {
+      complete_step();
+    } catch (...) {
+      completion_error = std::current_exception();
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        active = false;
+      }
+      gates->fail(completion_error);
+    }
+  });
+}
+
+std::exception_ptr GradSync::Impl::surprise_error() {
+  auto list = [this](const std::vector<int>& ps) {
+    std::string out;
+    for (size_t i = 0; i < ps.size() && i < 8; ++i) out += (i ? ", '" : "'") + names[ps[i]] + "'";
+    return out.empty() ? std::string("none; on another rank") : out;
+  };
+  std::lock_guard<std::mutex> lock(mu);
+  const bool declared_here = !declared_surprises.empty();
+  const std::string here = list(declared_here ? declared_surprises : surprises);
+  try {
+    TORCH_CHECK(!declared_here, "GradSync: parameter(s) declared unused for this step "
+                "(declare_unused) received a gradient (on this rank: ", here, "); its "
+                "gradient was not averaged. Declare only what the step's forward skips");
+    TORCH_CHECK(false, "GradSync: a parameter received a gradient, but the outputs given to "
+                "prepare_for_backward do not reach it (on this rank: ", here, "); pass every "
+                "output that backward starts from (or, if it was declared unused on another "
+                "rank, declare only what the forward skips)");
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+void GradSync::Impl::complete_step() {
+  const auto c0 = Clock::now();
+  const int n = static_cast<int>(params.size());
+  const at::Tensor flags = end_flags;
+  std::future<void> agree = std::move(end_agree);
   std::exception_ptr error;
   auto take = [&error](std::future<void>& f) {
     try {
@@ -106,19 +160,26 @@ void GradSync::Impl::finish_step() {
       if (!error) error = std::current_exception();
     }
   };
+  // The agreement, awaited once. A surprise gradient (Exact, declare_unused)
+  // it flags fails the step on every rank, before any update.
+  bool agreed = false;
+  double agree_wait_us = 0;  // not our CPU: waiting for the wire
+  auto settle = [&] {
+    if (agreed) return;
+    const auto a0 = Clock::now();
+    take(agree);
+    agree_wait_us += us_since(a0, Clock::now());
+    agreed = true;
+    if (!error && flags.const_data_ptr<int>()[n + 1] != 0) error = surprise_error();
+  };
   // Late buckets go after the agreement, without the slots of parameters
   // that no rank used: every rank launches the same runs in the same order.
   const int n_buckets = static_cast<int>(plan.size());
-  bool agreed = false;
-  double agree_wait_us = 0;  // not our CPU: waiting for the wire
   if (next_launch < n_buckets) {
-    const auto a0 = Clock::now();
-    take(agree);
-    agree_wait_us = us_since(a0, Clock::now());
-    agreed = true;
+    settle();
     if (!error) {
       std::vector<char> anywhere(n);
-      const int* fl = flags.data_ptr<int>();
+      const int* fl = flags.const_data_ptr<int>();
       for (int p = 0; p < n; ++p) anywhere[p] = fl[p] != 0;
       std::lock_guard<std::mutex> lock(mu);
       // Used elsewhere, not here: this rank's contribution is zeros. (.grad,
@@ -130,10 +191,17 @@ void GradSync::Impl::finish_step() {
     }
   }
   const auto wait0 = Clock::now();
-  const double cpu_before_wait = us_since(f0, wait0) - agree_wait_us;
+  const double cpu_before_wait = end_cpu_us + us_since(c0, wait0) - agree_wait_us;
   hooks::Range wait_range("ddpx::final_wait");
-  for (auto& f : futures) take(f);
-  if (!agreed) take(agree);
+  // With an optimizer, each bucket is stepped as it lands (in plan order),
+  // while later ones are still on the wire.
+  for (int b = 0; b < n_buckets; ++b) {
+    take(futures[b]);
+    if (!optimizer || error) continue;
+    if (needs_agreement(b)) settle();
+    if (!error) apply_bucket(b, agreed ? flags.const_data_ptr<int>() : nullptr);
+  }
+  settle();
   wait_range.end();
   if (error) fail_step(error);
   // Device buckets: what runs after backward on this thread's streams (the
@@ -148,33 +216,9 @@ void GradSync::Impl::finish_step() {
   }
   const auto w0 = Clock::now();
   std::vector<char> used(n);
-  const int* fl = flags.data_ptr<int>();
+  const int* fl = flags.const_data_ptr<int>();
   for (int p = 0; p < n; ++p) used[p] = fl[p] != 0;
-  // Exact: a gradient for a parameter the outputs given to
-  // prepare_for_backward do not reach was left out of the reduction (and, in
-  // a late bucket, of the early agreement). Flagged in the agreement, so
-  // every rank fails alike.
-  if (fl[n + 1] != 0) {
-    auto list = [this](const std::vector<int>& ps) {
-      std::string out;
-      for (size_t i = 0; i < ps.size() && i < 8; ++i) out += (i ? ", '" : "'") + names[ps[i]] + "'";
-      return out.empty() ? std::string("none; on another rank") : out;
-    };
-    std::lock_guard<std::mutex> lock(mu);
-    active = false;
-    early_used.clear();
-    const bool declared_here = !declared_surprises.empty();
-    const std::string here = list(declared_here ? declared_surprises : surprises);
-    clear_declared_locked();
-    TORCH_CHECK(!declared_here, "GradSync: parameter(s) declared unused for this step "
-                "(declare_unused) received a gradient (on this rank: ", here, "); its "
-                "gradient was not averaged. Declare only what the step's forward skips");
-    TORCH_CHECK(false, "GradSync: a parameter received a gradient, but the outputs given to "
-                "prepare_for_backward do not reach it (on this rank: ", here, "); pass every "
-                "output that backward starts from (or, if it was declared unused on another "
-                "rank, declare only what the forward skips)");
-  }
-  write_back(used);
+  if (!optimizer) write_back(used);  // (else each bucket's update did it)
   // Lateness follows "unused on some rank", the same on every rank, so each
   // rank decides alike whether the late set changed (no vote needed).
   const std::vector<char> missed(fl + n + 2, fl + 2 * n + 2);
@@ -203,10 +247,12 @@ void GradSync::Impl::finish_step() {
     }
     buffers_us = us_since(b0, Clock::now());
   }
+  if (gates) gates->open_all();  // the buffers' (and any parameter left: sparse, unused)
 
   std::lock_guard<std::mutex> lock(mu);
   const auto f1 = Clock::now();
-  stats.exposed_comm_us = us_since(f0, f1);
+  const auto f0 = end_f0;
+  stats.exposed_comm_us = gates ? end_cpu_us : us_since(f0, f1);
   for (const auto& b : stats.buckets) {
     stats.comm_us += b.complete_us - b.launch_us;
     stats.bytes_reduced += b.bytes;
@@ -230,37 +276,40 @@ void GradSync::Impl::finish_step() {
 
 void GradSync::Impl::write_back(const std::vector<char>& globally_used) {
   at::NoGradGuard no_grad;
-  for (int p : sparse_params) sparse_in[p] = at::Tensor();  // reduced: not ours to keep
   for (size_t p = 0; p < params.size(); ++p) {
-    const int i = static_cast<int>(p);
-    if (!globally_used[p]) {
-      // Unused everywhere: .grad untouched, as under DDP. In a reliable
-      // bucket its slot was sent all the same, carrying the codec's residual
-      // for it; the mean of what the ranks sent is owed again, so error
-      // feedback loses nothing (over the ranks, the sum is conserved).
-      // (A declared one's slot was not sent: it owes nothing new.)
-      if (take_residuals && !plan[bucket_of[p]].late && !info[p].sparse && !declared[p]) {
-        owe(i, views[p]);
-      }
-      continue;
+    write_back_param(static_cast<int>(p), globally_used[p] != 0);
+  }
+}
+
+void GradSync::Impl::write_back_param(int p, bool globally_used) {
+  if (info[p].sparse) sparse_in[p] = at::Tensor();  // reduced: not ours to keep
+  if (!globally_used) {
+    // Unused everywhere: .grad untouched, as under DDP. In a reliable
+    // bucket its slot was sent all the same, carrying the codec's residual
+    // for it; the mean of what the ranks sent is owed again, so error
+    // feedback loses nothing (over the ranks, the sum is conserved).
+    // (A declared one's slot was not sent: it owes nothing new.)
+    if (take_residuals && !plan[bucket_of[p]].late && !info[p].sparse && !declared[p]) {
+      owe(p, views[p]);
     }
-    if (info[p].sparse) {
-      if (sparse_out[p].defined()) params[p].mutable_grad() = std::move(sparse_out[p]);
-      continue;
-    }
-    if (opts.gradient_as_bucket_view_ && grad_in_slot[p]) continue;  // the average is there
-    auto& g = params[p].mutable_grad();
-    if (sparse_dim[p] > 0) {
-      g = views[p].to_sparse(sparse_dim[p]);  // the average's nonzero rows
-    } else if (opts.gradient_as_bucket_view_) {
-      // .grad becomes the slot (DDP's gradient_as_bucket_view): the average
-      // is already there, and the next backward accumulates into the bucket.
-      if (!is_slot(i, g)) g = views[p];
-    } else if (g.defined()) {
-      g.copy_(views[p]);
-    } else {
-      g = views[p].clone();
-    }
+    return;
+  }
+  if (info[p].sparse) {
+    if (sparse_out[p].defined()) params[p].mutable_grad() = std::move(sparse_out[p]);
+    return;
+  }
+  if (opts.gradient_as_bucket_view_ && grad_in_slot[p]) return;  // the average is there
+  auto& g = params[p].mutable_grad();
+  if (sparse_dim[p] > 0) {
+    g = views[p].to_sparse(sparse_dim[p]);  // the average's nonzero rows
+  } else if (opts.gradient_as_bucket_view_) {
+    // .grad becomes the slot (DDP's gradient_as_bucket_view): the average
+    // is already there, and the next backward accumulates into the bucket.
+    if (!is_slot(p, g)) g = views[p];
+  } else if (g.defined()) {
+    g.copy_(views[p]);
+  } else {
+    g = views[p].clone();
   }
 }
 

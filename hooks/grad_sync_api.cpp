@@ -86,6 +86,21 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
                 "', which is the prefix of no parameter that requires grad (or only of "
                 "parameters an earlier unit has)");
   }
+  if (options.overlap_ != Overlap::None) {
+    for (size_t p = 0; p < params.size(); ++p) {
+      TORCH_CHECK(!hooks::has_streams(params[p].device()), "GradSync: parameter '", names[p],
+                  "' is on ", params[p].device(), "; Overlap::Optimizer and NextForward step "
+                  "the optimizer on CPU tensors only so far (use Overlap::None on devices)");
+    }
+  }
+  if (options.overlap_ == Overlap::NextForward) {
+    std::vector<at::Tensor> gated = params;
+    std::vector<std::string> gated_names = names;
+    gated.insert(gated.end(), I.buffers.begin(), I.buffers.end());
+    gated_names.insert(gated_names.end(), buffer_names.begin(), buffer_names.end());
+    I.gates = hooks::Gates::make(gated, gated_names);
+    I.worker = std::make_unique<hooks::Channel>(pg);  // a thread; its group is not used
+  }
   I.declare_sparse(*pg, options.sparse_params_);
   I.replan(I.order_of(I.predictor), I.late_for(I.predictor));
   // The hooks reach GradSync through a pointer the destructor clears, so a
@@ -144,10 +159,15 @@ GradSyncOptions with_sparse_modules(const torch::jit::Module& m, GradSyncOptions
 GradSync::GradSync(const torch::jit::Module& module, comm::ProcessGroupPtr pg,
                    GradSyncOptions options)
     : GradSync(jit_named(module, true), std::move(pg),
-               with_sparse_modules(module, std::move(options)), jit_named(module, false)) {}
+               with_sparse_modules(module, std::move(options)), jit_named(module, false)) {
+  // NextForward: every read of a parameter or buffer in the model's methods
+  // waits at its gate (hooks/param_gate.h).
+  if (impl_->gates) hooks::insert_gates(module);
+}
 
 void GradSync::declare_unused(const std::vector<std::string>& names_or_prefixes) {
   auto& I = *impl_;
+  I.join();  // (its collective must follow the last step's, on every rank alike)
   TORCH_CHECK(!I.no_sync.load(std::memory_order_relaxed),
               "GradSync: declare_unused applies to a synced backward; call it outside no_sync "
               "(before the backward that reduces)");
@@ -189,6 +209,11 @@ void GradSync::declare_unused(const std::vector<std::string>& names_or_prefixes)
 }
 
 GradSync::~GradSync() {
+  try {
+    impl_->join();
+  } catch (const std::exception& e) {
+    TORCH_WARN("GradSync: the last step failed after its backward returned: ", e.what());
+  }
   impl_->alive->store(nullptr, std::memory_order_release);
   // (As DDP's Reducer does: no backward over these parameters may run
   // concurrently with the destruction.)
@@ -213,6 +238,7 @@ GradSync::~GradSync() {
 void GradSync::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   auto& I = *impl_;
   if (I.opts.unused_ != Unused::Exact) return;
+  I.join();
   // Walk the graph from the outputs; accumulators not reached are unused.
   std::unordered_set<torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
@@ -251,10 +277,16 @@ void GradSync::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   I.early_used = std::move(early);
 }
 
-GradSync::NoSyncGuard::NoSyncGuard(GradSync& s) : s_(s) { s_.impl_->no_sync = true; }
+GradSync::NoSyncGuard::NoSyncGuard(GradSync& s) : s_(s) {
+  // NextForward: micro-batches accumulate into the slots, which the last
+  // step's updates must have consumed.
+  s_.synchronize();
+  s_.impl_->no_sync = true;
+}
 GradSync::NoSyncGuard::~NoSyncGuard() { s_.impl_->no_sync = false; }
 
 GradSync::State GradSync::state() const {
+  impl_->join();
   const auto& I = *impl_;
   State s;
   for (const auto& b : I.plan)
@@ -266,6 +298,7 @@ GradSync::State GradSync::state() const {
 
 void GradSync::load_state(const State& s) {
   auto& I = *impl_;
+  I.join();
   const size_t n = I.params.size();
   std::vector<int> order(s.plan_order.begin(), s.plan_order.end());
   std::vector<char> seen(n, 0);
@@ -282,11 +315,21 @@ void GradSync::load_state(const State& s) {
   I.replan(order, I.late_for(I.predictor));
 }
 
-const StepStats& GradSync::last_step() const { return impl_->last; }
+const StepStats& GradSync::last_step() const {
+  impl_->join();
+  return impl_->last;
+}
 
-ProfileSummary GradSync::profile() const { return impl_->profiler->summary(); }
-std::string GradSync::profile_summary() const { return impl_->profiler->summary_table(); }
+ProfileSummary GradSync::profile() const {
+  impl_->join();
+  return impl_->profiler->summary();
+}
+std::string GradSync::profile_summary() const {
+  impl_->join();
+  return impl_->profiler->summary_table();
+}
 void GradSync::flush_trace() {
+  impl_->join();
   if (impl_->profiler->needs_flush()) impl_->flush_trace();
 }
 
@@ -311,9 +354,13 @@ GradSync::PhaseGuard GradSync::phase(const std::string& name) {
   s->begin = Clock::now();
   return PhaseGuard(std::move(s));
 }
-int64_t GradSync::replans() const { return impl_->replans; }
+int64_t GradSync::replans() const {
+  impl_->join();
+  return impl_->replans;
+}
 
 std::vector<std::vector<std::string>> GradSync::bucket_plan() const {
+  impl_->join();
   std::vector<std::vector<std::string>> out;
   for (const auto& b : impl_->plan) {
     out.emplace_back();

@@ -62,10 +62,16 @@ bool GradSync::Impl::gather_grad(int p, const at::Tensor& g) {
 }
 
 void GradSync::Impl::begin_step_locked() {
+  TORCH_CHECK(opts.overlap_ == Overlap::None || optimizer, "GradSync: GradSyncOptions::overlap "
+              "is ", opts.overlap_ == Overlap::Optimizer ? "Optimizer" : "NextForward",
+              ", which steps the optimizer bucket by bucket: give it with set_optimizer before "
+              "the first backward");
   active = true;
   t0 = Clock::now();
   stats = StepStats{};
   stats.step = last.step + 1;
+  if (optimizer) optimizer->snapshot();  // this step's options: a schedule moves on meanwhile
+  if (gates) std::tie(stats.gate_wait_us, stats.gate_waits) = gates->take_waits();
   ready.assign(params.size(), 0);
   grad_in_slot.assign(params.size(), 0);
   arrival.clear();
@@ -219,6 +225,17 @@ void GradSync::Impl::on_grad(int p) {
   if (no_sync.load(std::memory_order_relaxed)) {
     accumulated[p].store(true, std::memory_order_relaxed);
     return;
+  }
+  if (gates) {
+    // NextForward: the last step must be complete (its buckets free) and
+    // this parameter must have been read through its gate.
+    if (completing.valid()) join();
+    TORCH_CHECK(gates->passed(p), "GradSync: parameter '", names[p], "' was read by the "
+                "forward without waiting for its update from the last step "
+                "(Overlap::NextForward), so the forward may have seen it half-updated; gate "
+                "each layer's parameters with GradSync::wait_ready (a scripted model is gated "
+                "by GradSync's graph pass if GradSync is made before its first forward), or "
+                "call synchronize() before the forward");
   }
   const auto h0 = Clock::now();
   hooks::Range range("ddpx::hook");

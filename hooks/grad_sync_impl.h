@@ -17,10 +17,12 @@
 #include <optional>
 #include <tuple>
 
+#include "hooks/bucket_optimizer.h"
 #include "hooks/bucket_planner.h"
 #include "hooks/channel.h"
 #include "hooks/link_estimate.h"
 #include "hooks/order_predictor.h"
+#include "hooks/param_gate.h"
 #include "hooks/profiler.h"
 #include "hooks/reduce_fn.h"
 #include "hooks/stream_handoff.h"
@@ -138,6 +140,21 @@ struct GradSync::Impl {
   // nothing launches this step, and it ends in this error on every rank.
   std::exception_ptr declare_error;
   std::vector<int> declared_surprises;  // declared, yet a gradient came
+  // ---- across the step boundary (GradSyncOptions::overlap) ------------------
+  std::unique_ptr<hooks::BucketOptimizer> optimizer;  // set_optimizer: stepped per bucket
+  // NextForward: a gate per parameter, then per buffer (param_gate.h), and
+  // the thread that completes each step after backward has returned (waits,
+  // updates, the step's end); its failure is rethrown by join().
+  std::shared_ptr<hooks::Gates> gates;
+  std::unique_ptr<hooks::Channel> worker;
+  std::future<void> completing;
+  std::exception_ptr completion_error;
+  // What the end of backward (finish_step) hands to complete_step.
+  at::Tensor end_flags;
+  std::future<void> end_agree;
+  Clock::time_point end_f0;
+  double end_cpu_us = 0;
+  std::vector<char> used_here;  // per parameter: a gradient here this step (or no_sync's)
   StepStats stats, last;
   Clock::time_point t0;
   Clock::time_point agree_t0, agree_t1;  // the step-end agreement, on channel 0
@@ -196,6 +213,13 @@ struct GradSync::Impl {
         off += info[p].numel;
       }
     }
+    if (optimizer) optimizer->plan(bucket_params());
+  }
+
+  std::vector<std::vector<int>> bucket_params() const {
+    std::vector<std::vector<int>> out;
+    for (const auto& b : plan) out.push_back(b.params);
+    return out;
   }
 
   // The codec's residuals under the current plan's keys become per-parameter
@@ -385,12 +409,32 @@ struct GradSync::Impl {
     return opts.unused_ == Unused::Off ? std::vector<char>(params.size(), 0) : p.late_set();
   }
 
+  // The end of backward (the final callback): unused parameters, the last
+  // launches, the step-end agreement queued; then complete_step, here or
+  // (NextForward) on the worker once the gates are closed.
   void finish_step();
+  // The rest of the step: late buckets, the waits (and, with an optimizer,
+  // each bucket's update as it lands), write-back, learning, re-planning,
+  // rank 0's buffers, the step's record.
+  void complete_step();
+  // NextForward: waits for the worker's step; rethrows its failure once.
+  void join();
+  // Does bucket b's update wait for the step-end agreement (a parameter not
+  // used here may be used elsewhere; Exact and declare_unused may yet fail
+  // the step)?
+  bool needs_agreement(int b) const;
+  // Bucket b's averages to .grad and its parameters stepped (`agreed`: the
+  // agreed used flags; null: all of b was used here), .grad consumed, the
+  // gates opened.
+  void apply_bucket(int b, const int* agreed);
+  // The step-end agreement flagged a surprise gradient: the error.
+  std::exception_ptr surprise_error();
   [[noreturn]] void fail_step(std::exception_ptr error);
   void flush_trace() {
     channels[0]->submit([this](c10d::ProcessGroup& pg) { profiler->flush(&pg); }).get();
   }
   void write_back(const std::vector<char>& globally_used);
+  void write_back_param(int p, bool globally_used);
   // At construction: the parameters `declared` sparse on any rank (a MAX
   // over pg, so every rank plans alike) get sparse buckets from the start,
   // with rows along their first dimension (an embedding's).

@@ -171,7 +171,10 @@ void Profiler::end_step(const StepStats& s, const FinalTimes& t, double hooks_on
   r.step = s.step;
   r.backward_us = s.backward_us;
   r.comm_us = comm_wall_us(s.buckets);
-  r.exposed_us = s.exposed_comm_us;
+  // NextForward: what the step exposes is the end of backward plus the
+  // forward's waits at gates (recorded with the step after them).
+  r.gate_wait_us = s.gate_wait_us;
+  r.exposed_us = s.exposed_comm_us + s.gate_wait_us;
   r.hook_cpu_us = s.hook_cpu_us;
   r.hooks_only_us = hooks_only_us;
   r.hook_calls = s.hook_calls;

@@ -70,8 +70,20 @@
 namespace torch::jit {
 struct Module;
 }
+namespace torch::optim {
+class Optimizer;
+}
 
 namespace ddpx {
+
+// Where a step's barrier sits (see "Across the step boundary" below).
+enum class Overlap {
+  None,         // backward returns with .grad averaged; the trainer steps its optimizer
+  Optimizer,    // GradSync steps the optimizer bucket by bucket as averages land;
+                // backward returns with the parameters updated
+  NextForward,  // backward returns once every gradient is in its bucket; updates land
+                // during the next forward, each parameter read waits for its own
+};
 
 enum class Unused {
   Off,      // every parameter must get a gradient every step (else: error naming it)
@@ -122,6 +134,8 @@ struct GradSyncOptions {
   // send). Optional: without it, a partly dropped bucket sends the runs of
   // its kept slots.
   DDPX_OPT(std::vector<std::string>, drop_units, {})
+  // Across the step boundary (set_optimizer gives the optimizer): see Overlap.
+  DDPX_OPT(Overlap, overlap, Overlap::None)
 #undef DDPX_OPT
   // Extra process groups: buckets go round-robin over {pg, channels...}.
   std::vector<comm::ProcessGroupPtr> channels;
@@ -140,6 +154,10 @@ struct StepStats {
   int64_t bytes_reduced = 0;
   int64_t replans = 0;         // total so far
   int64_t unused_mispredictions = 0;
+  // Overlap::NextForward: how long the forward before this backward waited
+  // at parameter gates for the previous step's updates, and how often.
+  double gate_wait_us = 0;
+  int64_t gate_waits = 0;
   struct Bucket {
     int index;
     int channel;
@@ -164,6 +182,7 @@ struct ProfileSummary {
   double compression = 0;              // float32-equivalent bytes / bytes sent
   int64_t replans = 0;                 // re-planning events in these steps
   int64_t unused_mispredictions = 0;   // summed over these steps
+  double gate_wait_us = 0;             // Overlap::NextForward: forward waiting at gates
 };
 
 class GradSync {
@@ -196,6 +215,39 @@ class GradSync {
   // naming it. A per-rank pattern must not be declared: it is what
   // Unused::Predict / Exact handle.
   void declare_unused(const std::vector<std::string>& names_or_prefixes);
+
+  // ---- Across the step boundary (GradSyncOptions::overlap) ------------------
+  // The optimizer GradSync steps, bucket by bucket, once each bucket's
+  // average has landed (LibTorch's SGD, Adam or AdamW, any param groups):
+  // its own step() code on each bucket's parameters, with the options its
+  // groups had when the step's backward began (a learning-rate schedule set
+  // between steps applies to the next step), its state kept in it (save and
+  // load it as usual, after synchronize()). Parameters equal, bit for bit,
+  // those of calling optimizer.step() after a synced backward with
+  // zero_grad() (set_to_none) before each step. Parameters no rank used are
+  // not stepped. With an optimizer attached the trainer calls neither
+  // optimizer.step() nor zero_grad(): each bucket's gradients are consumed
+  // by its update (.grad is the slot, zeroed after the update). Required by
+  // Overlap::Optimizer and NextForward; call before the first backward.
+  // Global-norm clipping needs every gradient before any update: it cannot
+  // be done in these modes (clip per bucket is not the same thing).
+  void set_optimizer(torch::optim::Optimizer& optimizer);
+  // Overlap::NextForward: waits until the last step's updates (and rank 0's
+  // buffers) have landed and every collective of the step is done, and
+  // rethrows its failure if it failed. Call it before touching parameters
+  // outside a gated forward (a checkpoint, the optimizer's state, your own
+  // collectives on GradSync's groups); GradSync's own methods (no_sync,
+  // declare_unused, prepare_for_backward, state, ...) call it themselves.
+  // Otherwise a no-op.
+  void synchronize();
+  // Overlap::NextForward: waits for these parameters' (or buffers') updates.
+  // A scripted model's reads are gated by the graph pass the jit::Module
+  // constructor runs (ddpx::param_ready before each read of a parameter or
+  // buffer, in every method); a torch::nn module calls this before each
+  // layer's forward, e.g. `sync.wait_ready(fc1->parameters())`. A parameter
+  // read by a forward without its gate is found at the next backward and
+  // fails the step (the read may have raced the update).
+  void wait_ready(const std::vector<at::Tensor>& tensors);
 
   // While alive, backward accumulates locally; the next synced step reduces
   // the accumulated gradients.

@@ -1,0 +1,132 @@
+// The trainer's optimizer stepped per bucket (hooks/bucket_optimizer.h).
+#include "hooks/bucket_optimizer.h"
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <unordered_map>
+
+namespace ddpx::hooks {
+
+namespace optim = torch::optim;
+
+BucketOptimizer::BucketOptimizer(optim::Optimizer& user, const std::vector<at::Tensor>& params,
+                                 const std::vector<std::string>& names)
+    : user_(user), params_(params), group_of_(params.size(), -1) {
+  // (AdamW derives from nothing but Optimizer, so the order does not matter.)
+  if (dynamic_cast<optim::SGD*>(&user)) {
+    kind_ = Kind::SGD;
+  } else if (dynamic_cast<optim::AdamW*>(&user)) {
+    kind_ = Kind::AdamW;
+  } else if (dynamic_cast<optim::Adam*>(&user)) {
+    kind_ = Kind::Adam;
+  } else {
+    TORCH_CHECK(false, "GradSync::set_optimizer: optimizer must be torch::optim::SGD, Adam or "
+                "AdamW (their step() is per parameter, so it can run bucket by bucket)");
+  }
+  std::unordered_map<const c10::TensorImpl*, int> index;
+  for (size_t p = 0; p < params.size(); ++p) index[params[p].unsafeGetTensorImpl()] = int(p);
+  const auto& groups = user.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t k = 0; k < groups[g].params().size(); ++k) {
+      const at::Tensor& t = groups[g].params()[k];
+      const auto it = index.find(t.unsafeGetTensorImpl());
+      TORCH_CHECK(it != index.end(), "GradSync::set_optimizer: parameter ", k, " of param group ",
+                  g, " (shape ", t.sizes(), ") is not a parameter GradSync synchronises (one "
+                  "that requires grad); GradSync can only step what it averages");
+      TORCH_CHECK(group_of_[it->second] < 0, "GradSync::set_optimizer: parameter '",
+                  names[it->second], "' is in two param groups");
+      group_of_[it->second] = static_cast<int>(g);
+    }
+  }
+  snapshot();
+}
+
+const char* BucketOptimizer::kind() const {
+  switch (kind_) {
+    case Kind::SGD: return "SGD";
+    case Kind::Adam: return "Adam";
+    case Kind::AdamW: return "AdamW";
+  }
+  return "?";
+}
+
+std::unique_ptr<optim::Optimizer> BucketOptimizer::make(
+    std::vector<optim::OptimizerParamGroup> g) {
+  switch (kind_) {
+    case Kind::SGD:
+      return std::make_unique<optim::SGD>(g, optim::SGDOptions(0.0));
+    case Kind::Adam:
+      return std::make_unique<optim::Adam>(g, optim::AdamOptions());
+    case Kind::AdamW:
+      return std::make_unique<optim::AdamW>(g, optim::AdamWOptions());
+  }
+  return nullptr;
+}
+
+void BucketOptimizer::plan(const std::vector<std::vector<int>>& buckets) {
+  subs_.clear();
+  subs_.resize(buckets.size());
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    Sub& s = subs_[b];
+    for (int p : buckets[b]) {
+      const int g = group_of_[p];
+      if (g >= 0 && std::find(s.groups.begin(), s.groups.end(), g) == s.groups.end()) {
+        s.groups.push_back(g);
+      }
+    }
+    if (s.groups.empty()) continue;
+    std::vector<optim::OptimizerParamGroup> groups;
+    for (int g : s.groups) groups.emplace_back(std::vector<at::Tensor>{}, snap_[g]->clone());
+    s.opt = make(std::move(groups));
+  }
+}
+
+void BucketOptimizer::snapshot() {
+  const auto& groups = user_.param_groups();
+  TORCH_CHECK(snap_.empty() || groups.size() == snap_.size(),
+              "GradSync: the optimizer given to set_optimizer now has ", groups.size(),
+              " param groups, not ", snap_.size(), "; call set_optimizer again after changing it");
+  snap_.clear();
+  for (const auto& g : groups) snap_.push_back(g.options().clone());
+}
+
+void BucketOptimizer::apply(int b, const std::vector<int>& ps) {
+  Sub& s = subs_.at(b);
+  if (!s.opt) return;
+  auto& sub_groups = s.opt->param_groups();
+  bool any = false;
+  for (size_t i = 0; i < s.groups.size(); ++i) {
+    auto& list = sub_groups[i].params();
+    list.clear();
+    for (int p : ps) {
+      if (group_of_[p] == s.groups[i]) list.push_back(params_[p]);
+    }
+    any = any || !list.empty();
+    sub_groups[i].set_options(snap_[s.groups[i]]->clone());
+  }
+  if (!any) return;
+  // The state of these parameters moves in for the update and back after,
+  // also if step() throws (the trainer's optimizer must keep it).
+  auto& mine = s.opt->state();
+  auto& theirs = user_.state();
+  for (int p : ps) {
+    void* key = params_[p].unsafeGetTensorImpl();
+    auto it = theirs.find(key);
+    if (it == theirs.end()) continue;
+    mine[key] = std::move(it->second);
+    theirs.erase(it);
+  }
+  struct GiveBack {
+    decltype(mine)& from;
+    decltype(theirs)& to;
+    ~GiveBack() {
+      for (auto& [key, st] : from) to[key] = std::move(st);
+      from.clear();
+    }
+  } give_back{mine, theirs};
+  s.opt->step();
+}
+
+}  // namespace ddpx::hooks

@@ -1,0 +1,55 @@
+#pragma once
+// The trainer's LibTorch optimizer, stepped one bucket at a time
+// (GradSync::set_optimizer). Exactness comes from running LibTorch's own
+// step() code: each bucket has a sub-optimizer of the same class over the
+// bucket's parameters (one param group per trainer group it touches). For
+// an update the parameters' state entries move from the trainer's optimizer
+// into the sub-optimizer and back, so the trainer's optimizer always owns
+// the state between updates (saving and loading it works as usual), and the
+// per-parameter arithmetic is the very code optimizer.step() would run.
+#include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddpx::hooks {
+
+class BucketOptimizer {
+ public:
+  // `params`/`names`: GradSync's synced parameters. Every parameter of
+  // `user` must be one of them (else an error naming it); `user` must be
+  // torch::optim::SGD, Adam or AdamW and outlive GradSync.
+  BucketOptimizer(torch::optim::Optimizer& user, const std::vector<at::Tensor>& params,
+                  const std::vector<std::string>& names);
+
+  // A new bucket plan: one sub-optimizer per bucket with stepped parameters.
+  void plan(const std::vector<std::vector<int>>& buckets);
+  // The groups' options for the step that begins (a schedule may change
+  // them between steps, and in NextForward mode between this step's
+  // backward and its last update).
+  void snapshot();
+  // Steps parameters `ps` of bucket `b` (their .grad holds the average);
+  // parameters the optimizer does not hold are skipped.
+  void apply(int b, const std::vector<int>& ps);
+  bool steps(int p) const { return group_of_[p] >= 0; }
+  const char* kind() const;
+
+ private:
+  enum class Kind { SGD, Adam, AdamW };
+  std::unique_ptr<torch::optim::Optimizer> make(std::vector<torch::optim::OptimizerParamGroup> g);
+
+  torch::optim::Optimizer& user_;
+  Kind kind_;
+  std::vector<at::Tensor> params_;
+  std::vector<int> group_of_;  // per GradSync parameter: the trainer's group, -1: none
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> snap_;  // per trainer group
+  struct Sub {
+    std::unique_ptr<torch::optim::Optimizer> opt;  // null: nothing of the bucket is stepped
+    std::vector<int> groups;                       // the trainer's group of each sub group
+  };
+  std::vector<Sub> subs_;  // per bucket
+};
+
+}  // namespace ddpx::hooks

@@ -1,0 +1,80 @@
+// GradSync across the step boundary (GradSyncOptions::overlap): the
+// trainer's optimizer stepped bucket by bucket as averages land
+// (hooks/bucket_optimizer.h), and, under Overlap::NextForward, the step
+// completed on a worker thread while the next forward runs, each parameter
+// read waiting at its own gate (hooks/param_gate.h).
+#include <torch/optim/optimizer.h>
+
+#include "hooks/grad_sync_impl.h"
+
+namespace ddpx {
+
+bool GradSync::Impl::needs_agreement(int b) const {
+  // Exact and declare_unused: the agreement may still fail the step.
+  if (opts.unused_ == Unused::Exact || n_declared > 0) return true;
+  for (int p : plan[b].params) {
+    if (!used_here[p]) return true;  // used elsewhere? only the agreement knows
+  }
+  return false;
+}
+
+void GradSync::Impl::apply_bucket(int b, const int* agreed) {
+  at::NoGradGuard no_grad;
+  std::vector<int> stepped;
+  for (int p : plan[b].params) {
+    const bool used = agreed ? agreed[p] != 0 : true;
+    write_back_param(p, used);
+    // Unused on every rank: not stepped, as optimizer.step() skips a
+    // parameter whose .grad zero_grad() set to none.
+    if (used && optimizer->steps(p)) stepped.push_back(p);
+  }
+  optimizer->apply(b, stepped);
+  // The update consumed the gradient: the next backward starts from zero
+  // (in the slot, so it still accumulates straight into the bucket).
+  for (int p : stepped) {
+    auto& g = params[p].mutable_grad();
+    if (is_slot(p, g)) {
+      views[p].zero_();
+    } else {
+      g = at::Tensor();
+    }
+  }
+  if (gates) {
+    for (int p : plan[b].params) gates->open(p);
+  }
+}
+
+void GradSync::Impl::join() {
+  if (completing.valid()) completing.get();  // (complete_step's failure is kept, not thrown)
+  if (!completion_error) return;
+  auto e = std::move(completion_error);
+  completion_error = nullptr;
+  gates->reset();
+  std::rethrow_exception(e);
+}
+
+void GradSync::set_optimizer(torch::optim::Optimizer& optimizer) {
+  auto& I = *impl_;
+  TORCH_CHECK(I.opts.overlap_ != Overlap::None, "GradSync::set_optimizer: GradSyncOptions::"
+              "overlap is Overlap::None, where the trainer steps its optimizer after backward; "
+              "choose Overlap::Optimizer or Overlap::NextForward to have GradSync step it");
+  I.join();
+  std::lock_guard<std::mutex> lock(I.mu);
+  TORCH_CHECK(!I.active, "GradSync::set_optimizer: called during backward");
+  I.optimizer = std::make_unique<hooks::BucketOptimizer>(optimizer, I.params, I.names);
+  I.optimizer->plan(I.bucket_params());
+}
+
+void GradSync::synchronize() {
+  auto& I = *impl_;
+  if (!I.gates) return;
+  I.join();
+  I.gates->wait_all();
+}
+
+void GradSync::wait_ready(const std::vector<at::Tensor>& tensors) {
+  if (!impl_->gates) return;
+  for (const auto& t : tensors) hooks::wait_gate(t);
+}
+
+}  // namespace ddpx

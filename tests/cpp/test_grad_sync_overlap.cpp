@@ -1,0 +1,323 @@
+// GradSync across the step boundary (GradSyncOptions::overlap), mpirun with
+// 2 and 3 ranks, on torch::nn models: the optimizer stepped bucket by
+// bucket (Overlap::Optimizer) and the next forward gated per parameter
+// (Overlap::NextForward) must leave the parameters bit for bit where the
+// synchronous path leaves them (GradSync with Overlap::None, then LibTorch's
+// optimizer.step() after backward), for SGD with momentum and AdamW/Adam,
+// over many steps, with a learning-rate schedule, param groups, unused
+// parameters, no_sync accumulation, a lossy codec and a checkpoint resumed
+// in the middle; and the misuses fail with errors that name them.
+#include <ddpx/grad_sync.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "grad_sync_test_models.h"
+
+namespace {
+
+using ddpx::GradSync;
+using ddpx::GradSyncOptions;
+using ddpx::Overlap;
+using ddpx::Unused;
+using namespace ddpx::test::grad_sync;
+
+// trunk -> (expert a on even steps, b on odd ones: unused parameters) ->
+// head. `gate`, if set, is called with each layer's parameters before the
+// layer runs: a torch::nn trainer's gating under Overlap::NextForward.
+struct GatedImpl : torch::nn::Module {
+  torch::nn::Linear trunk{nullptr}, a{nullptr}, b{nullptr}, head{nullptr};
+  std::function<void(const std::vector<at::Tensor>&)> gate;
+  GatedImpl() {
+    trunk = register_module("trunk", torch::nn::Linear(6, 12));
+    a = register_module("a", torch::nn::Linear(12, 12));
+    b = register_module("b", torch::nn::Linear(12, 12));
+    head = register_module("head", torch::nn::Linear(12, 3));
+    to(at::kDouble);
+  }
+  template <class L>
+  at::Tensor run(L& layer, const at::Tensor& x) {
+    if (gate) gate(layer->parameters());
+    return layer(x);
+  }
+  at::Tensor forward(const at::Tensor& x, int step) {
+    auto h = torch::tanh(run(trunk, x));
+    h = torch::tanh(step % 2 == 0 ? run(a, h) : run(b, h));
+    return run(head, h).pow(2).mean();
+  }
+};
+TORCH_MODULE(Gated);
+
+enum class Opt { SgdNesterov, AdamW, Adam };
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(Gated& m, Opt kind) {
+  // Two groups: the weights with weight decay, the biases without.
+  std::vector<at::Tensor> weights, biases;
+  for (const auto& item : m->named_parameters()) {
+    (item.key().find("bias") != std::string::npos ? biases : weights).push_back(item.value());
+  }
+  using namespace torch::optim;
+  switch (kind) {
+    case Opt::SgdNesterov: {
+      auto o = SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3);
+      std::vector<OptimizerParamGroup> g{
+          OptimizerParamGroup(weights, std::make_unique<SGDOptions>(o)),
+          OptimizerParamGroup(biases, std::make_unique<SGDOptions>(SGDOptions(o).weight_decay(0)))};
+      return std::make_unique<SGD>(g, o);
+    }
+    case Opt::AdamW: {
+      auto o = AdamWOptions(0.01).weight_decay(0.05);
+      std::vector<OptimizerParamGroup> g{
+          OptimizerParamGroup(weights, std::make_unique<AdamWOptions>(o)),
+          OptimizerParamGroup(biases, std::make_unique<AdamWOptions>(AdamWOptions(o).weight_decay(0)))};
+      return std::make_unique<AdamW>(g, o);
+    }
+    case Opt::Adam:
+      return std::make_unique<Adam>(m->parameters(), AdamOptions(0.01).weight_decay(1e-3));
+  }
+  return nullptr;
+}
+
+// A step schedule: the learning rate set between steps, as trainers do.
+void set_lr(torch::optim::Optimizer& o, int step) {
+  const double f = step < 60 ? 1.0 : step < 120 ? 0.5 : 0.25;
+  for (auto& g : o.param_groups()) {
+    if (!g.has_options()) continue;
+    if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&g.options())) s->lr(0.05 * f);
+    if (auto* w = dynamic_cast<torch::optim::AdamWOptions*>(&g.options())) w->lr(0.01 * f);
+    if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&g.options())) a->lr(0.01 * f);
+  }
+}
+
+struct TrainRun {
+  Overlap overlap = Overlap::None;
+  Opt opt = Opt::SgdNesterov;
+  Unused unused = Unused::Predict;
+  std::string codec = "none";
+  int micro = 1;           // micro-batches per step; all but the last under no_sync
+  int steps = 200;
+  int resume_at = -1;      // save and rebuild everything at this step (-1: never)
+};
+
+// Trains a fresh model (seed 7) for r.steps steps on rank-sharded batches
+// and returns its parameters. Overlap::None steps LibTorch's optimizer after
+// backward (the reference); the others give it to GradSync.
+std::vector<at::Tensor> train(const TrainRun& r) {
+  auto& pg = world();
+  const int rank = pg->getRank();
+  GradSyncOptions so;
+  so.overlap(r.overlap).unused(r.unused).codec(r.codec).bucket_cap_mb(0.001).first_bucket_mb(0.0005);
+  // Timing re-plans differ between runs; with a lossy codec the plan
+  // decides the sums, so the runs must keep one plan to compare bit for bit.
+  if (r.codec != "none") so.replan(false);
+  torch::manual_seed(7);
+  Gated m;
+  auto opt = make_optimizer(m, r.opt);
+  auto sync = std::make_unique<GradSync>(m->named_parameters(), pg, so);
+  if (r.overlap != Overlap::None) sync->set_optimizer(*opt);
+  if (r.overlap == Overlap::NextForward) {
+    m->gate = [&sync](const std::vector<at::Tensor>& ps) { sync->wait_ready(ps); };
+  }
+  for (int step = 0; step < r.steps; ++step) {
+    if (step == r.resume_at) {
+      // A checkpoint: parameters and optimizer state, written and read back
+      // into a new model, optimizer and GradSync (the trainer's way).
+      sync->synchronize();
+      std::stringstream model_bytes, opt_bytes;
+      torch::save(m, model_bytes);
+      torch::save(*opt, opt_bytes);
+      sync.reset();
+      torch::manual_seed(99);  // other initial values: the load must restore them
+      m = Gated();
+      torch::load(m, model_bytes);
+      opt = make_optimizer(m, r.opt);
+      torch::load(*opt, opt_bytes);
+      sync = std::make_unique<GradSync>(m->named_parameters(), pg, so);
+      sync->set_optimizer(*opt);
+      if (r.overlap == Overlap::NextForward) {
+        m->gate = [&sync](const std::vector<at::Tensor>& ps) { sync->wait_ready(ps); };
+      }
+    }
+    set_lr(*opt, step);
+    if (r.overlap == Overlap::None) opt->zero_grad();
+    for (int k = 0; k < r.micro; ++k) {
+      auto x = shard(global_batch(6, 1000 * step + k), rank);
+      if (k + 1 < r.micro) {
+        auto guard = sync->no_sync();
+        m->forward(x, step).backward();
+      } else {
+        auto loss = m->forward(x, step);
+        if (r.unused == Unused::Exact) sync->prepare_for_backward({loss});
+        loss.backward();
+      }
+    }
+    if (r.overlap == Overlap::None) opt->step();
+  }
+  sync->synchronize();
+  std::vector<at::Tensor> out;
+  for (const auto& p : m->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void expect_bitwise(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want,
+                    const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_TRUE(at::equal(got[i], want[i]))
+        << what << ": parameter " << i << " differs by up to "
+        << (got[i] - want[i]).abs().max().item<double>();
+  }
+}
+
+struct Case {
+  const char* name;
+  TrainRun run;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class GradSyncOverlap : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GradSyncOverlap, BitwiseEqualToOptimizerAfterBackward) {
+  TrainRun ours = GetParam().run;
+  TrainRun ref = ours;
+  ref.overlap = Overlap::None;
+  ref.resume_at = -1;
+  const auto want = train(ref);
+  const auto got = train(ours);
+  expect_bitwise(got, want, GetParam().name);
+  // And the run moved: the reference is not the initial model.
+  TrainRun none = ref;
+  none.steps = 0;
+  const auto init = train(none);
+  EXPECT_FALSE(at::equal(want[0], init[0])) << "the reference did not train";
+}
+
+TrainRun with(Overlap o, Opt opt, Unused u = Unused::Predict) {
+  TrainRun r;
+  r.overlap = o;
+  r.opt = opt;
+  r.unused = u;
+  return r;
+}
+
+const Case kCases[] = {
+    {"OptimizerSgdNesterov", with(Overlap::Optimizer, Opt::SgdNesterov)},
+    {"OptimizerAdamW", with(Overlap::Optimizer, Opt::AdamW)},
+    {"NextForwardSgdNesterov", with(Overlap::NextForward, Opt::SgdNesterov)},
+    {"NextForwardAdamW", with(Overlap::NextForward, Opt::AdamW)},
+    {"NextForwardAdamExact", with(Overlap::NextForward, Opt::Adam, Unused::Exact)},
+    {"NextForwardNoSync", [] {
+       TrainRun r = with(Overlap::NextForward, Opt::SgdNesterov);
+       r.micro = 2;
+       return r;
+     }()},
+    {"NextForwardCodecFp16", [] {
+       TrainRun r = with(Overlap::NextForward, Opt::AdamW);
+       r.codec = "fp16";
+       return r;
+     }()},
+    {"OptimizerCodecTopk", [] {
+       TrainRun r = with(Overlap::Optimizer, Opt::SgdNesterov);
+       r.codec = "topk:0.3";
+       return r;
+     }()},
+    {"NextForwardResumed", [] {
+       TrainRun r = with(Overlap::NextForward, Opt::AdamW);
+       r.resume_at = 85;
+       return r;
+     }()},
+    {"OptimizerResumedSgd", [] {
+       TrainRun r = with(Overlap::Optimizer, Opt::SgdNesterov);
+       r.resume_at = 131;
+       return r;
+     }()},
+};
+
+INSTANTIATE_TEST_SUITE_P(Modes, GradSyncOverlap, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// ---- misuse ------------------------------------------------------------------
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(GradSyncOverlapErrors, OverlapWithoutOptimizerFailsAtBackward) {
+  auto& pg = world();
+  torch::manual_seed(3);
+  Gated m;
+  GradSync sync(m->named_parameters(), pg, GradSyncOptions().overlap(Overlap::Optimizer));
+  auto x = shard(global_batch(6, 5), pg->getRank());
+  const auto e = error_of([&] { m->forward(x, 0).backward(); });
+  EXPECT_NE(e.find("set_optimizer"), std::string::npos) << e;
+}
+
+TEST(GradSyncOverlapErrors, SetOptimizerIsCheckedLocally) {
+  auto& pg = world();
+  torch::manual_seed(3);
+  Gated m, other;
+  {
+    GradSync sync(m->named_parameters(), pg);
+    torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.1));
+    EXPECT_NE(error_of([&] { sync.set_optimizer(sgd); }).find("Overlap::None"), std::string::npos);
+  }
+  GradSync sync(m->named_parameters(), pg, GradSyncOptions().overlap(Overlap::Optimizer));
+  torch::optim::RMSprop rms(m->parameters(), torch::optim::RMSpropOptions(0.1));
+  EXPECT_NE(error_of([&] { sync.set_optimizer(rms); }).find("SGD, Adam or AdamW"), std::string::npos);
+  torch::optim::SGD foreign(other->parameters(), torch::optim::SGDOptions(0.1));
+  EXPECT_NE(error_of([&] { sync.set_optimizer(foreign); }).find("not a parameter GradSync"),
+            std::string::npos);
+}
+
+TEST(GradSyncOverlapErrors, UngatedForwardFailsTheNextBackwardOnEveryRank) {
+  auto& pg = world();
+  torch::manual_seed(3);
+  Gated m;
+  torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.1));
+  GradSync sync(m->named_parameters(), pg, GradSyncOptions().overlap(Overlap::NextForward));
+  sync.set_optimizer(sgd);
+  auto x = shard(global_batch(6, 5), pg->getRank());
+  m->forward(x, 0).backward();  // no gate needed: nothing was in flight yet
+  const auto e = error_of([&] { m->forward(x, 1).backward(); });  // read without its gate
+  EXPECT_NE(e.find("without waiting for its update"), std::string::npos) << e;
+  // Gated again, the next steps run (the failed step sent nothing).
+  sync.synchronize();
+  m->gate = [&sync](const std::vector<at::Tensor>& ps) { sync.wait_ready(ps); };
+  m->forward(x, 2).backward();
+  m->forward(x, 3).backward();
+  sync.synchronize();
+}
+
+// After backward returns under NextForward, the update is on its way: the
+// gate of every parameter opens, and a synchronize() sees the new values.
+TEST(GradSyncOverlapGates, BackwardReturnsBeforeTheUpdateAndTheGateWaitsForIt) {
+  auto& pg = world();
+  torch::manual_seed(3);
+  Gated m;
+  torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.1));
+  GradSync sync(m->named_parameters(), pg, GradSyncOptions().overlap(Overlap::NextForward));
+  sync.set_optimizer(sgd);
+  m->gate = [&sync](const std::vector<at::Tensor>& ps) { sync.wait_ready(ps); };
+  const auto before = m->head->weight.detach().clone();
+  auto x = shard(global_batch(6, 5), pg->getRank());
+  m->forward(x, 0).backward();
+  sync.wait_ready({m->head->weight});
+  EXPECT_FALSE(at::equal(before, m->head->weight)) << "the gate opened before the update";
+  sync.synchronize();
+  const auto& st = sync.last_step();
+  EXPECT_EQ(st.step, 1);
+  EXPECT_GT(st.bytes_reduced, 0);
+}
+
+}  // namespace
