@@ -74,6 +74,13 @@ Options parse_options(int argc, char** argv) {
   sync->add_option("--unused", o.unused, "off | predict | exact")
       ->check(CLI::IsMember({"off", "predict", "exact"}))
       ->capture_default_str();
+  sync->add_option("--overlap", o.overlap,
+                   "none: the optimizer steps after backward; optimizer: GradSync steps it bucket "
+                   "by bucket as averages land; next-forward: backward returns once gradients "
+                   "are in buckets and the next forward waits per parameter for its update "
+                   "(both bit for bit equal to none)")
+      ->check(CLI::IsMember({"none", "optimizer", "next-forward"}))
+      ->capture_default_str();
   sync->add_option("--channels", o.channels, "process groups used round-robin for buckets")
       ->check(CLI::Range(1, 16))
       ->capture_default_str();

@@ -32,6 +32,7 @@ struct Options {
   std::string codec = "none";
   std::string unused = "predict";  // off | predict | exact
   int channels = 1;
+  std::string overlap = "none";  // none | optimizer | next-forward (GradSyncOptions::overlap)
   double timeout_s = 0;  // 0: DDPX_TIMEOUT_S, else torch's default
 
   // Parameter server (--mode ps; --codec compresses the pushes).

@@ -111,7 +111,11 @@ void run(const Options& o) {
   so.bucket_cap_mb(o.bucket_cap_mb)
       .first_bucket_mb(o.first_bucket_mb)
       .codec(o.codec)
-      .unused(parse_unused(o.unused));
+      .unused(parse_unused(o.unused))
+      .overlap(o.overlap == "optimizer"      ? Overlap::Optimizer
+               : o.overlap == "next-forward" ? Overlap::NextForward
+                                             : Overlap::None);
+  const bool stepped_by_sync = so.overlap_ != Overlap::None;
   // A shared pattern is declared to GradSync each step: each block gets
   // buckets of its own, which a dropped block skips whole.
   if (drop.active() && !drop.per_rank) so.drop_units(units);
@@ -122,7 +126,8 @@ void run(const Options& o) {
     mo.name = "channel" + std::to_string(c);
     so.channels.push_back(comm::make(backend, mo));
   }
-  GradSync sync(model, pg, so);
+  GradSync sync(model, pg, so);  // (next-forward: gates the model's reads of its parameters)
+  if (stepped_by_sync) sync.set_optimizer(*opt);
 
   TrainObjects objs{model, *opt, o.optimizer, sync, drop.describe()};
   Position pos;
@@ -174,8 +179,8 @@ void run(const Options& o) {
     const at::Tensor rows = idx.narrow(0, pos.batch * o.batch_size, o.batch_size);
     const at::Tensor x = data.train.inputs.index_select(0, rows);
     const at::Tensor y = data.train.targets.index_select(0, rows);
-    set_lr(*opt, lr_at(pos.step, total, o));
-    opt->zero_grad();
+    set_lr(*opt, lr_at(pos.step, total, o));  // (GradSync takes it when backward begins)
+    if (!stepped_by_sync) opt->zero_grad();  // (else each update consumes its gradients)
     if (drop.active()) {
       const std::vector<double> scales = drop.scales(pos.step, depth, rank);
       set_block_scale(model, scales);
@@ -192,7 +197,7 @@ void run(const Options& o) {
     straggle(o, rank);
     if (so.unused_ == Unused::Exact) sync.prepare_for_backward({loss});
     loss.backward();
-    {
+    if (!stepped_by_sync) {
       auto in_trace = sync.phase("optimizer_step");
       opt->step();
     }
@@ -203,6 +208,10 @@ void run(const Options& o) {
     w_count += double(o.batch_size);
 
     const bool log_now = pos.step % o.log_every == 0 || pos.step == total;
+    // Next-forward: the step's collectives may still be running on pg, and
+    // a checkpoint must hold the updated parameters and state.
+    const bool save_now = o.checkpoint_every > 0 && pos.step % o.checkpoint_every == 0;
+    if (log_now || save_now || pos.step == total) sync.synchronize();
     if (log_now) {
       auto w = allreduce_sum(*pg, at::tensor({w_loss, w_correct, w_count}, at::kDouble));
       const auto now = Clock::now();
@@ -235,6 +244,7 @@ void run(const Options& o) {
                                   {"elapsed_s", elapsed},
                                   {"backward_us", st.backward_us},
                                   {"exposed_comm_us", st.exposed_comm_us},
+                                  {"gate_wait_us", st.gate_wait_us},
                                   {"hook_cpu_us", st.hook_cpu_us},
                                   {"replans", st.replans},
                                   {"bytes_reduced", st.bytes_reduced},
@@ -245,7 +255,6 @@ void run(const Options& o) {
       t_window = now;
       w_loss = w_correct = w_count = w_kept = w_steps = 0;
     }
-    const bool save_now = o.checkpoint_every > 0 && pos.step % o.checkpoint_every == 0;
     if (lead && !o.checkpoint.empty() && (save_now || pos.step == total)) {
       save_checkpoint(o.checkpoint, objs, pos);
     }
@@ -278,7 +287,8 @@ void run(const Options& o) {
                                 {"elapsed_s", elapsed},
                                 {"bytes_sent_per_step", prof.bytes_sent},
                                 {"compression", prof.compression},
-                                {"layer_drop", drop.describe()}}
+                                {"layer_drop", drop.describe()},
+                                {"overlap", o.overlap}}
                      .dump()
               << std::endl;
     }
