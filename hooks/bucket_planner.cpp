@@ -289,6 +289,38 @@ double predicted_finish_us(const std::vector<BucketPlan>& plan, const PlanTiming
   return link.free_at;
 }
 
+std::vector<char> priority_tail(const std::vector<BucketPlan>& plan, const PlanTiming& timing) {
+  std::vector<char> held(plan.size(), 0);
+  const auto& t = timing.arrival_us;
+  if (timing.bytes_per_us <= 0 || t.empty()) return held;
+  double end_of_backward = 0;
+  for (double a : t) end_of_backward = std::max(end_of_backward, a);
+  // Each bucket's start on the link, launched in plan order as it fills.
+  LinkModel link{&timing};
+  double launch = 0;
+  std::vector<double> start(plan.size(), 0);
+  for (size_t b = 0; b < plan.size(); ++b) {
+    double ready = plan[b].late && timing.late_at_end ? end_of_backward : 0;
+    for (int p : plan[b].params) ready = std::max(ready, t[p] < 0 ? end_of_backward : t[p]);
+    launch = std::max(launch, ready);
+    start[b] = std::max(link.free_at, launch);
+    link.send(plan[b], launch);
+  }
+  // (A launch's own cost is within the model's noise: a bucket starting that
+  // close to the end starts at the end.)
+  const double at_end = end_of_backward - timing.launch_us;
+  int last = static_cast<int>(plan.size()) - 1;
+  while (last >= 0 && plan[last].late) --last;
+  int first = last + 1;
+  while (first > 0 && !plan[first - 1].late && !plan[first - 1].sparse &&
+         start[first - 1] >= at_end) {
+    --first;
+  }
+  if (last - first + 1 < 2) return held;
+  for (int b = first; b <= last; ++b) held[b] = 1;
+  return held;
+}
+
 double predicted_cost_us(const std::vector<BucketPlan>& plan, const PlanTiming& timing) {
   return predicted_finish_us(plan, timing) + static_cast<double>(plan.size()) * timing.launch_us;
 }

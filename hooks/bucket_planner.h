@@ -34,6 +34,10 @@ struct BucketPlan {
   c10::Device device = c10::Device(c10::DeviceType::CPU);
   // One sparse parameter (ParamInfo::sparse), numel 0: no dense storage.
   bool sparse = false;
+  // Priority (Overlap::NextForward, priority_tail): held back during
+  // backward and launched at its end with the other held buckets in reverse
+  // plan order -- the first layers' first, as the next forward needs them.
+  bool held = false;
 };
 
 // Arrival-time planning: when gradients are predicted to arrive and what the
@@ -105,6 +109,19 @@ std::vector<BucketPlan> plan_buckets_cheapest(const std::vector<int>& order,
                                               const std::vector<char>& late,
                                               const PlanTiming& timing,
                                               std::vector<char>* timing_cuts = nullptr);
+
+// Which buckets to hold for a priority launch (BucketPlan::held): the
+// longest run of reliable dense buckets ending at the last of them (late
+// buckets go after the agreement anyway) that, launched in plan order as
+// they fill, would start on the link only at the end of backward or later --
+// because their gradients come last or the link is still busy with earlier
+// buckets. Launched together at the end in reverse order, they finish no
+// later as a whole (the link stays busy from the end of backward on), but
+// the first layers' updates land first, and the next forward, gated per
+// parameter, starts while the rest is on the wire (P3's and ByteScheduler's
+// priority, for the part of the step where it pays). Per bucket, 1: held;
+// all 0 when the rate or the times are unknown or fewer than two qualify.
+std::vector<char> priority_tail(const std::vector<BucketPlan>& plan, const PlanTiming& timing);
 
 // Launch delay of `plan` when gradients arrive in `arrival` (missing = arrive
 // last): bucket b is ready when its last gradient arrives (a late bucket: at

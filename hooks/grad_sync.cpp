@@ -74,6 +74,7 @@ void GradSync::Impl::finish_step() {
                   "); with unused parameters use GradSyncOptions().unused(Unused::Predict) or "
                   "Unused::Exact. The other ranks will time out waiting for this one.");
     }
+    launch_held_locked();
   }
   // Step-end agreement on channel 0, after every reliable bucket (a late one
   // goes after it): which parameters were used anywhere (MAX of local
@@ -195,7 +196,12 @@ void GradSync::Impl::complete_step() {
   hooks::Range wait_range("ddpx::final_wait");
   // With an optimizer, each bucket is stepped as it lands (in plan order),
   // while later ones are still on the wire.
+  // (In launch order: held buckets went first layer first.)
+  std::vector<int> seq = launch_seq;
   for (int b = 0; b < n_buckets; ++b) {
+    if (std::find(seq.begin(), seq.end(), b) == seq.end()) seq.push_back(b);
+  }
+  for (int b : seq) {
     take(futures[b]);
     if (!optimizer || error) continue;
     if (needs_agreement(b)) settle();
@@ -356,17 +362,25 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
   // Every rank adopts rank 0's predicted order, late set and timing cuts
   // (its arrival times are its own): [order | late | cuts].
   const int64_t n = static_cast<int64_t>(params.size());
-  auto msg = at::zeros({3 * n}, at::kLong);
+  // [order | late | cuts | held (per parameter: its bucket held, priority)]
+  auto msg = at::zeros({4 * n}, at::kLong);
   int64_t* o = msg.data_ptr<int64_t>();
   if (pg.getRank() == 0) {
     const auto order = order_of(predictor);
     const auto late = late_for(predictor);
     std::vector<char> cuts;
-    plan_of(timing_of(predictor), order, late, &cuts);
+    const auto timing = timing_of(predictor);
+    const auto next = plan_of(timing, order, late, &cuts);
     for (int64_t i = 0; i < n; ++i) {
       o[i] = order[i];
       o[n + i] = late[i];
       o[2 * n + i] = cuts.empty() ? 0 : cuts[i];
+    }
+    if (prioritised() && timing) {
+      const auto tail = hooks::priority_tail(next, *timing);
+      for (size_t b = 0; b < next.size(); ++b) {
+        for (int p : next[b].params) o[3 * n + p] = tail[b];
+      }
     }
   }
   std::vector<at::Tensor> t{msg};
@@ -374,7 +388,9 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
   std::vector<int> order(o, o + n);
   std::vector<char> late(o + n, o + 2 * n);
   std::vector<char> cuts(o + 2 * n, o + 3 * n);
-  replan(order, std::move(late), cuts);
+  std::vector<char> held(o + 3 * n, o + 4 * n);
+  replan(order, std::move(late), cuts, held);
+  priority_change_steps = 0;
   timing_gain_steps = 0;
   ++replans;
 }

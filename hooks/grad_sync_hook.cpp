@@ -82,6 +82,7 @@ void GradSync::Impl::begin_step_locked() {
   pending.assign(plan.size(), 0);
   for (size_t b = 0; b < plan.size(); ++b) pending[b] = static_cast<int>(plan[b].params.size());
   next_launch = 0;
+  launch_seq.clear();
   futures.clear();
   futures.resize(plan.size());
   wrote_on.assign(plan.size(), {});
@@ -91,6 +92,7 @@ void GradSync::Impl::begin_step_locked() {
     stats.buckets[b].index = static_cast<int>(b);
     stats.buckets[b].channel = static_cast<int>(b % channels.size());
     stats.buckets[b].bytes = plan[b].numel * c10::elementSize(plan[b].dtype);
+    stats.buckets[b].held = plan[b].held;
   }
   hook_cpu_us = 0;
   profiler->begin_step(stats.step, t0, static_cast<int>(plan.size()));
@@ -199,13 +201,25 @@ void GradSync::Impl::launch_ready_locked() {
   // prepare_for_backward (Exact), else finish_step's. Under Predict they
   // come after every reliable bucket in the plan; under Exact, where their
   // gradients usually arrive (order_of).
+  // Held buckets (priority) wait for the final callback.
   while (next_launch < static_cast<int>(plan.size()) && pending[next_launch] == 0 &&
-         (!plan[next_launch].late || !early_used.empty())) {
+         !plan[next_launch].held && (!plan[next_launch].late || !early_used.empty())) {
     launch_bucket_locked(next_launch++, early_used);
   }
 }
 
+void GradSync::Impl::launch_held_locked() {
+  if (declare_error) return;
+  const int n = static_cast<int>(plan.size());
+  int end = next_launch;
+  while (end < n && plan[end].held && pending[end] == 0) ++end;
+  for (int b = end - 1; b >= next_launch; --b) launch_bucket_locked(b, early_used);
+  next_launch = end;
+  launch_ready_locked();
+}
+
 void GradSync::Impl::launch_bucket_locked(int b, const std::vector<char>& anywhere) {
+  launch_seq.push_back(b);
   if (!plan[b].late && skipped_in[b] == 0) {
     launch_locked(b);
     return;

@@ -76,6 +76,7 @@ struct GradSync::Impl {
   // comparing plans by when their reductions would finish.
   hooks::LinkEstimate link;
   int timing_gain_steps = 0;  // steps in a row a timing re-plan would have paid
+  int priority_change_steps = 0;  // steps in a row the priority tail would have changed
   // Per parameter: how often lately some rank used it (from the agreed
   // flags), so the planner counts what a late bucket really sends.
   hooks::UseRate used_anywhere;
@@ -109,6 +110,7 @@ struct GradSync::Impl {
   int64_t sparse_bytes = 0;  // sent by sparse buckets so far (the codec counts the rest)
   std::vector<int> pending;  // per bucket: gradients still missing
   int next_launch = 0;
+  std::vector<int> launch_seq;  // buckets in the order they launched this step
   std::vector<int> arrival;
   std::vector<double> arrival_us;  // per parameter: us after t0; -1: none yet
   std::vector<int> idle_late;      // locally unused parameters of late buckets
@@ -183,13 +185,18 @@ struct GradSync::Impl {
   // late[p]: plan p into a late bucket (empty: none). Only Predict and Exact
   // have late buckets; under Off an unused parameter is an error anyway.
   // cuts: rank 0's timing cuts over `order` (plan_of; empty: sizes alone).
+  // held: per parameter, its bucket is held for a priority launch
+  // (priority_tail; empty: none).
   void replan(const std::vector<int>& order, std::vector<char> late,
-              const std::vector<char>& cuts = {}) {
+              const std::vector<char>& cuts = {}, const std::vector<char>& held = {}) {
     if (opts.unused_ == Unused::Off) late.clear();
     // Keys name buckets by index: after a re-plan a key holds other slots, so
     // the codec's state starts over; its residuals move to the parameters.
     carry_residuals();
     plan = hooks::plan_buckets(order, info, first_cap_bytes(), cap_bytes(), late, cuts);
+    if (!held.empty()) {
+      for (auto& b : plan) b.held = !b.params.empty() && held[b.params.front()] != 0;
+    }
     plan_late = late.empty() ? std::vector<char>(params.size(), 0) : std::move(late);
     storage.clear();
     keys.clear();
@@ -321,6 +328,12 @@ struct GradSync::Impl {
   // Under Exact the ranks agree on use in prepare_for_backward, so a late
   // bucket launches when it is ready and belongs where its gradients arrive;
   // under Predict the agreement comes at the end of backward, and so do they.
+  bool prioritised() const { return opts.overlap_ == Overlap::NextForward && opts.priority_; }
+
+  // Final callback: launches the held buckets (all complete by now) in
+  // reverse plan order, the first layers' first.
+  void launch_held_locked();
+
   bool late_at_end() const { return opts.unused_ != Unused::Exact; }
   std::vector<int> order_of(const hooks::OrderPredictor& p) const {
     return p.predicted_order(late_at_end());
@@ -359,6 +372,15 @@ struct GradSync::Impl {
     const auto timing = timing_of(next);
     const auto candidate = plan_of(timing, order_of(next), late_for(predictor));
     if (hooks::reorder_pays(plan, candidate, arrival, n)) return true;
+    // The priority tail of the current plan moved (held on two steps in a
+    // row, against churn).
+    if (prioritised() && timing) {
+      const auto tail = hooks::priority_tail(plan, *timing);
+      bool same = true;
+      for (size_t b = 0; b < plan.size(); ++b) same = same && (tail[b] != 0) == plan[b].held;
+      priority_change_steps = same ? 0 : priority_change_steps + 1;
+      if (priority_change_steps >= 2) return true;
+    }
     if (!timing || timing->bytes_per_us <= 0) return false;
     const double now = hooks::predicted_cost_us(plan, *timing);
     const double then = hooks::predicted_cost_us(candidate, *timing);

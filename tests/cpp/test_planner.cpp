@@ -490,3 +490,54 @@ TEST(LinkEstimate, FollowsAChangedLink) {
 }
 
 }  // namespace
+
+namespace {
+
+// Four one-parameter buckets of 1000 bytes, their gradients at 10, 20, 30
+// and 40 us; a reduction costs 5 us plus its bytes at the link's rate.
+std::vector<BucketPlan> four_buckets(std::vector<char> late = {0, 0, 0, 0}) {
+  std::vector<BucketPlan> plan(4);
+  for (int b = 0; b < 4; ++b) {
+    plan[b].params = {b};
+    plan[b].numel = 250;
+    plan[b].late = late[b] != 0;
+  }
+  return plan;
+}
+
+ddpx::hooks::PlanTiming four_times(double bytes_per_us) {
+  ddpx::hooks::PlanTiming t;
+  t.arrival_us = {10, 20, 30, 40};
+  t.bytes_per_us = bytes_per_us;
+  t.launch_us = 5;
+  return t;
+}
+
+TEST(PriorityTail, HoldsTheBucketsThatWaitPastTheEndOfBackward) {
+  // 1 byte/us: bucket 0 starts at 10 and holds the link until 1015, so 1,
+  // 2 and 3 would all start after backward ends (40): held.
+  EXPECT_EQ(ddpx::hooks::priority_tail(four_buckets(), four_times(1.0)),
+            (std::vector<char>{0, 1, 1, 1}));
+}
+
+TEST(PriorityTail, HoldsNothingWhenTheLinkKeepsUp) {
+  // 1000 bytes/us: each bucket is sent before the next fills; only the last
+  // starts at the end, and one bucket alone has nothing to overtake.
+  EXPECT_EQ(ddpx::hooks::priority_tail(four_buckets(), four_times(1000.0)),
+            (std::vector<char>{0, 0, 0, 0}));
+  // Unknown rate: no prediction, no priority.
+  EXPECT_EQ(ddpx::hooks::priority_tail(four_buckets(), four_times(0.0)),
+            (std::vector<char>{0, 0, 0, 0}));
+}
+
+TEST(PriorityTail, LeavesLateBucketsToTheAgreement) {
+  // The last bucket is late (launched after the used-parameter agreement):
+  // the held run ends before it.
+  EXPECT_EQ(ddpx::hooks::priority_tail(four_buckets({0, 0, 0, 1}), four_times(1.0)),
+            (std::vector<char>{0, 1, 1, 0}));
+  // A late bucket inside the run ends it there.
+  EXPECT_EQ(ddpx::hooks::priority_tail(four_buckets({0, 0, 1, 0}), four_times(1.0)),
+            (std::vector<char>{0, 0, 0, 0}));
+}
+
+}  // namespace

@@ -136,6 +136,12 @@ struct GradSyncOptions {
   DDPX_OPT(std::vector<std::string>, drop_units, {})
   // Across the step boundary (set_optimizer gives the optimizer): see Overlap.
   DDPX_OPT(Overlap, overlap, Overlap::None)
+  // NextForward: the buckets that would wait for the link past the end of
+  // backward anyway are held and launched at its end first layer first
+  // (predicted from the learnt arrival times and the link's rate; planned
+  // by rank 0, the same on every rank), so the next forward's first gates
+  // open first. Off: first in, first out.
+  DDPX_OPT(bool, priority, true)
 #undef DDPX_OPT
   // Extra process groups: buckets go round-robin over {pg, channels...}.
   std::vector<comm::ProcessGroupPtr> channels;
@@ -163,6 +169,7 @@ struct StepStats {
     int channel;
     double ready_us, launch_us, complete_us;
     int64_t bytes;
+    bool held;  // launched by priority at the end of backward (GradSyncOptions::priority)
   };
   std::vector<Bucket> buckets;
 };
