@@ -321,6 +321,32 @@ std::vector<char> priority_tail(const std::vector<BucketPlan>& plan, const PlanT
   return held;
 }
 
+std::vector<char> priority_cuts(const std::vector<BucketPlan>& plan, const std::vector<char>& held,
+                                const std::vector<int>& order, const std::vector<ParamInfo>& params,
+                                int pieces) {
+  std::vector<char> cuts(order.size(), 0);
+  std::vector<size_t> pos(params.size(), 0);
+  for (size_t k = 0; k < order.size(); ++k) pos[order[k]] = k;
+  double total = 0;
+  for (size_t b = 0; b < plan.size(); ++b) {
+    if (held[b]) total += bytes_of(plan[b]);
+  }
+  if (total <= 0 || pieces < 2) return cuts;
+  const double piece = total / pieces;
+  for (size_t b = 0; b < plan.size(); ++b) {
+    if (!held[b]) continue;
+    double acc = 0;
+    for (int p : plan[b].params) {
+      if (acc >= piece) {
+        cuts[pos[p]] = 1;
+        acc = 0;
+      }
+      acc += bytes_of(params[p]);
+    }
+  }
+  return cuts;
+}
+
 double predicted_cost_us(const std::vector<BucketPlan>& plan, const PlanTiming& timing) {
   return predicted_finish_us(plan, timing) + static_cast<double>(plan.size()) * timing.launch_us;
 }

@@ -123,6 +123,16 @@ std::vector<BucketPlan> plan_buckets_cheapest(const std::vector<int>& order,
 // all 0 when the rate or the times are unknown or fewer than two qualify.
 std::vector<char> priority_tail(const std::vector<BucketPlan>& plan, const PlanTiming& timing);
 
+// Cuts (as plan_buckets takes them, over `order`) that split the held
+// buckets (`held`, from priority_tail) into up to `pieces` buckets of about
+// equal bytes, at parameter boundaries: a held bucket of many layers would
+// otherwise make the first layer wait for all of them (P3's slicing, at the
+// planner's granularity). Merged with the plan's own cuts, plan_buckets
+// reproduces the plan with the held part in pieces.
+std::vector<char> priority_cuts(const std::vector<BucketPlan>& plan, const std::vector<char>& held,
+                                const std::vector<int>& order, const std::vector<ParamInfo>& params,
+                                int pieces);
+
 // Launch delay of `plan` when gradients arrive in `arrival` (missing = arrive
 // last): bucket b is ready when its last gradient arrives (a late bucket: at
 // the end) and launches once all buckets before it launched; the score is the

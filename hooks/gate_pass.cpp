@@ -31,7 +31,8 @@ void find_reads(Block* block, std::vector<Node*>* out) {
     for (Block* b : n->blocks()) find_reads(b, out);
     if (n->kind() != c10::prim::GetAttr) continue;
     const auto cls = n->input(0)->type()->cast<c10::ClassType>();
-    if (!cls || !n->output()->type()->isSubtypeOf(*c10::TensorType::get())) continue;
+    // (A conv's bias is an Optional[Tensor] attribute.)
+    if (!cls || !n->output()->type()->isSubtypeOf(*c10::OptionalType::ofTensor())) continue;
     const auto slot = cls->findAttributeSlot(n->s(c10::attr::name));
     if (!slot || !(cls->is_parameter(*slot) || cls->is_buffer(*slot))) continue;
     out->push_back(n);

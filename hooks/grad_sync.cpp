@@ -370,17 +370,26 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
     const auto late = late_for(predictor);
     std::vector<char> cuts;
     const auto timing = timing_of(predictor);
-    const auto next = plan_of(timing, order, late, &cuts);
+    auto next = plan_of(timing, order, late, &cuts);
+    if (cuts.empty()) cuts.assign(n, 0);
+    std::vector<char> tail;
+    if (prioritised() && timing) {
+      tail = hooks::priority_tail(next, *timing);
+      if (std::find(tail.begin(), tail.end(), 1) != tail.end()) {
+        // The held part in pieces, so the first layers' bucket is small.
+        const auto pieces = hooks::priority_cuts(next, tail, order, info, kPriorityPieces);
+        for (int64_t i = 0; i < n; ++i) cuts[i] = cuts[i] || pieces[i];
+        next = hooks::plan_buckets(order, info, first_cap_bytes(), cap_bytes(), late, cuts);
+        tail = hooks::priority_tail(next, *timing);
+      }
+    }
     for (int64_t i = 0; i < n; ++i) {
       o[i] = order[i];
       o[n + i] = late[i];
-      o[2 * n + i] = cuts.empty() ? 0 : cuts[i];
+      o[2 * n + i] = cuts[i];
     }
-    if (prioritised() && timing) {
-      const auto tail = hooks::priority_tail(next, *timing);
-      for (size_t b = 0; b < next.size(); ++b) {
-        for (int p : next[b].params) o[3 * n + p] = tail[b];
-      }
+    for (size_t b = 0; b < tail.size(); ++b) {
+      for (int p : next[b].params) o[3 * n + p] = tail[b];
     }
   }
   std::vector<at::Tensor> t{msg};

@@ -77,6 +77,10 @@ struct GradSync::Impl {
   hooks::LinkEstimate link;
   int timing_gain_steps = 0;  // steps in a row a timing re-plan would have paid
   int priority_change_steps = 0;  // steps in a row the priority tail would have changed
+  // The held part of a plan is cut into this many buckets (priority_cuts):
+  // the first layers' piece then lands after an eighth of the tail's bytes,
+  // for seven more launches.
+  static constexpr int kPriorityPieces = 8;
   // Per parameter: how often lately some rank used it (from the agreed
   // flags), so the planner counts what a late bucket really sends.
   hooks::UseRate used_anywhere;

@@ -52,8 +52,10 @@ using ddpx::comm::ProcessGroupPtr;
 struct Args {
   std::string dir;
   std::vector<std::string> models;
-  std::vector<std::string> variants{"compute",       "comm_gloo",     "comm_mpi",     "naive",
-                                    "gradsync_gloo", "gradsync_mpi", "gradsync_copy", "gradsync_solo"};
+  std::vector<std::string> variants{"compute",       "comm_gloo",     "comm_mpi",
+                                    "naive",         "gradsync_gloo", "gradsync_mpi",
+                                    "gradsync_copy", "gradsync_solo", "gradsync_opt",
+                                    "gradsync_gated"};
   int warmup = 3, steps = 5, threads = 1;
   double bucket_cap_mb = 25.0;
   bool zero_in_place = false;  // zero_grad(set_to_none=false)
@@ -137,12 +139,22 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
 
   std::optional<ddpx::GradSync> sync;
   const bool exact = std::find(a.exact.begin(), a.exact.end(), model) != a.exact.end();
+  // With an optimizer step (SGD, momentum): gradsync_opt steps it after
+  // backward (the synchronous path), gradsync_gated gives it to GradSync
+  // under Overlap::NextForward (updates land during the next forward).
+  const bool gated = variant == "gradsync_gated";
+  std::optional<torch::optim::SGD> sgd;
+  if (variant == "gradsync_opt" || gated) {
+    sgd.emplace(params, torch::optim::SGDOptions(1e-4).momentum(0.9));
+  }
   if (variant.rfind("gradsync_", 0) == 0) {
     sync.emplace(m, variant == "gradsync_mpi" ? g.mpi : variant == "gradsync_solo" ? g.solo : g.gloo,
                  ddpx::GradSyncOptions()
                      .bucket_cap_mb(a.bucket_cap_mb)
                      .gradient_as_bucket_view(variant != "gradsync_copy")
-                     .unused(exact ? ddpx::Unused::Exact : ddpx::Unused::Predict));
+                     .unused(exact ? ddpx::Unused::Exact : ddpx::Unused::Predict)
+                     .overlap(gated ? ddpx::Overlap::NextForward : ddpx::Overlap::None));
+    if (gated) sync->set_optimizer(*sgd);
   }
   ddpx::GradSync* exact_sync = sync && exact ? &*sync : nullptr;
   std::vector<at::Tensor> bufs;
@@ -174,7 +186,10 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     }
   }
   if (variant == "compute" || sync) {
-    step_fn = [&](int64_t s) { forward_backward(m, s, rank, exact_sync, &phases); };
+    step_fn = [&](int64_t s) {
+      forward_backward(m, s, rank, exact_sync, &phases);
+      if (sgd && !gated) sgd->step();
+    };
   } else if (variant == "naive") {
     step_fn = [&](int64_t s) {
       forward_backward(m, s, rank);
@@ -207,14 +222,16 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     std::fill(arrived.begin(), arrived.end(), -1.0);  // -1: no gradient (yet)
     const auto t0 = Clock::now();
     step_fn(s);
-    zero_grad(params, a.zero_in_place);
+    if (!gated) zero_grad(params, a.zero_in_place);  // (gated: GradSync's updates consume them)
     const double dt = ms_since(t0);
     if (s < a.warmup) continue;
     ms.push_back(dt);
     fwd_ms.push_back(phases.forward);
     bwd_ms.push_back(phases.backward);
     if (variant == "compute") arrivals[s - a.warmup] = arrived;  // into storage allocated up front
-    if (sync) {
+    // (Gated: last_step() would wait for the step's updates, which the
+    // next forward must overlap; its records are read after the loop.)
+    if (sync && !gated) {
       const auto& st = sync->last_step();
       hook_us.push_back(st.hook_cpu_us);
       param_hook_us.push_back(st.per_param_hooks_us);
@@ -225,6 +242,18 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
       replans = st.replans;
       buckets = static_cast<int64_t>(st.buckets.size());
     }
+  }
+  if (gated) {
+    sync->synchronize();
+    const auto prof = sync->profile();  // medians over every step, warm-up included
+    hook_us.push_back(prof.hook_cpu_us);
+    exposed_us.push_back(prof.exposed_comm_us);
+    backward_us.push_back(prof.backward_us);
+    comm_us.push_back(prof.comm_us);
+    param_hook_us.push_back(0);
+    calls.push_back(static_cast<double>(params.size()));
+    replans = sync->replans();
+    buckets = static_cast<int64_t>(sync->bucket_plan().size());
   }
   nlohmann::json j = {{"model", model}, {"variant", variant}, {"world", world},
                       {"tensors", params.size()}, {"numel", numel},
@@ -250,6 +279,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
               {"hook_calls", median(calls)},
               {"exposed_comm_us", median(exposed_us)}, {"backward_us", median(backward_us)},
               {"comm_us", median(comm_us)}, {"replans", replans}, {"buckets", buckets}});
+    if (gated) j["gate_wait_us"] = sync->profile().gate_wait_us;
   }
   return j;
 }

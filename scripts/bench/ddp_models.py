@@ -219,6 +219,8 @@ MODELS = {
 SPARSE = {"embedding"}
 # The benchmark suite, run by default (and the geomean's models).
 SUITE = ["mlp25m", "cnn", "many520", "unused", "reordered"]
+# --quick: two models of ~0.6 s a step here (1 thread per rank), one round.
+QUICK = ["cnn", "many520"]
 
 
 def make(name: str) -> nn.Module:

@@ -3,7 +3,8 @@ Overlap::NextForward). Its reads of parameters and buffers take every shape
 the pass must gate: two instances of one submodule type (one graph, two
 sets of parameters), a weight used twice (the embedding, tied to the
 output projection), BatchNorm's buffers (read and updated in place), a
-parameter read in a branch, and an exported method other than forward that
+convolution's bias (an Optional[Tensor] attribute), a parameter read in a
+branch, and an exported method other than forward that
 reads parameters (`weight_norm`, which a trainer calls between steps).
 
     python export_gated_model.py OUT.pt
@@ -34,10 +35,12 @@ class Net(nn.Module):
         self.b1 = Block(8)
         self.b2 = Block(8)
         self.bn = nn.BatchNorm1d(8)
+        self.conv = nn.Conv1d(1, 1, 3, padding=1)
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.emb(tokens).mean(1)
         h = self.bn(self.b2(self.b1(h)))
+        h = self.conv(h.unsqueeze(1)).squeeze(1)
         logits = h @ self.emb.weight.t()  # tied: the embedding again
         return logits.pow(2).mean()
 

@@ -541,3 +541,30 @@ TEST(PriorityTail, LeavesLateBucketsToTheAgreement) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(PriorityTail, PiecesSplitTheHeldBucketsByBytes) {
+  // Bucket 0: parameter 0; bucket 1 (held): parameters 1..8, 100 bytes
+  // each, laid out in that order; order lists them 0..8.
+  std::vector<BucketPlan> plan(2);
+  plan[0].params = {0};
+  plan[0].numel = 25;
+  plan[1].params = {1, 2, 3, 4, 5, 6, 7, 8};
+  plan[1].numel = 200;
+  std::vector<int> order{0, 1, 2, 3, 4, 5, 6, 7, 8};
+  const auto info = floats({25, 25, 25, 25, 25, 25, 25, 25, 25});
+  // Four pieces of 200 bytes: cuts before parameters 3, 5 and 7.
+  EXPECT_EQ(ddpx::hooks::priority_cuts(plan, {0, 1}, order, info, 4),
+            (std::vector<char>{0, 0, 0, 1, 0, 1, 0, 1, 0}));
+  // Nothing held, or one piece: no cut.
+  EXPECT_EQ(ddpx::hooks::priority_cuts(plan, {0, 0}, order, info, 4), std::vector<char>(9, 0));
+  EXPECT_EQ(ddpx::hooks::priority_cuts(plan, {0, 1}, order, info, 1), std::vector<char>(9, 0));
+  // plan_buckets with those cuts lays the held bucket out in four.
+  auto pieces = ddpx::hooks::plan_buckets(order, info, 1 << 20, 1 << 20, {},
+                                          {0, 1, 0, 1, 0, 1, 0, 1, 0});
+  ASSERT_EQ(pieces.size(), 5u);
+  EXPECT_EQ(pieces[4].params, (std::vector<int>{7, 8}));
+}
+
+}  // namespace
