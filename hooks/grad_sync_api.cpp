@@ -99,6 +99,11 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     gated.insert(gated.end(), I.buffers.begin(), I.buffers.end());
     gated_names.insert(gated_names.end(), buffer_names.begin(), buffer_names.end());
     I.gates = hooks::Gates::make(gated, gated_names);
+    // Per-layer gate waits in the trace ("ddpx::gate_wait <name>").
+    I.gates->on_wait([profiler = I.profiler.get(), gated_names](int i, Clock::time_point t0,
+                                                                Clock::time_point t1) {
+      profiler->phase("gate_wait " + gated_names[i], t0, t1);
+    });
     I.worker = std::make_unique<hooks::Channel>(pg);  // a thread; its group is not used
   }
   I.declare_sparse(*pg, options.sparse_params_);

@@ -95,15 +95,18 @@ void Gates::reset() {
 
 void Gates::wait(int i) {
   std::unique_lock<std::mutex> lock(mu_);
+  std::chrono::steady_clock::time_point t0, t1;
   if (!open_[i]) {
-    const auto t0 = std::chrono::steady_clock::now();
+    t0 = std::chrono::steady_clock::now();
     cv_.wait(lock, [&] { return open_[i] != 0; });
-    wait_us_ += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
-                    .count();
+    t1 = std::chrono::steady_clock::now();
+    wait_us_ += std::chrono::duration<double, std::micro>(t1 - t0).count();
     ++waits_;
   }
   passed_[i] = 1;
   if (error_) std::rethrow_exception(error_);
+  lock.unlock();
+  if (on_wait_ && t1 > t0) on_wait_(i, t0, t1);
 }
 
 void Gates::wait_all() {

@@ -10,7 +10,9 @@
 // instances (six blocks of one type run one graph).
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -45,6 +47,11 @@ class Gates : public std::enable_shared_from_this<Gates> {
   bool passed(int i);
   // Total waiting since the last call (us) and the number of waits.
   std::pair<double, int64_t> take_waits();
+  // Called after each wait that blocked, with the tensor and the wait's
+  // start and end (GradSync: an event per gate wait in its trace).
+  using WaitFn = std::function<void(int, std::chrono::steady_clock::time_point,
+                                    std::chrono::steady_clock::time_point)>;
+  void on_wait(WaitFn f) { on_wait_ = std::move(f); }
 
  private:
   Gates() = default;
@@ -55,6 +62,7 @@ class Gates : public std::enable_shared_from_this<Gates> {
   std::exception_ptr error_;
   double wait_us_ = 0;
   int64_t waits_ = 0;
+  WaitFn on_wait_;  // set before any wait
 };
 
 // The ddpx::param_ready kernel's work: waits at `t`'s gate, if any.

@@ -278,17 +278,15 @@ void Profiler::record_step_events(const StepStats& s, const FinalTimes& t, const
 }
 
 void Profiler::phase(const std::string& name, Clock::time_point begin, Clock::time_point end) {
-  if (!enabled_ || flushed_ || last_finished_ < cfg_.first_step ||
-      last_finished_ > cfg_.last_step) {
-    return;
-  }
+  const int64_t step = last_finished_.load();
+  if (!enabled_ || flushed_ || step < cfg_.first_step || step > cfg_.last_step) return;
   std::lock_guard<std::mutex> lock(mu_);
   events_.push_back({"ddpx::" + name,
                      'X',
                      0,
                      ns_of(begin),
                      ns_of(end) - ns_of(begin),
-                     {{"step", static_cast<double>(last_finished_)}}});
+                     {{"step", static_cast<double>(step)}}});
 }
 
 bool Profiler::flush_due() const {

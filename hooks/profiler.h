@@ -42,6 +42,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <atomic>
 #include <deque>
 #include <fstream>
 #include <memory>
@@ -172,8 +173,12 @@ class Profiler {
   int rank_, world_;
   int64_t params_;
   bool enabled_;
-  bool tracing_ = false, flushed_ = false, step_open_ = false;
-  int64_t step_ = 0, last_finished_ = 0;
+  bool tracing_ = false, step_open_ = false;
+  // Read by phase() on the trainer's thread while NextForward's worker ends
+  // a step (end_step) or writes the trace (flush).
+  std::atomic<bool> flushed_{false};
+  int64_t step_ = 0;
+  std::atomic<int64_t> last_finished_{0};
   Clock::time_point anchor_;
   std::ofstream file_;  // rank 0, open from agree() to flush
   std::vector<BucketTrace> buckets_;

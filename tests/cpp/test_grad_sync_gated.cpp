@@ -106,6 +106,11 @@ TEST(GradSyncGated, ParamReadyWaitsForItsGate) {
   using namespace std::chrono_literals;
   const at::Tensor a = at::ones({3}), b = at::zeros({2});
   auto gates = ddpx::hooks::Gates::make({a, b}, {"a", "b"});
+  std::vector<int> waited;  // the tensors whose reads blocked (on_wait)
+  gates->on_wait([&waited](int i, auto t0, auto t1) {
+    EXPECT_LT(t0, t1);
+    waited.push_back(i);
+  });
   auto typed = c10::Dispatcher::singleton()
                    .findSchemaOrThrow("ddpx::param_ready", "")
                    .typed<std::optional<at::Tensor>(const std::optional<at::Tensor>&)>();
@@ -126,6 +131,7 @@ TEST(GradSyncGated, ParamReadyWaitsForItsGate) {
   EXPECT_TRUE(gates->passed(0));
   const auto [us, waits] = gates->take_waits();
   EXPECT_EQ(waits, 1);
+  EXPECT_EQ(waited, std::vector<int>{0});  // b's read did not block
   EXPECT_GT(us, 50e3);
   gates->close_all();
   auto failing = std::async(std::launch::async, [&] { return op.call(a); });

@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <sstream>
@@ -349,14 +350,15 @@ struct WideImpl : torch::nn::Module {
 };
 TORCH_MODULE(Wide);
 
-std::pair<std::vector<at::Tensor>, std::vector<ddpx::StepStats>> train_wide(Overlap overlap,
-                                                                            int steps) {
+std::pair<std::vector<at::Tensor>, std::vector<ddpx::StepStats>> train_wide(
+    Overlap overlap, int steps, const std::string& trace = "") {
   auto& pg = world();
   torch::manual_seed(11);
   Wide m;
   torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   GradSync sync(m->named_parameters(), pg,
-                GradSyncOptions().overlap(overlap).bucket_cap_mb(0.3).first_bucket_mb(0.3));
+                GradSyncOptions().overlap(overlap).bucket_cap_mb(0.3).first_bucket_mb(0.3).trace(
+                    trace).trace_steps("10:30"));
   if (overlap != Overlap::None) {
     sync.set_optimizer(sgd);
     m->gate = [&sync](const std::vector<at::Tensor>& ps) { sync.wait_ready(ps); };
@@ -368,9 +370,12 @@ std::pair<std::vector<at::Tensor>, std::vector<ddpx::StepStats>> train_wide(Over
     if (overlap == Overlap::None) sgd.zero_grad();
     m->forward(x).backward();
     if (overlap == Overlap::None) sgd.step();
-    records.push_back(sync.last_step());  // (joins the step under NextForward)
+    // (last_step() joins the step under NextForward: on odd steps only, so
+    // the other forwards overlap the updates and wait at gates.)
+    if (step % 2 == 1) records.push_back(sync.last_step());
   }
   sync.synchronize();
+  sync.flush_trace();
   std::vector<at::Tensor> out;
   for (const auto& p : m->parameters()) out.push_back(p.detach().clone());
   return {out, records};
@@ -378,8 +383,18 @@ std::pair<std::vector<at::Tensor>, std::vector<ddpx::StepStats>> train_wide(Over
 
 TEST(GradSyncOverlapPriority, HeldBucketsGoFirstLayerFirstAndChangeNothing) {
   const auto [want, unused_records] = train_wide(Overlap::None, 30);
-  const auto [got, records] = train_wide(Overlap::NextForward, 30);
+  const std::string trace = ::testing::TempDir() + "ddpx_priority_trace.json";
+  const auto [got, records] = train_wide(Overlap::NextForward, 30, trace);
   expect_bitwise(got, want, "priority");
+  // The trace shows where the next forward waited, per parameter (the first
+  // layer's read comes right after backward returns, its update on the wire).
+  if (world()->getRank() == 0) {
+    std::ifstream f(trace);
+    std::stringstream text;
+    text << f.rdbuf();
+    EXPECT_NE(text.str().find("\"ddpx::gate_wait l0.weight\""), std::string::npos)
+        << "no gate wait of the first layer in the trace " << trace;
+  }
   int prioritised = 0;
   for (const auto& st : records) {
     std::vector<const ddpx::StepStats::Bucket*> held;
