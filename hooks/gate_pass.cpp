@@ -24,6 +24,13 @@ const c10::Symbol& param_ready_symbol() {
   static const c10::Symbol s = c10::Symbol::fromQualString("ddpx::param_ready");
   return s;
 }
+const c10::Symbol& param_ready_optional_symbol() {  // for Optional[Tensor] attributes
+  static const c10::Symbol s = c10::Symbol::fromQualString("ddpx::param_ready_optional");
+  return s;
+}
+bool is_gate(const Node* n) {
+  return n->kind() == param_ready_symbol() || n->kind() == param_ready_optional_symbol();
+}
 
 // The reads of parameters and buffers in `block` and the blocks nested in it.
 void find_reads(Block* block, std::vector<Node*>* out) {
@@ -47,10 +54,12 @@ int gate_graph(Graph& graph) {
     torch::jit::Value* v = read->output();
     const auto& uses = v->uses();
     const bool done = !uses.empty() && std::all_of(uses.begin(), uses.end(), [](const auto& u) {
-      return u.user->kind() == param_ready_symbol();
+      return is_gate(u.user);
     });
     if (done || uses.empty()) continue;
-    Node* gate = graph.create(param_ready_symbol(), {v}, 1);
+    const bool optional = !v->type()->isSubtypeOf(*c10::TensorType::get());
+    Node* gate =
+        graph.create(optional ? param_ready_optional_symbol() : param_ready_symbol(), {v}, 1);
     gate->insertAfter(read);
     gate->output()->setType(v->type());
     v->replaceAllUsesAfterNodeWith(gate, gate->output());

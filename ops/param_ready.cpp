@@ -8,14 +8,23 @@
 #include "hooks/param_gate.h"
 
 namespace {
-// (Optional: a conv's bias is an Optional[Tensor] attribute.)
-std::optional<at::Tensor> param_ready(const std::optional<at::Tensor>& t) {
+at::Tensor param_ready(const at::Tensor& t) {
+  ddpx::hooks::wait_gate(t);
+  return t;
+}
+
+// For Optional[Tensor] attributes (a conv's bias).
+std::optional<at::Tensor> param_ready_optional(const std::optional<at::Tensor>& t) {
   if (t.has_value() && t->defined()) ddpx::hooks::wait_gate(*t);
   return t;
 }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ddpx, m) {
-  m.def("param_ready(Tensor(a)? self) -> Tensor(a)?");
+  m.def("param_ready(Tensor(a) self) -> Tensor(a)");
+  m.def("param_ready_optional(Tensor(a)? self) -> Tensor(a)?");
 }
-TORCH_LIBRARY_IMPL(ddpx, CompositeImplicitAutograd, m) { m.impl("param_ready", &param_ready); }
+TORCH_LIBRARY_IMPL(ddpx, CompositeImplicitAutograd, m) {
+  m.impl("param_ready", &param_ready);
+  m.impl("param_ready_optional", &param_ready_optional);
+}

@@ -46,16 +46,20 @@ struct Reads {
 
 void count_reads(torch::jit::Block* block, Reads* r) {
   static const auto kGate = c10::Symbol::fromQualString("ddpx::param_ready");
+  static const auto kOptionalGate = c10::Symbol::fromQualString("ddpx::param_ready_optional");
+  auto is_gate = [](const torch::jit::Node* n) {
+    return n->kind() == kGate || n->kind() == kOptionalGate;
+  };
   for (torch::jit::Node* n : block->nodes()) {
     for (auto* b : n->blocks()) count_reads(b, r);
-    if (n->kind() == kGate) ++r->gates;
+    if (is_gate(n)) ++r->gates;
     if (n->kind() != c10::prim::GetAttr) continue;
     const auto cls = n->input(0)->type()->cast<c10::ClassType>();
     if (!cls) continue;
     const auto slot = cls->findAttributeSlot(n->s(c10::attr::name));
     if (!slot || !(cls->is_parameter(*slot) || cls->is_buffer(*slot))) continue;
     bool gated = true;
-    for (const auto& u : n->output()->uses()) gated = gated && u.user->kind() == kGate;
+    for (const auto& u : n->output()->uses()) gated = gated && is_gate(u.user);
     ++(gated ? r->gated : r->ungated);
   }
 }
@@ -93,11 +97,11 @@ TEST(GradSyncGated, GraphPassGatesEveryReadOnce) {
   EXPECT_EQ(reads_of(m).gates, before.ungated);
   // The op alone (no update pending) is the identity.
   const at::Tensor w = m.attr("emb").toModule().attr("weight").toTensor();
-  const auto out = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ddpx::param_ready", "")
-                       .typed<std::optional<at::Tensor>(const std::optional<at::Tensor>&)>()
-                       .call(w);
-  EXPECT_TRUE(out.has_value() && out->is_same(w));
+  const at::Tensor out = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ddpx::param_ready", "")
+                             .typed<at::Tensor(const at::Tensor&)>()
+                             .call(w);
+  EXPECT_TRUE(out.is_same(w));
 }
 
 // The op blocks while its tensor's gate is closed and returns it once the
@@ -111,13 +115,9 @@ TEST(GradSyncGated, ParamReadyWaitsForItsGate) {
     EXPECT_LT(t0, t1);
     waited.push_back(i);
   });
-  auto typed = c10::Dispatcher::singleton()
-                   .findSchemaOrThrow("ddpx::param_ready", "")
-                   .typed<std::optional<at::Tensor>(const std::optional<at::Tensor>&)>();
-  struct {
-    decltype(typed) f;
-    at::Tensor call(const at::Tensor& t) const { return *f.call(t); }
-  } op{typed};
+  auto op = c10::Dispatcher::singleton()
+                .findSchemaOrThrow("ddpx::param_ready", "")
+                .typed<at::Tensor(const at::Tensor&)>();
   gates->close_all();
   EXPECT_FALSE(gates->passed(0));
   auto read_a = std::async(std::launch::async, [&] { return op.call(a); });
