@@ -1,8 +1,12 @@
 #pragma once
-// Shared by the multi-rank GoogleTest suites: one world backend per process
-// and the rank-dependent values whose reductions are exact in every dtype.
+// Shared by the multi-rank GoogleTest suites: one world backend per process,
+// the rank-dependent values whose reductions are exact in every dtype, and
+// the text of an expected error.
 #include <ATen/ATen.h>
 #include <ddpx/comm.h>
+
+#include <functional>
+#include <string>
 
 namespace ddpx::test {
 
@@ -24,6 +28,17 @@ inline at::Tensor rank_values(int rank, int64_t n, at::ScalarType dtype) {
   auto idx = at::arange(n, at::kLong);
   if (dtype == at::kBool) return ((idx + rank) % 2).eq(0);
   return (1 + (idx + rank) % 3).to(dtype);
+}
+
+// The message of the c10::Error that fn throws (without backtrace); "" if it
+// throws none.
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
 }
 
 }  // namespace ddpx::test

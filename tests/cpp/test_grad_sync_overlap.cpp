@@ -245,14 +245,7 @@ INSTANTIATE_TEST_SUITE_P(Modes, GradSyncOverlap, ::testing::ValuesIn(kCases),
 
 // ---- misuse ------------------------------------------------------------------
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using ddpx::test::error_of;
 
 TEST(GradSyncOverlapErrors, OverlapWithoutOptimizerFailsAtBackward) {
   auto& pg = world();

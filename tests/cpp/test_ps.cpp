@@ -27,6 +27,7 @@
 #include "plugin/ps/layout.h"
 #include "plugin/ps/session_state.h"
 #include "plugin/ps/wire.h"
+#include "mpi_test_util.h"
 
 namespace ps = ddpx::ps;
 
@@ -435,14 +436,7 @@ INSTANTIATE_TEST_SUITE_P(Ps, PsCodec,
                            return s;
                          });
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using ddpx::test::error_of;
 
 TEST(PsErrors, BadOptionsNameTheArgument) {
   const int n = world_size();

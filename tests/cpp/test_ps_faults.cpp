@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "plugin/comm/mpi_env.h"
+#include "mpi_test_util.h"
 
 namespace ps = ddpx::ps;
 using Clock = std::chrono::steady_clock;
@@ -38,14 +39,7 @@ std::vector<at::Tensor> params() { return {at::ones({7}).requires_grad_(true)}; 
 
 void step(const std::vector<at::Tensor>& p) { p[0].mutable_grad() = at::full({7}, 0.5); }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using ddpx::test::error_of;
 
 TEST(PsFaults, FrozenServerFailsTheWorkersInTime) {
   const int size = ddpx::comm::detail::MpiEnv::get().world_size();

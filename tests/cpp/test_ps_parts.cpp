@@ -12,6 +12,7 @@
 #include "plugin/comm/codec_message.h"
 #include "plugin/ps/gate.h"
 #include "plugin/ps/layout.h"
+#include "mpi_test_util.h"
 
 using ddpx::comm::MessageCodec;
 using ddpx::ps::Consistency;
@@ -23,14 +24,7 @@ using ddpx::ps::detail::Ticket;
 
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using ddpx::test::error_of;
 
 TEST(PsLayout, BalancedAndSplitsTensors) {
   const std::vector<int64_t> numels = {65, 13, 39, 3};  // 120 elements
