@@ -199,45 +199,30 @@ TEST_P(GradSyncOverlap, BitwiseEqualToOptimizerAfterBackward) {
   EXPECT_FALSE(at::equal(want[0], init[0])) << "the reference did not train";
 }
 
-TrainRun with(Overlap o, Opt opt, Unused u = Unused::Predict) {
+TrainRun with(Overlap o, Opt opt, Unused u = Unused::Predict, int micro = 1,
+              std::string codec = "none", int resume_at = -1) {
   TrainRun r;
   r.overlap = o;
   r.opt = opt;
   r.unused = u;
+  r.micro = micro;
+  r.codec = std::move(codec);
+  r.resume_at = resume_at;
   return r;
 }
 
+constexpr Unused kPredict = Unused::Predict;
 const Case kCases[] = {
     {"OptimizerSgdNesterov", with(Overlap::Optimizer, Opt::SgdNesterov)},
     {"OptimizerAdamW", with(Overlap::Optimizer, Opt::AdamW)},
     {"NextForwardSgdNesterov", with(Overlap::NextForward, Opt::SgdNesterov)},
     {"NextForwardAdamW", with(Overlap::NextForward, Opt::AdamW)},
     {"NextForwardAdamExact", with(Overlap::NextForward, Opt::Adam, Unused::Exact)},
-    {"NextForwardNoSync", [] {
-       TrainRun r = with(Overlap::NextForward, Opt::SgdNesterov);
-       r.micro = 2;
-       return r;
-     }()},
-    {"NextForwardCodecFp16", [] {
-       TrainRun r = with(Overlap::NextForward, Opt::AdamW);
-       r.codec = "fp16";
-       return r;
-     }()},
-    {"OptimizerCodecTopk", [] {
-       TrainRun r = with(Overlap::Optimizer, Opt::SgdNesterov);
-       r.codec = "topk:0.3";
-       return r;
-     }()},
-    {"NextForwardResumed", [] {
-       TrainRun r = with(Overlap::NextForward, Opt::AdamW);
-       r.resume_at = 85;
-       return r;
-     }()},
-    {"OptimizerResumedSgd", [] {
-       TrainRun r = with(Overlap::Optimizer, Opt::SgdNesterov);
-       r.resume_at = 131;
-       return r;
-     }()},
+    {"NextForwardNoSync", with(Overlap::NextForward, Opt::SgdNesterov, kPredict, 2)},
+    {"NextForwardCodecFp16", with(Overlap::NextForward, Opt::AdamW, kPredict, 1, "fp16")},
+    {"OptimizerCodecTopk", with(Overlap::Optimizer, Opt::SgdNesterov, kPredict, 1, "topk:0.3")},
+    {"NextForwardResumed", with(Overlap::NextForward, Opt::AdamW, kPredict, 1, "none", 85)},
+    {"OptimizerResumedSgd", with(Overlap::Optimizer, Opt::SgdNesterov, kPredict, 1, "none", 131)},
 };
 
 INSTANTIATE_TEST_SUITE_P(Modes, GradSyncOverlap, ::testing::ValuesIn(kCases),
