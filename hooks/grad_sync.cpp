@@ -75,6 +75,11 @@ void GradSync::Impl::finish_step() {
                   "Unused::Exact. The other ranks will time out waiting for this one.");
     }
     launch_held_locked();
+    // Read by mark_ready_locked above; the next no_sync backward may set
+    // them again while this step completes on the worker.
+    for (size_t p = 0; p < params.size(); ++p) {
+      accumulated[p].store(false, std::memory_order_relaxed);
+    }
   }
   // Step-end agreement on channel 0, after every reliable bucket (a late one
   // goes after it): which parameters were used anywhere (MAX of local
@@ -104,13 +109,16 @@ void GradSync::Impl::finish_step() {
   end_agree = agree_max(flags, "ddpx::step_agreement", &agree_t0, &agree_t1);
   end_f0 = f0;
   end_cpu_us = us_since(f0, Clock::now());
-  if (!gates) {
+  step_stale = stale_now();
+  stats.stale = step_stale;
+  ++synced_steps;
+  if (!gates && !step_stale) {
     complete_step();
     return;
   }
   // NextForward: backward returns now; each parameter's gate opens when its
-  // update has landed.
-  gates->close_all();
+  // update has landed. Stale: the update waits for the next backward's end.
+  if (gates) gates->close_all();
   completing = worker->submit([this](c10d::ProcessGroup&) {
     try {
       complete_step();
@@ -120,7 +128,7 @@ void GradSync::Impl::finish_step() {
         std::lock_guard<std::mutex> lock(mu);
         active = false;
       }
-      gates->fail(completion_error);
+      if (gates) gates->fail(completion_error);
     }
   });
 }
@@ -203,7 +211,7 @@ void GradSync::Impl::complete_step() {
   }
   for (int b : seq) {
     take(futures[b]);
-    if (!optimizer || error) continue;
+    if (!optimizer || error || step_stale) continue;
     if (needs_agreement(b)) settle();
     if (!error) apply_bucket(b, agreed ? flags.const_data_ptr<int>() : nullptr);
   }
@@ -243,7 +251,9 @@ void GradSync::Impl::complete_step() {
   // forward; nothing changes buffers in between). Waiting for the wire here
   // is exposed communication, not our CPU.
   double buffers_us = 0;
-  if (opts.broadcast_buffers_ && world > 1 && !buffers.empty()) {
+  // (A stale step broadcasts them in its final callback: the next forward
+  // is running by now.)
+  if (opts.broadcast_buffers_ && world > 1 && !buffers.empty() && !step_stale) {
     const auto b0 = Clock::now();
     try {
       hooks::Range r("ddpx::broadcast_buffers");
@@ -258,7 +268,7 @@ void GradSync::Impl::complete_step() {
   std::lock_guard<std::mutex> lock(mu);
   const auto f1 = Clock::now();
   const auto f0 = end_f0;
-  stats.exposed_comm_us = gates ? end_cpu_us : us_since(f0, f1);
+  stats.exposed_comm_us = gates || step_stale ? end_cpu_us : us_since(f0, f1);
   for (const auto& b : stats.buckets) {
     stats.comm_us += b.complete_us - b.launch_us;
     stats.bytes_reduced += b.bytes;
@@ -275,7 +285,10 @@ void GradSync::Impl::complete_step() {
   expected_unused.clear();
   early_used.clear();
   clear_declared_locked();
-  for (int p = 0; p < n; ++p) accumulated[p].store(false, std::memory_order_relaxed);
+  if (step_stale) {
+    stale_used.assign(fl, fl + n);
+    stale_pending = true;
+  }
   active = false;
   if (profiler->flush_due()) flush_trace();  // the first step after the window
 }
@@ -398,7 +411,13 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
   std::vector<char> late(o + n, o + 2 * n);
   std::vector<char> cuts(o + 2 * n, o + 3 * n);
   std::vector<char> held(o + 3 * n, o + 4 * n);
-  replan(order, std::move(late), cuts, held);
+  if (step_stale) {
+    // The step's averages still sit in the current slots, to be applied at
+    // the end of the next backward: the new plan waits for that.
+    deferred_replan = Replan{std::move(order), std::move(late), std::move(cuts), std::move(held)};
+  } else {
+    replan(order, std::move(late), cuts, held);
+  }
   priority_change_steps = 0;
   timing_gain_steps = 0;
   ++replans;

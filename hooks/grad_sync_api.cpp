@@ -93,6 +93,25 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
                   "the optimizer on CPU tensors only so far (use Overlap::None on devices)");
     }
   }
+  TORCH_CHECK(options.staleness_ == 0 || options.staleness_ == 1, "GradSync: staleness is ",
+              options.staleness_, "; it must be 0 (exact) or 1 (each update one step late)");
+  TORCH_CHECK(options.stale_warmup_ >= 0, "GradSync: stale_warmup is ", options.stale_warmup_,
+              "; it must be >= 0 (synchronous steps before the stale ones)");
+  if (options.staleness_ > 0) {
+    TORCH_CHECK(options.overlap_ == Overlap::Optimizer, "GradSync: staleness(1) applies each "
+                "step's update at the end of the next backward, with the optimizer GradSync "
+                "steps: it needs overlap(Overlap::Optimizer)",
+                options.overlap_ == Overlap::NextForward
+                    ? " (NextForward's gates would have nothing to wait for: the next forward "
+                      "runs on the parameters before the update anyway)"
+                    : "");
+    TORCH_CHECK(options.unused_ != Unused::Exact, "GradSync: staleness(1) does not take "
+                "Unused::Exact (use Unused::Predict: the step is exact about unused "
+                "parameters anyway, at its end)");
+    TORCH_CHECK(options.sparse_params_.empty(), "GradSync: staleness(1) reduces dense "
+                "gradients only; sparse_params names '", options.sparse_params_.front(), "'");
+    I.worker = std::make_unique<hooks::Channel>(pg);  // a thread; its group is not used
+  }
   if (options.overlap_ == Overlap::NextForward) {
     std::vector<at::Tensor> gated = params;
     std::vector<std::string> gated_names = names;
@@ -172,6 +191,8 @@ GradSync::GradSync(const torch::jit::Module& module, comm::ProcessGroupPtr pg,
 
 void GradSync::declare_unused(const std::vector<std::string>& names_or_prefixes) {
   auto& I = *impl_;
+  TORCH_CHECK(I.opts.staleness_ == 0, "GradSync: declare_unused does not work with "
+              "staleness(1) (the declaration would meet the last step's gradients)");
   I.join();  // (its collective must follow the last step's, on every rank alike)
   TORCH_CHECK(!I.no_sync.load(std::memory_order_relaxed),
               "GradSync: declare_unused applies to a synced backward; call it outside no_sync "
@@ -215,7 +236,7 @@ void GradSync::declare_unused(const std::vector<std::string>& names_or_prefixes)
 
 GradSync::~GradSync() {
   try {
-    impl_->join();
+    impl_->drain();  // staleness(1): the last update lands, not lost
   } catch (const std::exception& e) {
     TORCH_WARN("GradSync: the last step failed after its backward returned: ", e.what());
   }
@@ -284,14 +305,15 @@ void GradSync::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
 
 GradSync::NoSyncGuard::NoSyncGuard(GradSync& s) : s_(s) {
   // NextForward: micro-batches accumulate into the slots, which the last
-  // step's updates must have consumed.
-  s_.synchronize();
+  // step's updates must have consumed. (Stale: they go into the set not in
+  // flight; the pending update need not land first.)
+  if (s_.impl_->gates) s_.synchronize();
   s_.impl_->no_sync = true;
 }
 GradSync::NoSyncGuard::~NoSyncGuard() { s_.impl_->no_sync = false; }
 
 GradSync::State GradSync::state() const {
-  impl_->join();
+  impl_->drain();
   const auto& I = *impl_;
   State s;
   for (const auto& b : I.plan)
@@ -303,7 +325,7 @@ GradSync::State GradSync::state() const {
 
 void GradSync::load_state(const State& s) {
   auto& I = *impl_;
-  I.join();
+  I.drain();
   const size_t n = I.params.size();
   std::vector<int> order(s.plan_order.begin(), s.plan_order.end());
   std::vector<char> seen(n, 0);

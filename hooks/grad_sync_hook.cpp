@@ -61,13 +61,13 @@ bool GradSync::Impl::gather_grad(int p, const at::Tensor& g) {
   return false;
 }
 
-void GradSync::Impl::begin_step_locked() {
+void GradSync::Impl::begin_step_locked(const Clock::time_point* replay_start) {
   TORCH_CHECK(opts.overlap_ == Overlap::None || optimizer, "GradSync: GradSyncOptions::overlap "
               "is ", opts.overlap_ == Overlap::Optimizer ? "Optimizer" : "NextForward",
               ", which steps the optimizer bucket by bucket: give it with set_optimizer before "
               "the first backward");
   active = true;
-  t0 = Clock::now();
+  t0 = replay_start ? *replay_start : Clock::now();
   stats = StepStats{};
   stats.step = last.step + 1;
   if (optimizer) optimizer->snapshot();  // this step's options: a schedule moves on meanwhile
@@ -96,7 +96,9 @@ void GradSync::Impl::begin_step_locked() {
   }
   hook_cpu_us = 0;
   profiler->begin_step(stats.step, t0, static_cast<int>(plan.size()));
-  torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_step(); });
+  if (!replay_start) {
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_step(); });
+  }
   skipped_in.assign(plan.size(), 0);
   declared_surprises.clear();
   declare_error = nullptr;
@@ -238,6 +240,10 @@ void GradSync::Impl::launch_bucket_locked(int b, const std::vector<char>& anywhe
 void GradSync::Impl::on_grad(int p) {
   if (no_sync.load(std::memory_order_relaxed)) {
     accumulated[p].store(true, std::memory_order_relaxed);
+    return;
+  }
+  if (stale_now()) {
+    on_stale_grad(p);  // the rest runs in the step's final callback (finish_stale)
     return;
   }
   if (gates) {

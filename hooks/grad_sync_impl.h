@@ -161,6 +161,38 @@ struct GradSync::Impl {
   Clock::time_point end_f0;
   double end_cpu_us = 0;
   std::vector<char> used_here;  // per parameter: a gradient here this step (or no_sync's)
+  // ---- one step stale (GradSyncOptions::staleness) ---------------------------
+  // Two sets of bucket tensors: storage/views hold the step in flight (its
+  // reductions run during the next step), spare/spare_views the next one
+  // (.grad points there, so backward accumulates into it). A stale step's
+  // hooks only note arrivals; its final callback (finish_stale) waits for
+  // the last step, applies its update, swaps the sets and replays them.
+  std::vector<at::Tensor> spare_storage, spare_views;
+  std::atomic<int64_t> synced_steps{0};  // finish_step calls so far (the warm-up)
+  bool step_stale = false;  // the step being completed is stale (finish_step sets it)
+  std::mutex stale_mu;      // a stale step's arrivals, noted by the hooks
+  bool stale_open = false;
+  Clock::time_point stale_t0;
+  std::vector<std::pair<int, Clock::time_point>> stale_arrivals;
+  bool stale_pending = false;    // the last step's update waits for apply_stale
+  std::vector<int> stale_used;   // its agreed used flags
+  struct Replan {
+    std::vector<int> order;
+    std::vector<char> late, cuts, held;
+  };
+  std::optional<Replan> deferred_replan;  // agreed by a stale step: after its update
+  bool stale_now() const {
+    return opts.staleness_ > 0 && synced_steps.load() >= opts.stale_warmup_;
+  }
+  void on_stale_grad(int p);
+  // The final callback of a stale step.
+  void finish_stale();
+  // The pending update, the sets swapped, a deferred re-plan (between steps).
+  void apply_stale();
+  // join() and apply_stale(): nothing left in flight or pending.
+  void drain();
+  // After a failed stale step: both sets zeroed, .grad on storage again.
+  void stale_reset();
   StepStats stats, last;
   Clock::time_point t0;
   Clock::time_point agree_t0, agree_t1;  // the step-end agreement, on channel 0
@@ -202,15 +234,11 @@ struct GradSync::Impl {
       for (auto& b : plan) b.held = !b.params.empty() && held[b.params.front()] != 0;
     }
     plan_late = late.empty() ? std::vector<char>(params.size(), 0) : std::move(late);
-    storage.clear();
     keys.clear();
     shapes.assign(plan.size(), {});
     bucket_of.assign(params.size(), -1);
     offset_of.assign(params.size(), 0);
-    views.assign(params.size(), at::Tensor());
     for (size_t b = 0; b < plan.size(); ++b) {
-      storage.push_back(at::zeros({plan[b].numel},
-                                  at::TensorOptions().dtype(plan[b].dtype).device(plan[b].device)));
       keys.push_back("bucket" + std::to_string(b));
       int64_t off = 0;
       for (int p : plan[b].params) {
@@ -218,13 +246,30 @@ struct GradSync::Impl {
         if (plan[b].sparse) continue;  // no slot: its rows travel apart
         offset_of[p] = static_cast<int>(off);
         shapes[b].push_back(params[p].sizes().vec());
-        // detach(): an alias, not an autograd view; LibTorch's
-        // Optimizer::zero_grad calls detach_() on .grad, which views reject.
-        views[p] = storage[b].narrow(0, off, info[p].numel).view(params[p].sizes()).detach();
         off += info[p].numel;
       }
     }
+    std::tie(storage, views) = make_slots();
+    if (opts.staleness_ > 0) {
+      std::tie(spare_storage, spare_views) = make_slots();
+    }
     if (optimizer) optimizer->plan(bucket_params());
+  }
+
+  // Zeroed bucket tensors for the plan, and each parameter's slot in them.
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> make_slots() const {
+    std::vector<at::Tensor> flat, slot(params.size());
+    for (size_t b = 0; b < plan.size(); ++b) {
+      flat.push_back(at::zeros({plan[b].numel},
+                               at::TensorOptions().dtype(plan[b].dtype).device(plan[b].device)));
+      if (plan[b].sparse) continue;
+      for (int p : plan[b].params) {
+        // detach(): an alias, not an autograd view; LibTorch's
+        // Optimizer::zero_grad calls detach_() on .grad, which views reject.
+        slot[p] = flat[b].narrow(0, offset_of[p], info[p].numel).view(params[p].sizes()).detach();
+      }
+    }
+    return {std::move(flat), std::move(slot)};
   }
 
   std::vector<std::vector<int>> bucket_params() const {
@@ -261,7 +306,9 @@ struct GradSync::Impl {
   bool gather_grad(int p, const at::Tensor& g);
 
   // First hook of a backward: reset the step and queue the final callback.
-  void begin_step_locked();
+  // A stale step's replay (finish_stale) gives its first hook's time and
+  // runs the final callback itself.
+  void begin_step_locked(const Clock::time_point* replay_start = nullptr);
 
   // Bucket b's slots are being written on this thread's current stream.
   void note_writer_locked(int b);
@@ -452,7 +499,9 @@ struct GradSync::Impl {
   // Bucket b's averages to .grad and its parameters stepped (`agreed`: the
   // agreed used flags; null: all of b was used here), .grad consumed, the
   // gates opened.
-  void apply_bucket(int b, const int* agreed);
+  // `stale`: the update of the step before (apply_stale): .grad holds the
+  // next step's gradient, so the average stands in for it during the update.
+  void apply_bucket(int b, const int* agreed, bool stale = false);
   // The step-end agreement flagged a surprise gradient: the error.
   std::exception_ptr surprise_error();
   [[noreturn]] void fail_step(std::exception_ptr error);

@@ -5,6 +5,8 @@
 // read waiting at its own gate (hooks/param_gate.h).
 #include <torch/optim/optimizer.h>
 
+#include <utility>
+
 #include "hooks/grad_sync_impl.h"
 
 namespace ddpx {
@@ -18,17 +20,30 @@ bool GradSync::Impl::needs_agreement(int b) const {
   return false;
 }
 
-void GradSync::Impl::apply_bucket(int b, const int* agreed) {
+void GradSync::Impl::apply_bucket(int b, const int* agreed, bool stale) {
   at::NoGradGuard no_grad;
   std::vector<int> stepped;
   for (int p : plan[b].params) {
     const bool used = agreed ? agreed[p] != 0 : true;
-    write_back_param(p, used);
+    // (Stale: the slot is the average; .grad is the next step's.)
+    if (!stale || !used) write_back_param(p, used);
     // Unused on every rank: not stepped, as optimizer.step() skips a
     // parameter whose .grad zero_grad() set to none.
     if (used && optimizer->steps(p)) stepped.push_back(p);
   }
+  std::vector<at::Tensor> next;  // stale: the next step's .grad, set aside
+  if (stale) {
+    for (int p : stepped) next.push_back(std::exchange(params[p].mutable_grad(), views[p]));
+  }
   optimizer->apply(b, stepped);
+  if (stale) {
+    // The whole set becomes the one the step after next accumulates into.
+    storage[b].zero_();
+    for (size_t i = 0; i < stepped.size(); ++i) {
+      params[stepped[i]].mutable_grad() = std::move(next[i]);
+    }
+    return;
+  }
   // The update consumed the gradient: the next backward starts from zero
   // (in the slot, so it still accumulates straight into the bucket).
   for (int p : stepped) {
@@ -49,7 +64,8 @@ void GradSync::Impl::join() {
   if (!completion_error) return;
   auto e = std::move(completion_error);
   completion_error = nullptr;
-  gates->reset();
+  if (gates) gates->reset();
+  if (opts.staleness_ > 0) stale_reset();
   std::rethrow_exception(e);
 }
 
@@ -58,15 +74,23 @@ void GradSync::set_optimizer(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(I.opts.overlap_ != Overlap::None, "GradSync::set_optimizer: GradSyncOptions::"
               "overlap is Overlap::None, where the trainer steps its optimizer after backward; "
               "choose Overlap::Optimizer or Overlap::NextForward to have GradSync step it");
-  I.join();
+  I.drain();
   std::lock_guard<std::mutex> lock(I.mu);
   TORCH_CHECK(!I.active, "GradSync::set_optimizer: called during backward");
-  I.optimizer = std::make_unique<hooks::BucketOptimizer>(optimizer, I.params, I.names);
+  auto next = std::make_unique<hooks::BucketOptimizer>(optimizer, I.params, I.names);
+  for (size_t p = 0; I.opts.staleness_ > 0 && p < I.params.size(); ++p) {
+    // Its average would sit in the slot the step after next accumulates into.
+    TORCH_CHECK(next->steps(static_cast<int>(p)), "GradSync::set_optimizer: parameter '",
+                I.names[p], "' is not in the optimizer; with staleness(1) it must step every "
+                "parameter GradSync synchronises");
+  }
+  I.optimizer = std::move(next);
   I.optimizer->plan(I.bucket_params());
 }
 
 void GradSync::synchronize() {
   auto& I = *impl_;
+  if (I.opts.staleness_ > 0) I.drain();
   if (!I.gates) return;
   I.join();
   I.gates->wait_all();

@@ -142,6 +142,17 @@ struct GradSyncOptions {
   // by rank 0, the same on every rank), so the next forward's first gates
   // open first. Off: first in, first out.
   DDPX_OPT(bool, priority, true)
+  // One step stale (0 or 1; 1 needs Overlap::Optimizer): step t's gradients
+  // are averaged during step t+1's forward and backward and applied at the
+  // end of step t+1's backward, before its own go out, so a step costs
+  // about max(compute, communication). Inexact by design: step t+1's
+  // gradients are computed on parameters that lack step t's update. The
+  // first stale_warmup synced steps are synchronous. synchronize() (and
+  // state(), load_state(), set_optimizer(), the destructor) applies the
+  // update still pending, so a checkpoint after it has nothing in flight.
+  // Not with Unused::Exact, declare_unused or sparse gradients (refused).
+  DDPX_OPT(int, staleness, 0)
+  DDPX_OPT(int, stale_warmup, 10)
 #undef DDPX_OPT
   // Extra process groups: buckets go round-robin over {pg, channels...}.
   std::vector<comm::ProcessGroupPtr> channels;
@@ -164,6 +175,10 @@ struct StepStats {
   // at parameter gates for the previous step's updates, and how often.
   double gate_wait_us = 0;
   int64_t gate_waits = 0;
+  // GradSyncOptions::staleness: this step's update is applied at the end of
+  // the next backward (exposed_comm_us is then the end of this backward:
+  // the wait for the last step's reductions, its update, the launches).
+  bool stale = false;
   struct Bucket {
     int index;
     int channel;
@@ -245,7 +260,9 @@ class GradSync {
   // outside a gated forward (a checkpoint, the optimizer's state, your own
   // collectives on GradSync's groups); GradSync's own methods (no_sync,
   // declare_unused, prepare_for_backward, state, ...) call it themselves.
-  // Otherwise a no-op.
+  // GradSyncOptions::staleness(1): waits for the last step's reductions and
+  // applies its update, which would otherwise land at the end of the next
+  // backward. Otherwise a no-op.
   void synchronize();
   // Overlap::NextForward: waits for these parameters' (or buffers') updates.
   // A scripted model's reads are gated by the graph pass the jit::Module
