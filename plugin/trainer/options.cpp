@@ -81,6 +81,16 @@ Options parse_options(int argc, char** argv) {
                    "(both bit for bit equal to none)")
       ->check(CLI::IsMember({"none", "optimizer", "next-forward"}))
       ->capture_default_str();
+  sync->add_option("--staleness", o.staleness,
+                   "1: each step's gradients are averaged during the next step and applied at "
+                   "the end of its backward (inexact: one step stale; implies --overlap "
+                   "optimizer); 0: exact")
+      ->check(CLI::Range(0, 1))
+      ->capture_default_str();
+  sync->add_option("--stale-warmup", o.stale_warmup,
+                   "with --staleness 1: synchronous steps first")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   sync->add_option("--channels", o.channels, "process groups used round-robin for buckets")
       ->check(CLI::Range(1, 16))
       ->capture_default_str();

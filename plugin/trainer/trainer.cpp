@@ -112,9 +112,12 @@ void run(const Options& o) {
       .first_bucket_mb(o.first_bucket_mb)
       .codec(o.codec)
       .unused(parse_unused(o.unused))
-      .overlap(o.overlap == "optimizer"      ? Overlap::Optimizer
+      .overlap(o.overlap == "optimizer" || (o.overlap == "none" && o.staleness > 0)
+                   ? Overlap::Optimizer
                : o.overlap == "next-forward" ? Overlap::NextForward
-                                             : Overlap::None);
+                                             : Overlap::None)
+      .staleness(o.staleness)
+      .stale_warmup(o.stale_warmup);
   const bool stepped_by_sync = so.overlap_ != Overlap::None;
   // A shared pattern is declared to GradSync each step: each block gets
   // buckets of its own, which a dropped block skips whole.
@@ -208,8 +211,9 @@ void run(const Options& o) {
     w_count += double(o.batch_size);
 
     const bool log_now = pos.step % o.log_every == 0 || pos.step == total;
-    // Next-forward: the step's collectives may still be running on pg, and
-    // a checkpoint must hold the updated parameters and state.
+    // Next-forward and stale: the step's collectives may still be running on
+    // pg, and a checkpoint must hold the updated parameters and state (stale:
+    // the pending update lands here, a step early).
     const bool save_now = o.checkpoint_every > 0 && pos.step % o.checkpoint_every == 0;
     if (log_now || save_now || pos.step == total) sync.synchronize();
     if (log_now) {
@@ -288,7 +292,8 @@ void run(const Options& o) {
                                 {"bytes_sent_per_step", prof.bytes_sent},
                                 {"compression", prof.compression},
                                 {"layer_drop", drop.describe()},
-                                {"overlap", o.overlap}}
+                                {"overlap", o.overlap},
+                                {"staleness", o.staleness}}
                      .dump()
               << std::endl;
     }

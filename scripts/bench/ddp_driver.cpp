@@ -55,7 +55,7 @@ struct Args {
   std::vector<std::string> variants{"compute",       "comm_gloo",     "comm_mpi",
                                     "naive",         "gradsync_gloo", "gradsync_mpi",
                                     "gradsync_copy", "gradsync_solo", "gradsync_opt",
-                                    "gradsync_gated"};
+                                    "gradsync_gated", "gradsync_stale"};
   int warmup = 3, steps = 5, threads = 1;
   double bucket_cap_mb = 25.0;
   bool zero_in_place = false;  // zero_grad(set_to_none=false)
@@ -141,10 +141,14 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   const bool exact = std::find(a.exact.begin(), a.exact.end(), model) != a.exact.end();
   // With an optimizer step (SGD, momentum): gradsync_opt steps it after
   // backward (the synchronous path), gradsync_gated gives it to GradSync
-  // under Overlap::NextForward (updates land during the next forward).
+  // under Overlap::NextForward (updates land during the next forward),
+  // gradsync_stale one step stale (each step's reductions overlap all of
+  // the next step; its update lands at the end of that step's backward).
   const bool gated = variant == "gradsync_gated";
+  const bool stale = variant == "gradsync_stale";
+  const bool by_sync = gated || stale;  // GradSync steps the optimizer
   std::optional<torch::optim::SGD> sgd;
-  if (variant == "gradsync_opt" || gated) {
+  if (variant == "gradsync_opt" || by_sync) {
     sgd.emplace(params, torch::optim::SGDOptions(1e-4).momentum(0.9));
   }
   if (variant.rfind("gradsync_", 0) == 0) {
@@ -153,8 +157,12 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
                      .bucket_cap_mb(a.bucket_cap_mb)
                      .gradient_as_bucket_view(variant != "gradsync_copy")
                      .unused(exact ? ddpx::Unused::Exact : ddpx::Unused::Predict)
-                     .overlap(gated ? ddpx::Overlap::NextForward : ddpx::Overlap::None));
-    if (gated) sync->set_optimizer(*sgd);
+                     .overlap(gated   ? ddpx::Overlap::NextForward
+                              : stale ? ddpx::Overlap::Optimizer
+                                      : ddpx::Overlap::None)
+                     .staleness(stale ? 1 : 0)
+                     .stale_warmup(0));  // (the untimed warm-up steps are stale too)
+    if (by_sync) sync->set_optimizer(*sgd);
   }
   ddpx::GradSync* exact_sync = sync && exact ? &*sync : nullptr;
   std::vector<at::Tensor> bufs;
@@ -188,7 +196,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   if (variant == "compute" || sync) {
     step_fn = [&](int64_t s) {
       forward_backward(m, s, rank, exact_sync, &phases);
-      if (sgd && !gated) sgd->step();
+      if (sgd && !by_sync) sgd->step();
     };
   } else if (variant == "naive") {
     step_fn = [&](int64_t s) {
@@ -222,16 +230,16 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     std::fill(arrived.begin(), arrived.end(), -1.0);  // -1: no gradient (yet)
     const auto t0 = Clock::now();
     step_fn(s);
-    if (!gated) zero_grad(params, a.zero_in_place);  // (gated: GradSync's updates consume them)
+    if (!by_sync) zero_grad(params, a.zero_in_place);  // (else GradSync's updates consume them)
     const double dt = ms_since(t0);
     if (s < a.warmup) continue;
     ms.push_back(dt);
     fwd_ms.push_back(phases.forward);
     bwd_ms.push_back(phases.backward);
     if (variant == "compute") arrivals[s - a.warmup] = arrived;  // into storage allocated up front
-    // (Gated: last_step() would wait for the step's updates, which the
-    // next forward must overlap; its records are read after the loop.)
-    if (sync && !gated) {
+    // (Gated, stale: last_step() would wait for the step's reductions, which
+    // the next step must overlap; its records are read after the loop.)
+    if (sync && !by_sync) {
       const auto& st = sync->last_step();
       hook_us.push_back(st.hook_cpu_us);
       param_hook_us.push_back(st.per_param_hooks_us);
@@ -243,7 +251,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
       buckets = static_cast<int64_t>(st.buckets.size());
     }
   }
-  if (gated) {
+  if (by_sync) {
     sync->synchronize();
     const auto prof = sync->profile();  // medians over every step, warm-up included
     hook_us.push_back(prof.hook_cpu_us);

@@ -81,3 +81,33 @@ def test_next_forward_resumes_bitwise(tmp_path, data_cache):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed from" in r.stdout
     assert_same(ckpt, want)
+
+
+@pytest.mark.parametrize("name", ["lenet", "han"])
+def test_staleness_one_trains_one_step_late(tmp_path, data_cache, name):
+    """--staleness 1: each update lands at the end of the next backward. Not
+    the synchronous parameters (the updates really came late), yet it
+    trains: the loss falls as it does synchronously. (Bit for bit against
+    a late apply: test_grad_sync_stale.cpp.)"""
+    steps = CASES[name][1]
+    want, want_metrics, _ = train(tmp_path, data_cache, name, "none", steps)
+    got, metrics, r = train(tmp_path, data_cache, name, "none", steps, "--staleness", 1,
+                            "--stale-warmup", 5, tag="-stale")
+    records = read_metrics(metrics)
+    assert records[-1]["staleness"] == 1
+    assert "test accuracy" in r.stdout
+    a, _ = checkpoint_tensors(got)
+    b, _ = checkpoint_tensors(want)
+    assert any(not torch.equal(a[k], b[k]) for k in b)
+    steps_logged = [m for m in records if "loss" in m and m.get("event") != "end"]
+    sync_logged = [m for m in read_metrics(want_metrics) if "loss" in m and m.get("event") != "end"]
+    assert steps_logged[-1]["loss"] < steps_logged[0]["loss"]
+    assert steps_logged[-1]["loss"] < 1.5 * sync_logged[-1]["loss"] + 0.05
+
+
+def test_staleness_with_next_forward_is_refused(tmp_path, data_cache):
+    flags, _ = CASES["lenet"]
+    r = run(mpirun_cmd(2, "--model", model("lenet"), "--data-cache", data_cache, "--steps", 5,
+                       *flags, "--overlap", "next-forward", "--staleness", 1))
+    assert r.returncode != 0
+    assert "staleness(1)" in r.stdout + r.stderr
