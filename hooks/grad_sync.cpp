@@ -43,7 +43,8 @@ void GradSync::Impl::fail_step(std::exception_ptr error) {
 
 void GradSync::Impl::finish_step() {
   hooks::Range range("ddpx::final_callback");
-  const auto f0 = Clock::now();
+  const auto f0 = stale_f0 ? *stale_f0 : Clock::now();
+  stale_f0.reset();
   std::vector<std::string> missing;
   {
     std::unique_lock<std::mutex> lock(mu);

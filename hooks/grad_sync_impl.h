@@ -173,6 +173,9 @@ struct GradSync::Impl {
   std::mutex stale_mu;      // a stale step's arrivals, noted by the hooks
   bool stale_open = false;
   Clock::time_point stale_t0;
+  // A stale step's final callback began here (finish_step's end of
+  // backward: what follows, the wait for the last step included, is exposed).
+  std::optional<Clock::time_point> stale_f0;
   std::vector<std::pair<int, Clock::time_point>> stale_arrivals;
   bool stale_pending = false;    // the last step's update waits for apply_stale
   std::vector<int> stale_used;   // its agreed used flags

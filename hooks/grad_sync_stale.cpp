@@ -27,6 +27,7 @@ void GradSync::Impl::on_stale_grad(int p) {
 }
 
 void GradSync::Impl::finish_stale() {
+  const auto f0 = Clock::now();
   std::vector<std::pair<int, Clock::time_point>> arrivals;
   Clock::time_point start;
   {
@@ -68,6 +69,7 @@ void GradSync::Impl::finish_stale() {
       ++stats.hook_calls;
     }
   }
+  stale_f0 = f0;
   finish_step();  // unused parameters, the launches, the agreement; on to the worker
   // The next backward accumulates into the other set (zeroed by the update
   // that freed it), not into the one on the wire.
