@@ -89,8 +89,8 @@ void GradSync::Impl::finish_step() {
   const bool propose = should_replan();
   // [used here (n): 1 + the gradient's sparse_dim (0: dense) | rank 0's
   //  proposal | a surprise gradient | unused here (n) | -(the last
-  //  agreement's round trip here, us)]
-  auto flags = at::zeros({2 * n + 3}, at::kInt);
+  //  agreement's round trip here, us) | rank 0's priority verdict]
+  auto flags = at::zeros({2 * n + 4}, at::kInt);
   used_here.assign(n, 0);
   {
     auto* f = flags.data_ptr<int>();
@@ -105,6 +105,13 @@ void GradSync::Impl::finish_step() {
     // that arrived last, which did not wait for the others (skew).
     f[2 * n + 2] = last_trip_us < 0 ? kNoTrip
                                     : -static_cast<int>(std::min(last_trip_us, 1e9));
+    // Priority, measured: the step's period shows the last step's launch
+    // order (priority_trial.h); only rank 0's measurements count.
+    if (prioritised() && channels[0]->pg().getRank() == 0) {
+      if (last_end) priority_trial.observe(stats.step, us_since(*last_end, f0));
+      last_end = f0;
+      f[2 * n + 3] = priority_trial.verdict(stats.step);
+    }
   }
   end_flags = flags;
   end_agree = agree_max(flags, "ddpx::step_agreement", &agree_t0, &agree_t1);
@@ -247,6 +254,7 @@ void GradSync::Impl::complete_step() {
     if (plan[b].sparse) sparse_bytes += stats.buckets[b].bytes;
   }
   const bool sparse_changed = opts.replan_ && learn_sparse(fl);
+  if (prioritised()) priority_trial.settle(stats.step, fl[2 * n + 3]);
   if (fl[n] != 0 || late_changed || sparse_changed) replan_agreed(channels[0]->pg());
   // Rank 0's buffers for the next forward (DDP does this before each
   // forward; nothing changes buffers in between). Waiting for the wire here

@@ -88,11 +88,14 @@ void GradSync::Impl::begin_step_locked(const Clock::time_point* replay_start) {
   wrote_on.assign(plan.size(), {});
   reduced.assign(plan.size(), nullptr);
   stats.buckets.assign(plan.size(), {});
+  for (const auto& b : plan) stats.held_planned += b.held ? 1 : 0;
+  priority_now = prioritised() && priority_trial.begin(stats.step, stats.held_planned > 0);
+  stats.priority_on = priority_now;
   for (size_t b = 0; b < plan.size(); ++b) {
     stats.buckets[b].index = static_cast<int>(b);
     stats.buckets[b].channel = static_cast<int>(b % channels.size());
     stats.buckets[b].bytes = plan[b].numel * c10::elementSize(plan[b].dtype);
-    stats.buckets[b].held = plan[b].held;
+    stats.buckets[b].held = plan[b].held && priority_now;
   }
   hook_cpu_us = 0;
   profiler->begin_step(stats.step, t0, static_cast<int>(plan.size()));
@@ -205,13 +208,18 @@ void GradSync::Impl::launch_ready_locked() {
   // gradients usually arrive (order_of).
   // Held buckets (priority) wait for the final callback.
   while (next_launch < static_cast<int>(plan.size()) && pending[next_launch] == 0 &&
-         !plan[next_launch].held && (!plan[next_launch].late || !early_used.empty())) {
+         !(plan[next_launch].held && priority_now) &&
+         (!plan[next_launch].late || !early_used.empty())) {
     launch_bucket_locked(next_launch++, early_used);
   }
 }
 
 void GradSync::Impl::launch_held_locked() {
   if (declare_error) return;
+  if (!priority_now) {  // first in, first out: launched as they filled
+    launch_ready_locked();
+    return;
+  }
   const int n = static_cast<int>(plan.size());
   int end = next_launch;
   while (end < n && plan[end].held && pending[end] == 0) ++end;

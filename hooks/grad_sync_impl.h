@@ -23,6 +23,7 @@
 #include "hooks/link_estimate.h"
 #include "hooks/order_predictor.h"
 #include "hooks/param_gate.h"
+#include "hooks/priority_trial.h"
 #include "hooks/profiler.h"
 #include "hooks/reduce_fn.h"
 #include "hooks/stream_handoff.h"
@@ -77,6 +78,11 @@ struct GradSync::Impl {
   hooks::LinkEstimate link;
   int timing_gain_steps = 0;  // steps in a row a timing re-plan would have paid
   int priority_change_steps = 0;  // steps in a row the priority tail would have changed
+  // Whether the held buckets go first layer first, measured (priority_trial.h);
+  // this step's choice; rank 0's last end of backward (for the step's period).
+  hooks::PriorityTrial priority_trial;
+  bool priority_now = false;
+  std::optional<Clock::time_point> last_end;
   // The held part of a plan is cut into this many buckets (priority_cuts):
   // the first layers' piece then lands after an eighth of the tail's bytes,
   // for seven more launches.

@@ -225,14 +225,18 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
 
   std::vector<double> ms, fwd_ms, bwd_ms, hook_us, param_hook_us, calls, exposed_us, backward_us, comm_us;
   int64_t replans = 0, buckets = 0;
+  // Gated: past the first priority trial too (8 steps with priority, 8
+  // without, once the plan holds buckets: hooks/priority_trial.h), so the
+  // timed steps run what the trial chose.
+  const int warmup = gated ? a.warmup + 20 : a.warmup;
   g.mpi->barrier()->wait();
-  for (int s = 0; s < a.warmup + a.steps; ++s) {
+  for (int s = 0; s < warmup + a.steps; ++s) {
     std::fill(arrived.begin(), arrived.end(), -1.0);  // -1: no gradient (yet)
     const auto t0 = Clock::now();
     step_fn(s);
     if (!by_sync) zero_grad(params, a.zero_in_place);  // (else GradSync's updates consume them)
     const double dt = ms_since(t0);
-    if (s < a.warmup) continue;
+    if (s < warmup) continue;
     ms.push_back(dt);
     fwd_ms.push_back(phases.forward);
     bwd_ms.push_back(phases.backward);

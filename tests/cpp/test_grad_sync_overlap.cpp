@@ -241,6 +241,18 @@ TEST(GradSyncOverlapPriority, HeldBucketsGoFirstLayerFirstAndChangeNothing) {
   }
   EXPECT_GT(prioritised, 0) << "no step held buckets: the model was not communication-bound "
                                "here, or the priority tail was never planned";
+  // The measured switch's trial (priority_trial.h): steps that the plan
+  // holds buckets in but that ran first in, first out, in plan order.
+  int fifo = 0;
+  for (const auto& st : records) {
+    if (st.held_planned < 2 || st.priority_on) continue;
+    ++fifo;
+    for (size_t b = 0; b < st.buckets.size(); ++b) {
+      EXPECT_FALSE(st.buckets[b].held) << "step " << st.step;
+      if (b > 0) EXPECT_GE(st.buckets[b].launch_us, st.buckets[b - 1].launch_us) << "step " << st.step;
+    }
+  }
+  EXPECT_GT(fifo, 0) << "no first-in-first-out trial step while the plan held buckets";
 }
 
 }  // namespace

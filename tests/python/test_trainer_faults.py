@@ -18,10 +18,10 @@ from trainer_util import (env, kill_group, model, mpirun_cmd, rank_pid, start, t
 T = 10  # DDPX_TIMEOUT_S for these runs
 
 
-def launch(launcher, tmp_path, data):
+def launch(launcher, tmp_path, data, extra=()):
     marker = str(tmp_path / "marker.ckpt")  # unique per test: finds our ranks
     args = ["--model", model("mlp"), "--data-cache", data, "--steps", 1000000, "--batch-size",
-            16, "--log-every", 20, "--checkpoint", marker]
+            16, "--log-every", 20, "--checkpoint", marker, *extra]
     cmd = mpirun_cmd(2, *args) if launcher == "mpirun" else torchrun_cmd(2, *args)
     p = start(cmd, env=env(DDPX_TIMEOUT_S=T))
     rank_var = "OMPI_COMM_WORLD_RANK" if launcher == "mpirun" else "RANK"
@@ -42,10 +42,14 @@ def data(tmp_path_factory):
     return str(tmp_path_factory.mktemp("data"))
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+# (stale: GradSync --staleness 1, where a step's reductions complete on a
+# worker thread during the next step: the failure must still end the job.)
+@pytest.mark.parametrize("launcher,mode", [("mpirun", "sync"), ("torchrun", "sync"),
+                                           ("mpirun", "stale")])
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
-def test_lost_rank_ends_the_job(tmp_path, data, launcher, sig):
-    p, pid, lines = launch(launcher, tmp_path, data)
+def test_lost_rank_ends_the_job(tmp_path, data, launcher, mode, sig):
+    extra = ["--staleness", 1, "--stale-warmup", 2] if mode == "stale" else []
+    p, pid, lines = launch(launcher, tmp_path, data, extra)
     try:
         t0 = time.monotonic()
         os.kill(pid, getattr(signal, sig))

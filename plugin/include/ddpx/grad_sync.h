@@ -140,7 +140,10 @@ struct GradSyncOptions {
   // backward anyway are held and launched at its end first layer first
   // (predicted from the learnt arrival times and the link's rate; planned
   // by rank 0, the same on every rank), so the next forward's first gates
-  // open first. Off: first in, first out.
+  // open first. Measured: when a plan first holds buckets and every 500
+  // steps after, 8 steps run with priority and 8 first in, first out, and
+  // priority stays on only if rank 0's median step was shorter with it.
+  // Off: first in, first out.
   DDPX_OPT(bool, priority, true)
   // One step stale (0 or 1; 1 needs Overlap::Optimizer): step t's gradients
   // are averaged during step t+1's forward and backward and applied at the
@@ -179,6 +182,11 @@ struct StepStats {
   // the next backward (exposed_comm_us is then the end of this backward:
   // the wait for the last step's reductions, its update, the launches).
   bool stale = false;
+  // Overlap::NextForward with priority: buckets the plan holds for the end
+  // of backward, and whether they went first layer first this step (else
+  // first in, first out: a trial step, or priority measured not to pay).
+  int64_t held_planned = 0;
+  bool priority_on = false;
   struct Bucket {
     int index;
     int channel;
