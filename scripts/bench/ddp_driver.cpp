@@ -291,7 +291,10 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
               {"hook_calls", median(calls)},
               {"exposed_comm_us", median(exposed_us)}, {"backward_us", median(backward_us)},
               {"comm_us", median(comm_us)}, {"replans", replans}, {"buckets", buckets}});
-    if (gated) j["gate_wait_us"] = sync->profile().gate_wait_us;
+    if (gated) {
+      j["gate_wait_us"] = sync->profile().gate_wait_us;
+      j["priority_on"] = sync->last_step().priority_on;  // the trial's choice
+    }
   }
   return j;
 }
