@@ -150,7 +150,9 @@ struct GradSyncOptions {
   // end of step t+1's backward, before its own go out, so a step costs
   // about max(compute, communication). Inexact by design: step t+1's
   // gradients are computed on parameters that lack step t's update. The
-  // first stale_warmup synced steps are synchronous. synchronize() (and
+  // first stale_warmup synced steps of this GradSync are synchronous (a
+  // resumed run, with a new GradSync, warms up again). Delayed gradients
+  // make momentum much less stable: see the README. synchronize() (and
   // state(), load_state(), set_optimizer(), the destructor) applies the
   // update still pending, so a checkpoint after it has nothing in flight.
   // Not with Unused::Exact, declare_unused or sparse gradients (refused).
