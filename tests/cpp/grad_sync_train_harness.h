@@ -209,6 +209,13 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
   return out;
 }
 
+// A named run, the parameter of the suites that compare runs.
+struct Case {
+  const char* name;
+  TrainRun run;
+};
+inline void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
 inline void expect_bitwise(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want,
                     const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;

@@ -24,13 +24,6 @@ namespace {
 
 using namespace ddpx_overlap_test;
 
-struct Case {
-  const char* name;
-  TrainRun run;
-};
-
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
-
 class GradSyncOverlap : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GradSyncOverlap, BitwiseEqualToOptimizerAfterBackward) {

@@ -30,12 +30,6 @@ TrainRun stale(Opt opt, int warmup, int micro = 1, std::string codec = "none",
   return r;
 }
 
-struct Case {
-  const char* name;
-  TrainRun run;
-};
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
-
 class GradSyncStale : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GradSyncStale, BitwiseEqualToApplyingEachAverageOneStepLate) {
