@@ -209,6 +209,18 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
   return out;
 }
 
+inline TrainRun with(Overlap o, Opt opt, Unused u = Unused::Predict, int micro = 1,
+              std::string codec = "none", int resume_at = -1) {
+  TrainRun r;
+  r.overlap = o;
+  r.opt = opt;
+  r.unused = u;
+  r.micro = micro;
+  r.codec = std::move(codec);
+  r.resume_at = resume_at;
+  return r;
+}
+
 // A named run, the parameter of the suites that compare runs.
 struct Case {
   const char* name;

@@ -41,18 +41,6 @@ TEST_P(GradSyncOverlap, BitwiseEqualToOptimizerAfterBackward) {
   EXPECT_FALSE(at::equal(want[0], init[0])) << "the reference did not train";
 }
 
-TrainRun with(Overlap o, Opt opt, Unused u = Unused::Predict, int micro = 1,
-              std::string codec = "none", int resume_at = -1) {
-  TrainRun r;
-  r.overlap = o;
-  r.opt = opt;
-  r.unused = u;
-  r.micro = micro;
-  r.codec = std::move(codec);
-  r.resume_at = resume_at;
-  return r;
-}
-
 constexpr Unused kPredict = Unused::Predict;
 const Case kCases[] = {
     {"OptimizerSgdNesterov", with(Overlap::Optimizer, Opt::SgdNesterov)},

@@ -19,14 +19,9 @@ using namespace ddpx_overlap_test;
 
 TrainRun stale(Opt opt, int warmup, int micro = 1, std::string codec = "none",
                int resume_at = -1) {
-  TrainRun r;
-  r.overlap = Overlap::Optimizer;
+  TrainRun r = with(Overlap::Optimizer, opt, Unused::Predict, micro, std::move(codec), resume_at);
   r.staleness = 1;
-  r.opt = opt;
   r.warmup = warmup;
-  r.micro = micro;
-  r.codec = std::move(codec);
-  r.resume_at = resume_at;
   return r;
 }
 
