@@ -354,7 +354,7 @@ void GradSync::Impl::declare_sparse(c10d::ProcessGroup& pg,
   std::vector<at::Tensor> t{flags};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
-  pg.allreduce(t, o)->wait();
+  comm::detail::wait_named(pg.allreduce(t, o));
   learn_sparse(f);
 }
 
@@ -415,7 +415,7 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
     }
   }
   std::vector<at::Tensor> t{msg};
-  pg.broadcast(t)->wait();
+  comm::detail::wait_named(pg.broadcast(t));
   std::vector<int> order(o, o + n);
   std::vector<char> late(o + n, o + 2 * n);
   std::vector<char> cuts(o + 2 * n, o + 3 * n);

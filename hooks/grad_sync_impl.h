@@ -25,6 +25,7 @@
 #include "hooks/param_gate.h"
 #include "hooks/priority_trial.h"
 #include "hooks/profiler.h"
+#include "plugin/comm/work_wait.h"
 #include "hooks/reduce_fn.h"
 #include "hooks/stream_handoff.h"
 
@@ -482,7 +483,7 @@ struct GradSync::Impl {
       std::vector<at::Tensor> t{flags};
       c10d::AllreduceOptions o;
       o.reduceOp = c10d::ReduceOp::MAX;
-      pg.allreduce(t, o)->wait();
+      comm::detail::wait_named(pg.allreduce(t, o));
       if (t1) *t1 = Clock::now();
     });
   }

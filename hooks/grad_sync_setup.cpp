@@ -1,4 +1,5 @@
 #include "hooks/grad_sync_setup.h"
+#include "plugin/comm/work_wait.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/hash.h>
@@ -16,7 +17,7 @@ at::Tensor allgather(c10d::ProcessGroup& pg, const at::Tensor& mine) {
   std::vector<std::vector<at::Tensor>> out(1);
   for (int i = 0; i < pg.getSize(); ++i) out[0].push_back(at::empty_like(mine));
   std::vector<at::Tensor> in{mine};
-  pg.allgather(out, in)->wait();
+  comm::detail::wait_named(pg.allgather(out, in));
   return at::stack(out[0]);
 }
 
@@ -112,7 +113,7 @@ void broadcast_from_rank0(c10d::ProcessGroup& pg, const std::vector<at::Tensor>&
     std::vector<at::Tensor> flat_parts;
     for (const auto& t : ts) flat_parts.push_back(t.detach().reshape(-1));
     std::vector<at::Tensor> flat{at::cat(flat_parts)};
-    pg.broadcast(flat)->wait();
+    comm::detail::wait_named(pg.broadcast(flat));
     int64_t off = 0;
     for (const auto& t : ts) {
       t.detach().copy_(flat[0].narrow(0, off, t.numel()).view(t.sizes()));

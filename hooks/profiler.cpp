@@ -2,6 +2,7 @@
 // agreement, per-step records and the events of traced steps. Writing the
 // trace is in trace_writer.cpp, the summary in profile_summary.cpp.
 #include "hooks/profiler.h"
+#include "plugin/comm/work_wait.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -122,7 +123,7 @@ void Profiler::agree(c10d::ProcessGroup& pg) {
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
-  pg.allreduce(v, o)->wait();
+  comm::detail::wait_named(pg.allreduce(v, o));
   anchor_ = Clock::now();
   TORCH_CHECK(p[3] == 0, "GradSync: cannot write the trace file '", cfg_.path,
               "' (GradSyncOptions::trace / DDPX_TRACE)",

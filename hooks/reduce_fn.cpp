@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "plugin/comm/wire_span.h"
+#include "plugin/comm/work_wait.h"
 
 namespace ddpx::hooks {
 
@@ -35,7 +36,7 @@ ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats,
     std::vector<at::Tensor> t{flat};
     {
       comm::detail::WireScope wire;
-      pg.allreduce(t)->wait();
+      comm::detail::wait_named(pg.allreduce(t));
     }
     n->calls += 1;
     n->sent += static_cast<int64_t>(flat.nbytes());

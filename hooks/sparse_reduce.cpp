@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "plugin/comm/wire_span.h"
+#include "plugin/comm/work_wait.h"
 
 namespace ddpx::hooks {
 
@@ -16,7 +17,7 @@ std::vector<at::Tensor> allgather(c10d::ProcessGroup& pg, const at::Tensor& t) {
   for (int r = 0; r < pg.getSize(); ++r) out[0].push_back(at::empty_like(t));
   std::vector<at::Tensor> in{t};
   comm::detail::WireScope wire;
-  pg.allgather(out, in)->wait();
+  comm::detail::wait_named(pg.allgather(out, in));
   return out[0];
 }
 
@@ -66,7 +67,7 @@ SparseAverage sparse_average(c10d::ProcessGroup& pg, const at::Tensor& local,
     std::vector<at::Tensor> t{dense};
     {
       comm::detail::WireScope wire;
-      pg.allreduce(t)->wait();
+      comm::detail::wait_named(pg.allreduce(t));
     }
     out.avg = dense.to_sparse(sparse_dim);
     out.wire_bytes += dense_bytes;

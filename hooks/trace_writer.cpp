@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hooks/profiler.h"
+#include "plugin/comm/work_wait.h"
 
 namespace ddpx::hooks {
 namespace {
@@ -23,7 +24,7 @@ std::vector<std::string> allgather_strings(c10d::ProcessGroup& pg, const std::st
   std::vector<std::vector<at::Tensor>> sizes(1);
   for (int r = 0; r < n; ++r) sizes[0].push_back(at::empty({1}, at::kLong));
   std::vector<at::Tensor> in{size};
-  pg.allgather(sizes, in)->wait();
+  comm::detail::wait_named(pg.allgather(sizes, in));
   int64_t longest = 1;
   for (const auto& s : sizes[0]) longest = std::max(longest, s.item<int64_t>());
   auto payload = at::zeros({longest}, at::kByte);
@@ -31,7 +32,7 @@ std::vector<std::string> allgather_strings(c10d::ProcessGroup& pg, const std::st
   std::vector<std::vector<at::Tensor>> outs(1);
   for (int r = 0; r < n; ++r) outs[0].push_back(at::empty({longest}, at::kByte));
   std::vector<at::Tensor> pin{payload};
-  pg.allgather(outs, pin)->wait();
+  comm::detail::wait_named(pg.allgather(outs, pin));
   std::vector<std::string> all;
   for (int r = 0; r < n; ++r) {
     const auto* p = reinterpret_cast<const char*>(outs[0][r].data_ptr<uint8_t>());

@@ -8,6 +8,7 @@
 
 #include "plugin/comm/codec_util.h"
 #include "plugin/comm/wire_span.h"
+#include "plugin/comm/work_wait.h"
 
 namespace ddpx::comm {
 namespace detail {
@@ -133,7 +134,7 @@ int64_t check_agreement(c10d::ProcessGroup& pg, const at::Tensor& input, const s
   o.reduceOp = c10d::ReduceOp::MAX;
   {
     WireScope agreement(/*payload=*/false);
-    pg.allreduce(v, o)->wait();
+    detail::wait_named(pg.allreduce(v, o));
   }
   auto got = v[0].cpu();
   const auto* g = got.data_ptr<int64_t>();
@@ -160,7 +161,7 @@ c10::intrusive_ptr<c10d::Work> start_allreduce_sum(c10d::ProcessGroup& pg, at::T
 int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t) {
   int64_t bytes = 0;
   WireScope wire;
-  start_allreduce_sum(pg, t, &bytes)->wait();
+  detail::wait_named(start_allreduce_sum(pg, t, &bytes));
   return bytes;
 }
 
@@ -181,7 +182,7 @@ c10::intrusive_ptr<c10d::Work> start_allgather_rows(c10d::ProcessGroup& pg, cons
 at::Tensor allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes) {
   at::Tensor out;
   WireScope wire;
-  start_allgather_rows(pg, flat, &out, bytes)->wait();
+  detail::wait_named(start_allgather_rows(pg, flat, &out, bytes));
   return out;
 }
 

@@ -7,6 +7,7 @@
 
 #include "plugin/comm/codec_pack.h"
 #include "plugin/comm/codec_util.h"
+#include "plugin/comm/work_wait.h"
 
 namespace ddpx::comm::detail {
 
@@ -57,7 +58,7 @@ class HalfCodec final : public LossyCodec {
           return Piece{b, len, q, std::move(work)};
         },
         [&](Piece& p) {
-          p.work->wait();
+          detail::wait_named(p.work);
           out.narrow(0, p.begin, p.len).copy_(p.q);
         });
     count_call(bytes, n);

@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 
 #include "plugin/comm/codec_util.h"
+#include "plugin/comm/work_wait.h"
 #include "ops/int8_codec.h"
 
 namespace ddpx::comm::detail {
@@ -72,7 +73,7 @@ class Int8Codec final : public LossyCodec {
           return p;
         },
         [&](Piece& p) {
-          p.work->wait();
+          detail::wait_named(p.work);
           at::Tensor dst = sum.narrow(0, p.begin, p.len);
           int8_unpack_sum_out(p.rows, p.len, chunk_, inv_world, dst);
         });

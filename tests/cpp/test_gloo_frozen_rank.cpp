@@ -3,7 +3,8 @@
 // (comm::roll_call), and its error names the silent one. Rank 1 stops
 // answering after one healthy step (it sleeps far past the timeout, as a
 // SIGSTOPped rank would); every other rank must fail its next step within
-// the timeout plus the roll call's grace, naming rank 1 and no one else.
+// the timeout plus the roll call's grace, naming rank 1 and no one else,
+// and the collective it was waiting for (comm::detail::wait_named).
 // ctest checks the survivors' lines ("frozen-ok", never "frozen-FAILED").
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
@@ -40,7 +41,8 @@ int main() {
     const std::string msg = e.what_without_backtrace();
     // Rank 1 alone: with three ranks, rank 2 (or 0) checked in too.
     const bool named = msg.find("rank 1 of this group did not answer") != std::string::npos &&
-                       msg.find("ranks ") == std::string::npos;
+                       msg.find("ranks ") == std::string::npos &&
+                       msg.find("waiting for allreduce") != std::string::npos;
     std::printf("%s on rank %d after %.1f s: %s\n", named && s < 10 ? "frozen-ok" : "frozen-FAILED",
                 rank, s, msg.c_str());
     std::fflush(stdout);
