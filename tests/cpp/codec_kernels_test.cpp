@@ -89,7 +89,8 @@ TEST_P(Int8Kernel, PackMatchesReferenceAndUnpackSums) {
   auto y = at::randn({n}, g, at::kFloat);
   auto z = at::zeros({n}, at::kFloat);
   auto all = at::stack({msg, int8_pack(y, chunk), int8_pack(z, chunk)});
-  auto decode_ref = [&](const at::Tensor& t) {
+  // (Plain copies: clang 14 cannot capture structured bindings.)
+  auto decode_ref = [&, n = n, chunk = chunk](const at::Tensor& t) {
     const auto [c, s] = reference(t, chunk);
     auto sc = s.repeat_interleave(chunk).narrow(0, 0, n);
     return c.to(at::kFloat) * sc;
