@@ -12,6 +12,7 @@
 #include <cstring>
 #include <map>
 
+#include "plugin/comm/codec_message.h"
 #include "plugin/ps/gate.h"
 #include "plugin/ps/layout.h"
 #include "plugin/ps/server_state.h"
@@ -35,7 +36,9 @@ class ServerImpl {
         out_(s.state().comm),
         last_heard_(workers_, Clock::now()),
         next_seq_(workers_, 0),
-        answered_(workers_, false) {
+        answered_(workers_, false),
+        pull_codec_(comm::MessageCodec::parse(s.options().pull_codec)),
+        held_(workers_) {
     at::NoGradGuard no_grad;
     // The shard's segments: copies of this rank's initial values, 1-D.
     for (const auto& sg : s.state().layout.shards[k_]) {
@@ -217,7 +220,7 @@ class ServerImpl {
   }
 
   // The shard at the current version; one buffer per version, shared by
-  // every reply of that version.
+  // every full reply of that version.
   void reply(int w) {
     if (snapshot_version_ != stats_.version || !snapshot_.defined()) {
       const int64_t n = s_.state().layout.shard_numel[k_];
@@ -225,7 +228,7 @@ class ServerImpl {
       ReplyHeader h;
       h.version = stats_.version;
       std::memcpy(snapshot_.data_ptr(), &h, sizeof h);
-      at::Tensor values = snapshot_.narrow(0, sizeof(ReplyHeader), 4 * n).view(at::kFloat);
+      at::Tensor values = snapshot_values();
       int64_t off = 0;
       for (const auto& sg : segs_) {
         values.narrow(0, off, sg.numel()).copy_(sg);
@@ -233,19 +236,43 @@ class ServerImpl {
       }
       snapshot_version_ = stats_.version;
     }
-    if (answered_[w]) {
-      out_.send(snapshot_, rank_of(w), kReply);
-    } else {
-      // The first reply tells the worker where it stands (a restored run).
+    if (!answered_[w]) {
+      // The first reply is exact and tells the worker where it stands (a restored run).
       at::Tensor first = snapshot_.clone();
       ReplyHeader h;
       std::memcpy(&h, first.data_ptr(), sizeof h);
       h.seq = next_seq_[w];
       std::memcpy(first.data_ptr(), &h, sizeof h);
       out_.send(first, rank_of(w), kReply);
+      if (pull_codec_.id != comm::WireCodec::None) held_[w] = snapshot_values().clone();
       answered_[w] = true;
+    } else if (pull_codec_.id == comm::WireCodec::None) {
+      out_.send(snapshot_, rank_of(w), kReply);
+    } else {
+      out_.send(delta_reply(w), rank_of(w), kReply);
     }
     gate_.gave(w, stats_.version);
+  }
+
+  at::Tensor snapshot_values() const {
+    const int64_t n = s_.state().layout.shard_numel[k_];
+    return snapshot_.narrow(0, sizeof(ReplyHeader), 4 * n).view(at::kFloat);
+  }
+
+  // The pull codec's message of (shard - what worker w holds); what it holds
+  // then takes the decoded message, exactly as the worker's copy will.
+  at::Tensor delta_reply(int w) {
+    at::NoGradGuard no_grad;
+    at::Tensor& held = held_[w];
+    const at::Tensor msg = pull_codec_.encode(snapshot_values() - held, at::Tensor());
+    held.add_(pull_codec_.decode(msg, held.numel()));
+    at::Tensor out = at::empty({static_cast<int64_t>(sizeof(ReplyHeader)) + msg.numel()}, at::kByte);
+    ReplyHeader h;
+    h.version = stats_.version;
+    h.delta = 1;
+    std::memcpy(out.data_ptr(), &h, sizeof h);
+    out.narrow(0, sizeof(ReplyHeader), msg.numel()).copy_(msg);
+    return out;
   }
 
   void drop_silent(Clock::time_point now, std::chrono::duration<double> timeout) {
@@ -274,6 +301,8 @@ class ServerImpl {
   std::map<int64_t, Push> pending_;
   std::vector<int64_t> next_seq_;  // [worker] seq of its next push
   std::vector<bool> answered_;     // [worker] sent its first reply
+  comm::MessageCodec pull_codec_;
+  std::vector<at::Tensor> held_;   // [worker] what it holds (pull codec only), float32
   int64_t next_id_ = 0;
   ServerStats stats_;
   at::Tensor snapshot_;

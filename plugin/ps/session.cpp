@@ -87,6 +87,15 @@ double env_timeout() {
   return 300;
 }
 
+// A codec spec of the options; an error names which one it was.
+comm::MessageCodec parse_codec(const std::string& spec, const char* which) {
+  try {
+    return comm::MessageCodec::parse(spec);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "ddpx ps: ", which, ": ", e.what_without_backtrace());
+  }
+}
+
 }  // namespace
 
 Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_unique<State>()) {
@@ -101,7 +110,8 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
               s_->size - 1, "] (the world size ", s_->size, " minus at least one worker), got ",
               opts.servers);
   s_->consistency = Consistency::parse(opts.consistency);
-  const auto codec = comm::MessageCodec::parse(opts.codec);
+  const auto codec = parse_codec(opts.codec, "codec (pushes)");
+  const auto pull_codec = parse_codec(opts.pull_codec, "pull codec");
   const int workers = s_->size - opts.servers;
   const bool gated = s_->consistency.kind != Consistency::Kind::Async;
   TORCH_CHECK(!opts.deterministic || opts.pull == PullMode::AfterPush,
@@ -133,7 +143,8 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
   }
   std::ostringstream mine;
   mine << params.size() << " parameters " << shapes.str().substr(0, 200) << ", servers "
-       << opts.servers << ", consistency " << s_->consistency.str() << ", codec " << codec.spec();
+       << opts.servers << ", consistency " << s_->consistency.str() << ", codec " << codec.spec()
+       << ", pull codec " << pull_codec.spec();
   DDPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &s_->comm));
   DDPX_MPI_CHECK(MPI_Comm_set_errhandler(s_->comm, MPI_ERRORS_RETURN));
   check_same(s_->comm,
@@ -142,6 +153,7 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
               {"servers", opts.servers},
               {"consistency", stable_hash(s_->consistency.str())},
               {"codec", stable_hash(codec.spec())},
+              {"pull codec", stable_hash(pull_codec.spec())},
               {"pull mode", static_cast<int64_t>(opts.pull)},
               {"deterministic", opts.deterministic ? 1 : 0},
               {"staleness_lr", opts.staleness_lr ? 1 : 0}},

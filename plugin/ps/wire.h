@@ -44,13 +44,15 @@ struct Note {
   int64_t seq = 0;
 };
 
-// Followed by the shard's float32 values.
+// Followed by the shard's float32 values (delta 0) or by the session's pull
+// codec's message of the difference to what the worker holds (delta 1).
 struct ReplyHeader {
   int32_t magic = kMagic;
   int32_t kind = kReply;
   int64_t version = 0;
   int64_t seq = 0;  // the push (or pull) this answers
-  int64_t pad = 0;
+  int32_t delta = 0;
+  int32_t pad = 0;
 };
 static_assert(sizeof(ReplyHeader) == 32, "the float payload must stay 8-byte aligned");
 

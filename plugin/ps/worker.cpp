@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 #include <ddpx/ps.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -79,16 +80,21 @@ class WorkerImpl {
       : s_(s),
         w_(s.rank() - s.num_servers()),
         codec_(comm::MessageCodec::parse(s.options().codec)),
+        pull_codec_(comm::MessageCodec::parse(s.options().pull_codec)),
         out_(s.state().comm),
         rng_(static_cast<uint32_t>(1000 + w_)) {
     const int K = s.num_servers();
     buffers_.resize(K);
+    held_.resize(K);
+    received_.assign(K, 0);
     requests_.assign(K, MPI_REQUEST_NULL);
     versions_.assign(K, 0);
     residuals_.resize(K);
     for (int k = 0; k < K; ++k) {
+      // Room for a full reply (float32 values) and for a delta one.
+      const int64_t n = s.state().layout.shard_numel[k];
       buffers_[k] = at::empty(
-          {static_cast<int64_t>(sizeof(ReplyHeader)) + 4 * s.state().layout.shard_numel[k]},
+          {static_cast<int64_t>(sizeof(ReplyHeader)) + std::max(4 * n, pull_codec_.message_bytes(n))},
           at::kByte);
       residuals_[k].resize(s.state().layout.shards[k].size());
     }
@@ -125,8 +131,7 @@ class WorkerImpl {
       // Whatever shards came in since the last step go in, each asked for
       // again at once; the others stay as they are. Never waits.
       for (int k = 0; k < s_.num_servers(); ++k) {
-        int done = 0;
-        DDPX_MPI_CHECK(MPI_Test(&requests_[k], &done, MPI_STATUS_IGNORE));
+        const bool done = test_reply(k);
         take_notes(k);  // a refusal is an error now, not at finish()
         if (!done) continue;
         install_shard(k);
@@ -256,10 +261,7 @@ class WorkerImpl {
       const auto t0 = Clock::now();
       bool all = true;
       for (int k = 0; k < s_.num_servers(); ++k) {
-        if (requests_[k] == MPI_REQUEST_NULL) continue;
-        int done = 0;
-        DDPX_MPI_CHECK(MPI_Test(&requests_[k], &done, MPI_STATUS_IGNORE));
-        if (done) continue;
+        if (requests_[k] == MPI_REQUEST_NULL || test_reply(k)) continue;
         all = false;
         if (take_notes(k)) heard[k] = t0;
         TORCH_CHECK(t0 - heard[k] <= timeout, "ddpx ps: server ", k, " (rank ", k,
@@ -272,6 +274,19 @@ class WorkerImpl {
     }
     waiting_ = false;
     stats_.wait_us += std::chrono::duration<double, std::micro>(Clock::now() - t_start).count();
+  }
+
+  // Tests server k's pending reply; once it is in, notes its length.
+  bool test_reply(int k) {
+    int done = 0;
+    MPI_Status st;
+    DDPX_MPI_CHECK(MPI_Test(&requests_[k], &done, &st));
+    if (done) {
+      int count = 0;
+      DDPX_MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &count));
+      received_[k] = count;
+    }
+    return done != 0;
   }
 
   // Every server's reply is in: the parameters take them all at once.
@@ -296,10 +311,31 @@ class WorkerImpl {
                   h.seq, ", server 0 says ", start_step_,
                   " (were the servers restored from checkpoints of different steps?)");
     }
-    const at::Tensor values =
-        buffers_[k]
-            .narrow(0, sizeof(ReplyHeader), buffers_[k].numel() - sizeof(ReplyHeader))
-            .view(at::kFloat);
+    const int64_t n = s_.state().layout.shard_numel[k];
+    const int64_t payload = h.delta ? pull_codec_.message_bytes(n) : 4 * n;
+    TORCH_CHECK(h.delta == 0 || (h.delta == 1 && pull_codec_.id != comm::WireCodec::None),
+                "ddpx ps: server ", k, " sent a reply with delta = ", h.delta, " (pull codec ",
+                pull_codec_.spec(), ")");
+    TORCH_CHECK(received_[k] == static_cast<int64_t>(sizeof(ReplyHeader)) + payload,
+                "ddpx ps: server ", k, "'s reply has ", received_[k], " bytes; ",
+                sizeof(ReplyHeader) + payload, " expected (", n, " values, ",
+                h.delta ? "a " + pull_codec_.spec() + " delta" : std::string("float32"), ")");
+    const at::Tensor body = buffers_[k].narrow(0, sizeof(ReplyHeader), payload);
+    at::Tensor values;
+    if (pull_codec_.id == comm::WireCodec::None) {
+      values = body.view(at::kFloat);
+    } else if (!h.delta) {
+      held_[k] = body.view(at::kFloat).clone();
+      values = held_[k];
+    } else {
+      TORCH_CHECK(held_[k].defined(), "ddpx ps: server ", k,
+                  " sent a delta before the full values it is a delta of");
+      held_[k].add_(pull_codec_.decode(body, n));  // as the server did to its copy
+      values = held_[k];
+    }
+    ++stats_.pulls;
+    stats_.pull_bytes += payload;
+    stats_.pull_bytes_raw += 4 * n;
     int64_t off = 0;
     for (const auto& sg : s_.state().layout.shards[k]) {
       params[sg.param]
@@ -315,7 +351,10 @@ class WorkerImpl {
   comm::MessageCodec codec_;
   Outbox out_;
   std::mt19937 rng_;
+  comm::MessageCodec pull_codec_;
   std::vector<at::Tensor> buffers_;
+  std::vector<at::Tensor> held_;       // [server] what this worker holds (pull codec only)
+  std::vector<int64_t> received_;      // [server] bytes of the reply in buffers_
   std::vector<MPI_Request> requests_;
   std::vector<int64_t> versions_;
   std::vector<std::vector<at::Tensor>> residuals_;  // [server][segment]

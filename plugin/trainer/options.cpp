@@ -133,6 +133,11 @@ Options parse_options(int argc, char** argv) {
                  "shard goes in when it comes (both async only)")
       ->check(CLI::IsMember({"after-push", "prefetch", "inconsistent"}))
       ->capture_default_str();
+  ps->add_option("--ps-pull-codec", o.ps_pull_codec,
+                 "none: pulls carry float32 values; fp16 | bf16 | int8[:<chunk>] | topk:<ratio>: "
+                 "the difference to what the worker holds, encoded (error feedback: what a pull "
+                 "leaves out goes with the next)")
+      ->capture_default_str();
   ps->add_flag("--ps-deterministic", o.ps_deterministic,
                "async: apply pushes in a fixed round-robin order (for tests)");
   ps->add_flag("--ps-staleness-lr", o.ps_staleness_lr,

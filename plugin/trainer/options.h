@@ -41,6 +41,7 @@ struct Options {
   int servers = 1;                     // the first K ranks serve
   std::string consistency = "async";   // async | ssp:<S> | sync[:<n>]
   std::string ps_pull = "after-push";  // after-push | prefetch | inconsistent
+  std::string ps_pull_codec = "none";  // pulls as encoded deltas (ps::Options::pull_codec)
   bool ps_deterministic = false;       // async: fixed application order
   bool ps_staleness_lr = false;        // lr / staleness for stale gradients
   std::string ps_async_momentum = "auto";  // auto | as-given (see trainer_ps.cpp)

@@ -87,6 +87,7 @@ void run_ps(const Options& o) {
   po.servers = o.servers;
   po.consistency = o.consistency;
   po.codec = o.codec;
+  po.pull_codec = o.ps_pull_codec;
   po.pull = o.ps_pull == "prefetch"       ? ps::PullMode::Prefetch
             : o.ps_pull == "inconsistent" ? ps::PullMode::Inconsistent
                                           : ps::PullMode::AfterPush;
@@ -155,7 +156,8 @@ void run_ps(const Options& o) {
     std::cout << "[ddpx-train] " << o.model << ": " << params.size() << " parameter tensors, "
               << o.servers << " server(s) + " << workers << " worker(s), consistency "
               << session.consistency().str() << ", " << total << " steps of " << o.batch_size
-              << " samples per worker, push codec " << o.codec << std::endl;
+              << " samples per worker, push codec " << o.codec
+              << ", pull codec " << o.ps_pull_codec << std::endl;
     if (server_o.momentum != o.momentum) {
       std::cout << "[ddpx-train] async momentum: the server applies " << server_o.momentum
                 << " for --momentum " << o.momentum << " (" << n_workers
@@ -251,7 +253,8 @@ void run_ps(const Options& o) {
   session.share_final(params);
   const ps::ServerStats st = session.gather_stats(mine);
   auto w = allreduce_sum(*pg, at::tensor({double(wstats.pushes), double(wstats.bytes_sent),
-                                          double(wstats.bytes_raw), wstats.wait_us},
+                                          double(wstats.bytes_raw), wstats.wait_us,
+                                          double(wstats.pull_bytes), double(wstats.pull_bytes_raw)},
                                          at::kDouble));
   const double test_acc = evaluate(model, data.test, *pg, 256);
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
@@ -259,9 +262,11 @@ void run_ps(const Options& o) {
   const double pushes = w[0].item<double>();
   const double compression =
       w[2].item<double>() > 0 ? w[1].item<double>() / w[2].item<double>() : 1;
+  const double pull_ratio =
+      w[5].item<double>() > 0 ? w[4].item<double>() / w[5].item<double>() : 1;
   const double loss = last_loss, acc = last_acc;
   if (!o.quiet) {
-    char line[256];
+    char line[320];
     std::snprintf(line, sizeof line,
                   "[ddpx-train] done: %lld steps x %d workers in %.1f s, train loss %.4f, train "
                   "acc %.1f%%, test accuracy %.2f%%",
@@ -269,11 +274,11 @@ void run_ps(const Options& o) {
     std::cout << line << std::endl;
     std::snprintf(line, sizeof line,
                   "[ddpx-train] parameter server: %lld updates, %lld gradients applied, %lld "
-                  "dropped, %lld worker(s) lost; pushes %.0f B each (x%.3f of float32); "
-                  "workers waited %.1f ms per step for parameters",
+                  "dropped, %lld worker(s) lost; pushes %.0f B each (x%.3f of float32), "
+                  "pulls x%.3f; workers waited %.1f ms per step for parameters",
                   (long long)st.version, (long long)(st.applied / o.servers),
                   (long long)(st.dropped / o.servers), (long long)st.workers_lost,
-                  pushes > 0 ? w[1].item<double>() / pushes : 0.0, compression,
+                  pushes > 0 ? w[1].item<double>() / pushes : 0.0, compression, pull_ratio,
                   pushes > 0 ? w[3].item<double>() / pushes / 1000 : 0.0);
     std::cout << line << std::endl;
     std::snprintf(line, sizeof line,
@@ -296,6 +301,8 @@ void run_ps(const Options& o) {
                           {"workers_lost", st.workers_lost},
                           {"bytes_sent_per_step", pushes > 0 ? w[1].item<double>() / pushes : 0},
                           {"compression", compression},
+                          {"pull_bytes_per_step", pushes > 0 ? w[4].item<double>() / pushes : 0},
+                          {"pull_compression", pull_ratio},
                           {"pull_wait_us_per_step", pushes > 0 ? w[3].item<double>() / pushes : 0},
                           {"staleness", staleness_json(st.staleness)}}
                .dump()

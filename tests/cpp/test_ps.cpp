@@ -8,6 +8,8 @@
 //                                order, bitwise
 //   pushes through a codec    == local SGD on the codec's decoded gradients with the
 //                                same per-segment error feedback, bitwise
+//   pulls through a codec     == local SGD whose gradients are taken on a copy that
+//                                follows by decoded shard deltas, bitwise
 //   ssp:S                     applied staleness <= S under random worker delays
 //   async, N equal workers    mean staleness within 0.35 of N - 1
 #include <ATen/ATen.h>
@@ -97,6 +99,8 @@ ps::Options options(int servers, const std::string& consistency, const std::stri
 struct RunResult {
   std::vector<at::Tensor> params;  // the servers' final values, on every rank
   ps::ServerStats stats;           // merged over servers, on every rank
+  std::vector<at::Tensor> held;    // a worker's: its parameters after its last pull
+  ps::WorkerStats worker;          // a worker's
 };
 
 // A PS run: every worker goes on to step `steps`; `before_push` runs on a
@@ -107,6 +111,8 @@ RunResult run_ps(ps::Options o, int64_t steps,
   std::vector<at::Tensor> params = make_params();
   ps::Session session(params, std::move(o));
   ps::ServerStats mine;
+  std::vector<at::Tensor> held;
+  ps::WorkerStats wstats;
   if (session.is_server()) {
     ps::Server server(session);
     if (!state.empty()) server.restore(state);
@@ -122,9 +128,11 @@ RunResult run_ps(ps::Options o, int64_t steps,
       worker.pull();
     }
     worker.finish();
+    held = clone_params(params);
+    wstats = worker.stats();
   }
   session.share_final(params);
-  return {params, session.gather_stats(mine)};
+  return {params, session.gather_stats(mine), held, wstats};
 }
 
 void expect_bitwise(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want) {
@@ -436,6 +444,69 @@ INSTANTIATE_TEST_SUITE_P(Ps, PsCodec,
                            return s;
                          });
 
+// Pulls through a codec, one worker, every other rank a server (np 3, 4:
+// tensors split, one delta message per shard): the worker computes on what
+// the deltas built, and the result equals local training where the gradient
+// is taken on that copy and the copy follows the parameters by the decoded
+// difference of each shard after each update -- the servers' parameters and
+// the worker's copy, both bit for bit. The first reply is exact; the bytes
+// are each shard's message per pull.
+class PsPullCodec : public ::testing::TestWithParam<std::string> {};
+TEST_P(PsPullCodec, OneWorkerEqualsLocalTrainingOnTheDecodedCopy) {
+  const int servers = world_size() - 1;
+  const int64_t steps = 25;
+  auto o = options(servers, "async");
+  o.pull_codec = GetParam();
+  const auto got = run_ps(o, steps);
+  const auto codec = ddpx::comm::MessageCodec::parse(GetParam());
+  const auto layout = ps::detail::Layout::plan({65, 13, 39, 3}, servers);
+  auto ref = make_params();
+  auto copy = clone_params(ref);  // what the worker holds
+  auto opt = make_opt("sgd", ref);
+  auto flat = [](const std::vector<at::Tensor>& p) {
+    std::vector<at::Tensor> parts;
+    for (const auto& t : p) parts.push_back(t.detach().reshape(-1));
+    return at::cat(parts);
+  };
+  for (int64_t s = 0; s < steps; ++s) {
+    compute_grads(copy, 0, s);
+    for (size_t i = 0; i < ref.size(); ++i) ref[i].mutable_grad() = copy[i].grad().clone();
+    set_lr(*opt, lr_at(s));
+    opt->step();
+    const at::Tensor want = flat(ref);
+    at::Tensor have = flat(copy);
+    int64_t off = 0;
+    for (int k = 0; k < servers; ++k) {
+      const int64_t n = layout.shard_numel[k];
+      at::Tensor h = have.narrow(0, off, n);
+      h.add_(codec.decode(codec.encode(want.narrow(0, off, n) - h, at::Tensor()), n));
+      off += n;
+    }
+    at::NoGradGuard no_grad;
+    off = 0;
+    for (auto& t : copy) {
+      t.copy_(have.narrow(0, off, t.numel()).view(t.sizes()));
+      off += t.numel();
+    }
+  }
+  expect_bitwise(got.params, ref);
+  if (ddpx::comm::detail::MpiEnv::get().world_rank() != servers) return;  // the worker's own
+  expect_bitwise(got.held, copy);
+  EXPECT_FALSE(at::equal(flat(got.held), flat(got.params))) << "the pulls lost nothing";
+  int64_t bytes = 0;
+  for (int64_t n : layout.shard_numel) bytes += 4 * n + steps * codec.message_bytes(n);
+  EXPECT_EQ(got.worker.pulls, (steps + 1) * servers);
+  EXPECT_EQ(got.worker.pull_bytes, bytes);
+  EXPECT_EQ(got.worker.pull_bytes_raw, (steps + 1) * 4 * 120);
+}
+INSTANTIATE_TEST_SUITE_P(Ps, PsPullCodec, ::testing::Values("fp16", "bf16", "int8:16", "topk:0.3"),
+                         [](const auto& info) {
+                           std::string s = info.param;
+                           for (char& c : s)
+                             if (!isalnum(c)) c = '_';
+                           return s;
+                         });
+
 using ddpx::test::error_of;
 
 TEST(PsErrors, BadOptionsNameTheArgument) {
@@ -451,6 +522,11 @@ TEST(PsErrors, BadOptionsNameTheArgument) {
   o.codec = "gzip";
   EXPECT_NE(error_of([&] { ps::Session(make_params(), o); }).find("unknown codec 'gzip'"),
             std::string::npos);
+  o.codec = "none";
+  o.pull_codec = "powersgd:2";
+  const auto pull = error_of([&] { ps::Session(make_params(), o); });
+  EXPECT_NE(pull.find("pull codec: "), std::string::npos) << pull;
+  EXPECT_NE(pull.find("no point-to-point form"), std::string::npos) << pull;
   if (n >= 3) {
     o = options(1, "ssp:0");
     EXPECT_NE(error_of([&] { ps::Session(make_params(), o); }).find("use ssp:"), std::string::npos);

@@ -11,6 +11,9 @@ Stated targets (CPU, generated data):
   --mode sync (GradSync) on 2 ranks to 1e-5 relative (same shards, same
   mean; seen: equal to every printed digit, and on HAN too).
 - MLP, 2 servers, sync, fp16 pushes: 50% of float32 on the wire plus headers.
+- LeNet, async, 1 server + 2 workers, int8 pulls: >= 80% like float32
+  pulls, the pulls at most 0.27 of float32 on the wire (codes, a scale per
+  256, the exact first reply).
 - a server frozen by SIGSTOP: the workers fail within DDPX_TIMEOUT_S + 15 s,
   naming it.
 - MLP, sync, stopped and resumed from the server's checkpoint:
@@ -91,6 +94,19 @@ def test_two_servers_fp16_pushes(tmp_path, data_cache):
     assert 0.5 <= end["compression"] < 0.501, end
 
 
+def test_lenet_async_int8_pulls(tmp_path, data_cache):
+    metrics = tmp_path / "m.jsonl"
+    r = run(mpirun_cmd(3, "--mode", "ps", "--ps-pull-codec", "int8", "--model", model("lenet"),
+                       "--data-cache", data_cache, "--steps", 200, "--batch-size", 32, "--lr", 0.02,
+                       "--log-every", 100, "--metrics", metrics))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pull codec int8" in r.stdout and "pulls x0.2" in r.stdout, r.stdout
+    end = read_metrics(metrics)[-1]
+    assert end["test_accuracy"] >= 0.80, end
+    assert 0.25 < end["pull_compression"] <= 0.27, end
+    assert end["compression"] == pytest.approx(1.0, abs=0.01), end
+
+
 def test_resume_equals_uninterrupted(tmp_path, data_cache):
     """sync: stopped after 12 of 20 steps and resumed from the server's
     checkpoint, the run ends with the same loss and test accuracy (the
@@ -123,6 +139,7 @@ def test_resume_equals_uninterrupted(tmp_path, data_cache):
     (["--servers", 2], 2, "--servers must be in [1, 1]"),
     (["--consistency", "eventually"], 2, "unknown consistency 'eventually'"),
     (["--codec", "powersgd:2"], 2, "has no point-to-point form"),
+    (["--ps-pull-codec", "zip"], 2, "pull codec: ddpx: unknown codec 'zip'"),
     (["--consistency", "ssp:0"], 3, "use ssp:1 or more"),
     (["--ps-async-momentum", "half"], 3, "--ps-async-momentum"),
 ])

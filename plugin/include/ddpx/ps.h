@@ -60,8 +60,11 @@
 //      staleness tau when staleness_lr and tau > 1), set the segments' .grad,
 //      optimizer.step(), version += 1, record staleness = version before the
 //      step - base version.
-//   4. REPLY server -> worker: {version, kind} + the shard's float32 values, of
-//      the fixed size the worker expects; sent when the push was applied or
+//   4. REPLY server -> worker: {version, kind, delta} + the shard's float32
+//      values (delta 0), or with a pull codec after the first reply (delta 1)
+//      the codec's message of the difference to what the worker holds (see
+//      Options::pull_codec); its size is fixed by the codec and checked on
+//      arrival. Sent when the push was applied or
 //      dropped (AfterPush) or at once (PULL). The worker receives every
 //      server's reply into a buffer of its own and copies them into the
 //      parameters only at pull(): a step never sees a half-written model
@@ -118,6 +121,14 @@ struct Options {
   int servers = 1;
   std::string consistency = "async";
   std::string codec = "none";  // pushes: none | fp16 | bf16 | int8[:c] | topk:<r>
+  // Pulls: "none" sends the shard's float32 values; a codec sends the
+  // difference between them and what that worker already holds, encoded
+  // (fp16 | bf16 | int8[:c] | topk:<r>). The server keeps a float32 copy of
+  // what each worker holds and updates it with the decoded message, as the
+  // worker does, so the two stay equal bit for bit and whatever a message
+  // left out goes with the next one (error feedback; nothing accumulates).
+  // A worker's first reply is always exact.
+  std::string pull_codec = "none";
   PullMode pull = PullMode::AfterPush;
   bool deterministic = false;  // async: fixed application order (round robin)
   double timeout_s = 0;        // 0: DDPX_TIMEOUT_S, else 300
@@ -166,6 +177,9 @@ struct WorkerStats {
   int64_t pushes = 0;
   int64_t bytes_sent = 0;
   int64_t bytes_raw = 0;
+  int64_t pulls = 0;               // replies installed (per server)
+  int64_t pull_bytes = 0;          // their payloads as received
+  int64_t pull_bytes_raw = 0;      // the same values as float32
   double wait_us = 0;  // time pull() waited for replies
 };
 
