@@ -151,6 +151,11 @@ class ServerImpl {
 
   void on_push(int w, const Message& m) {
     Push p = parse_push(m.bytes, w, seg_numel_);
+    const bool comp = p.header.flags & kDelayComp;
+    TORCH_CHECK(comp == (s_.options().delay_comp > 0), "ddpx ps: a push of worker ", w, " (seq ",
+                p.header.seq, ") ", comp ? "carries" : "lacks",
+                " the delay-compensation term; this server's delay_comp is ",
+                s_.options().delay_comp);
     TORCH_CHECK(p.header.base >= 0 && p.header.base <= stats_.version, "ddpx ps: a push of worker ",
                 w, " (seq ", p.header.seq, ") says it was computed on version ", p.header.base,
                 " of server ", k_, ", which holds version ", stats_.version);
@@ -170,10 +175,10 @@ class ServerImpl {
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < segs_.size(); ++i) {
       // One gradient as it came; several (sync) summed in worker order, then averaged.
-      at::Tensor g = pending_.at(d.apply[0].id).grads[i];
+      at::Tensor g = compensated(pending_.at(d.apply[0].id), i);
       if (d.apply.size() > 1) {
         g = g.clone();
-        for (size_t j = 1; j < d.apply.size(); ++j) g.add_(pending_.at(d.apply[j].id).grads[i]);
+        for (size_t j = 1; j < d.apply.size(); ++j) g.add_(compensated(pending_.at(d.apply[j].id), i));
         g.div_(static_cast<double>(d.apply.size()));
       }
       segs_[i].mutable_grad() = g;
@@ -194,6 +199,17 @@ class ServerImpl {
     if (on_update) on_update(stats_);
     const int64_t every = s_.options().checkpoint_every;
     if (every > 0 && stats_.updates % every == 0 && s_.options().on_checkpoint) checkpoint();
+  }
+
+  // Segment i's gradient of a push; with delay compensation (DC-ASGD)
+  // g + lambda * (g * g * w_now - g * g * w_base), the second product as the
+  // worker sent it. One rounding per operation, so a segment's elements come
+  // out the same whatever the segment's length (tests compare with whole tensors).
+  at::Tensor compensated(const Push& p, size_t i) const {
+    if (p.comp.empty()) return p.grads[i];
+    const at::Tensor& g = p.grads[i];
+    const at::Tensor w = segs_[i].detach();
+    return g + (g * g * w - p.comp[i]) * s_.options().delay_comp;
   }
 
   // lr_at(version), or the optimizer's own; with staleness_lr, a gradient

@@ -6,7 +6,9 @@
 #include <ddpx/ps.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <thread>
 
@@ -87,6 +89,13 @@ double env_timeout() {
   return 300;
 }
 
+// A double as an int64 for check_same: equal exactly when the bits are.
+int64_t bits_of(double v) {
+  int64_t b = 0;
+  std::memcpy(&b, &v, sizeof b);
+  return b;
+}
+
 // A codec spec of the options; an error names which one it was.
 comm::MessageCodec parse_codec(const std::string& spec, const char* which) {
   try {
@@ -127,6 +136,11 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
       " workers: gradients computed at once by N workers are applied one after another, "
       "so the last is N - 1 = ",
       workers - 1, " versions stale; use ssp:", workers - 1, " or more, or sync");
+  TORCH_CHECK(std::isfinite(opts.delay_comp) && opts.delay_comp >= 0,
+              "ddpx ps: delay_comp (DC-ASGD's lambda) must be >= 0, got ", opts.delay_comp);
+  TORCH_CHECK(opts.delay_comp == 0 || s_->consistency.kind != Consistency::Kind::Sync,
+              "ddpx ps: delay compensation with consistency ", s_->consistency.str(),
+              " would do nothing: sync applies only gradients of the current version");
   TORCH_CHECK(s_->consistency.kind != Consistency::Kind::Sync || s_->consistency.quorum <= workers,
               "ddpx ps: consistency ", s_->consistency.str(), " waits for more gradients than the ",
               workers, " workers send");
@@ -156,7 +170,8 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
               {"pull codec", stable_hash(pull_codec.spec())},
               {"pull mode", static_cast<int64_t>(opts.pull)},
               {"deterministic", opts.deterministic ? 1 : 0},
-              {"staleness_lr", opts.staleness_lr ? 1 : 0}},
+              {"staleness_lr", opts.staleness_lr ? 1 : 0},
+              {"delay_comp", bits_of(opts.delay_comp)}},
              mine.str());
   s_->layout = detail::Layout::plan(numels, opts.servers);
   s_->timeout_s = opts.timeout_s > 0 ? opts.timeout_s : env_timeout();

@@ -48,19 +48,24 @@ Push parse_push(const at::Tensor& msg, int source_worker, const std::vector<int6
   std::vector<int64_t> lengths(h.segments);
   // Not for zero segments: memcpy must not see the empty vector's null pointer.
   if (!lengths.empty()) std::memcpy(lengths.data(), in + sizeof(PushHeader), 8 * lengths.size());
+  const bool comp = h.flags & kDelayComp;
   int64_t offset = head;
   for (size_t i = 0; i < lengths.size(); ++i) {
-    const int64_t want = p.codec.message_bytes(seg_numel[i]);
+    const int64_t want = p.codec.message_bytes(seg_numel[i]) + (comp ? 4 * seg_numel[i] : 0);
     TORCH_CHECK(lengths[i] == want, "ddpx ps: a push from worker ", source_worker, " (seq ", h.seq,
-                ", codec ", p.codec.spec(), ") has ", lengths[i], " bytes for segment ", i, " of ",
-                seg_numel[i], " elements; expected ", want);
+                ", codec ", p.codec.spec(), comp ? ", delay compensation" : "", ") has ", lengths[i],
+                " bytes for segment ", i, " of ", seg_numel[i], " elements; expected ", want);
     offset += want;
   }
   TORCH_CHECK(offset == size, "ddpx ps: a push from worker ", source_worker, " (seq ", h.seq,
               ") is ", size, " bytes; its header and lengths add up to ", offset);
   offset = head;
   for (size_t i = 0; i < lengths.size(); ++i) {
-    p.grads.push_back(p.codec.decode(msg.narrow(0, offset, lengths[i]), seg_numel[i]));
+    const int64_t coded = p.codec.message_bytes(seg_numel[i]);
+    p.grads.push_back(p.codec.decode(msg.narrow(0, offset, coded), seg_numel[i]));
+    if (comp) {
+      p.comp.push_back(msg.narrow(0, offset + coded, 4 * seg_numel[i]).clone().view(at::kFloat));
+    }
     offset += lengths[i];
   }
   return p;

@@ -20,6 +20,7 @@ constexpr int32_t kMagic = 0x64707331;  // "dps1"
 
 // Flags of a push.
 constexpr int32_t kAfterPush = 1;  // reply with the parameters that follow this push
+constexpr int32_t kDelayComp = 2;  // each payload ends with g * g * w_base, float32 (DC-ASGD)
 
 struct PushHeader {
   int32_t magic = kMagic;
@@ -63,6 +64,7 @@ struct Push {
   PushHeader header;
   comm::MessageCodec codec;
   std::vector<at::Tensor> grads;  // decoded, [segment numel] float32 each
+  std::vector<at::Tensor> comp;   // kDelayComp: g * g * w_base per segment (else empty)
   int64_t bytes = 0;              // of the message
 };
 

@@ -168,7 +168,9 @@ class WorkerImpl {
                                    : at::zeros({segs[i].numel}, at::kFloat);
         at::Tensor& e = residuals_[k][i];
         if (codec_.id != comm::WireCodec::None && !e.defined()) e = at::zeros_like(x);
-        payloads.push_back(codec_.encode(x, e));
+        at::Tensor msg = codec_.encode(x, e);
+        if (s_.options().delay_comp > 0) msg = with_delay_comp(msg, x, params[sg_param(k, i)], segs[i]);
+        payloads.push_back(std::move(msg));
         stats_.bytes_raw += 4 * segs[i].numel;
       }
       PushHeader h;
@@ -178,7 +180,8 @@ class WorkerImpl {
       h.ratio = codec_.ratio;
       h.seq = seq_;
       h.base = versions_[k];
-      h.flags = s_.options().pull == PullMode::AfterPush ? kAfterPush : 0;
+      h.flags = (s_.options().pull == PullMode::AfterPush ? kAfterPush : 0) |
+                (s_.options().delay_comp > 0 ? kDelayComp : 0);
       h.loss = loss;
       h.correct = correct;
       h.samples = samples;
@@ -213,6 +216,23 @@ class WorkerImpl {
   WorkerStats stats() const { return stats_; }
 
  private:
+  int sg_param(int k, size_t i) const { return s_.state().layout.shards[k][i].param; }
+
+  // DC-ASGD: the codec's message followed by g * g * w_base of the segment
+  // (float32), g the gradient as the server will decode it and w_base the
+  // values it was computed on (the parameters change only at pull()).
+  at::Tensor with_delay_comp(const at::Tensor& msg, const at::Tensor& x, const at::Tensor& param,
+                             const Segment& sg) const {
+    at::NoGradGuard no_grad;
+    const at::Tensor g = codec_.id == comm::WireCodec::None ? x : codec_.decode(msg, sg.numel);
+    const at::Tensor base = param.detach().reshape(-1).narrow(0, sg.offset, sg.numel);
+    const at::Tensor comp = (g * g * base).contiguous();
+    at::Tensor out = at::empty({msg.numel() + 4 * sg.numel}, at::kByte);
+    out.narrow(0, 0, msg.numel()).copy_(msg);
+    std::memcpy(out.data_ptr<uint8_t>() + msg.numel(), comp.data_ptr<float>(), 4 * sg.numel);
+    return out;
+  }
+
   void post_receive(int k) {
     DDPX_MPI_CHECK(MPI_Irecv(buffers_[k].data_ptr(), static_cast<int>(buffers_[k].numel()),
                              MPI_BYTE, k, kReply, s_.state().comm, &requests_[k]));

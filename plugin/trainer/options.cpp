@@ -142,6 +142,12 @@ Options parse_options(int argc, char** argv) {
                "async: apply pushes in a fixed round-robin order (for tests)");
   ps->add_flag("--ps-staleness-lr", o.ps_staleness_lr,
                "a gradient applied tau > 1 versions stale gets lr / tau");
+  ps->add_option("--ps-delay-comp", o.ps_delay_comp,
+                 "DC-ASGD's lambda: a gradient g computed on w_base is applied as g + lambda * g * "
+                 "g * (w_now - w_base); workers send g * g * w_base (4 more bytes per element); "
+                 "0: off; not with sync")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   ps->add_option("--ps-async-momentum", o.ps_async_momentum,
                  "auto: under async and ssp with N workers the server's SGD momentum is "
                  "--momentum - (1 - 1/N), as asynchrony itself adds about 1 - 1/N (Mitliagkas "

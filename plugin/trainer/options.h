@@ -44,6 +44,7 @@ struct Options {
   std::string ps_pull_codec = "none";  // pulls as encoded deltas (ps::Options::pull_codec)
   bool ps_deterministic = false;       // async: fixed application order
   bool ps_staleness_lr = false;        // lr / staleness for stale gradients
+  double ps_delay_comp = 0;            // DC-ASGD's lambda (ps::Options::delay_comp); 0: off
   std::string ps_async_momentum = "auto";  // auto | as-given (see trainer_ps.cpp)
 
   // Layer dropping (layer_drop.h): models with a block_scale attribute.

@@ -93,6 +93,7 @@ void run_ps(const Options& o) {
                                           : ps::PullMode::AfterPush;
   po.deterministic = o.ps_deterministic;
   po.staleness_lr = o.ps_staleness_lr;
+  po.delay_comp = o.ps_delay_comp;
   po.timeout_s = o.timeout_s;
   // N workers pushing asynchronously act like momentum of about 1 - 1/N on
   // top of the optimizer's own (Mitliagkas et al. 2016, "Asynchrony begets

@@ -218,8 +218,9 @@ TEST(Ps, InconsistentReadsNeverIncludeTheWorkersLastPush) {
 // Round robin: worker w's push s is computed on the parameters right after
 // its own push s - 1, and applied after every push (s, w' < w).
 // staleness_lr: the rate is divided by tau = version - base when tau > 1.
+// delay_comp: DC-ASGD, g + lambda * (g * g * w_now - g * g * w_base).
 std::vector<at::Tensor> sequential_round_robin(int workers, int64_t steps,
-                                               bool staleness_lr = false) {
+                                               bool staleness_lr = false, double delay_comp = 0) {
   auto global = make_params();
   auto opt = make_opt("sgd", global);
   std::vector<std::vector<at::Tensor>> seen(workers);
@@ -231,7 +232,13 @@ std::vector<at::Tensor> sequential_round_robin(int workers, int64_t steps,
     for (int w = 0; w < workers; ++w) {
       copy_params(scratch, seen[w]);
       compute_grads(scratch, w, s);
-      for (size_t i = 0; i < global.size(); ++i) global[i].mutable_grad() = scratch[i].grad();
+      for (size_t i = 0; i < global.size(); ++i) {
+        const at::Tensor g = scratch[i].grad();
+        global[i].mutable_grad() =
+            delay_comp > 0
+                ? g + (g * g * global[i].detach() - g * g * seen[w][i].detach()) * delay_comp
+                : g;
+      }
       const int64_t tau = version - base[w];
       const double scale = staleness_lr && tau > 1 ? 1.0 / static_cast<double>(tau) : 1.0;
       set_lr(*opt, lr_at(version++) * scale);
@@ -277,6 +284,30 @@ TEST(Ps, StalenessAwareRateEqualsSequentialApplication) {
     // And it is not the plain rate's result.
     EXPECT_FALSE(at::equal(want[0], sequential_round_robin(workers, steps)[0]));
   }
+}
+
+// Delay compensation (DC-ASGD) in the same deterministic order, np 3 and 4:
+// bitwise the sequential application with g + lambda * g * g * (w_now -
+// w_base), w_base the parameters each worker computed on -- which the server
+// never holds; the workers send g * g * w_base. And it is not a no-op.
+TEST(Ps, DelayCompensationEqualsSequentialApplication) {
+  const int n = world_size();
+  if (n < 3) GTEST_SKIP() << "needs two workers";
+  const int servers = n == 3 ? 1 : 2;
+  const int workers = n - servers;
+  auto o = options(servers, "async");
+  o.deterministic = true;
+  o.delay_comp = 2.0;
+  o.max_push_delay_us = 1000;
+  const int64_t steps = 12;
+  const auto got = run_ps(o, steps);
+  const auto want = sequential_round_robin(workers, steps, false, 2.0);
+  expect_bitwise(got.params, want);
+  EXPECT_FALSE(at::equal(want[0], sequential_round_robin(workers, steps)[0]));
+  // Every push carried g * g * w_base: 4 more bytes per element.
+  const int64_t per_push = servers * static_cast<int64_t>(sizeof(ps::detail::PushHeader)) +
+                           8 * static_cast<int64_t>(servers == 1 ? 4 : 5) + 2 * 4 * 120;
+  EXPECT_EQ(got.stats.bytes_received, workers * steps * per_push);
 }
 
 // sync with n = N: every update is the mean of the N gradients computed on
@@ -527,6 +558,14 @@ TEST(PsErrors, BadOptionsNameTheArgument) {
   const auto pull = error_of([&] { ps::Session(make_params(), o); });
   EXPECT_NE(pull.find("pull codec: "), std::string::npos) << pull;
   EXPECT_NE(pull.find("no point-to-point form"), std::string::npos) << pull;
+  o = options(1, "sync");
+  o.delay_comp = 0.5;
+  EXPECT_NE(error_of([&] { ps::Session(make_params(), o); }).find("would do nothing"),
+            std::string::npos);
+  o = options(1, "async");
+  o.delay_comp = -1;
+  EXPECT_NE(error_of([&] { ps::Session(make_params(), o); }).find("delay_comp (DC-ASGD's lambda)"),
+            std::string::npos);
   if (n >= 3) {
     o = options(1, "ssp:0");
     EXPECT_NE(error_of([&] { ps::Session(make_params(), o); }).find("use ssp:"), std::string::npos);

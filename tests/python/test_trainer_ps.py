@@ -14,6 +14,7 @@ Stated targets (CPU, generated data):
 - LeNet, async, 1 server + 2 workers, int8 pulls: >= 80% like float32
   pulls, the pulls at most 0.27 of float32 on the wire (codes, a scale per
   256, the exact first reply).
+- LeNet, async, delay compensation 0.5: >= 80%, pushes 2x float32.
 - a server frozen by SIGSTOP: the workers fail within DDPX_TIMEOUT_S + 15 s,
   naming it.
 - MLP, sync, stopped and resumed from the server's checkpoint:
@@ -107,6 +108,19 @@ def test_lenet_async_int8_pulls(tmp_path, data_cache):
     assert end["compression"] == pytest.approx(1.0, abs=0.01), end
 
 
+def test_lenet_async_delay_compensation(tmp_path, data_cache):
+    """DC-ASGD on: trains like plain async; each push carries g*g*w_base
+    beside the gradient, twice the float32 bytes."""
+    metrics = tmp_path / "m.jsonl"
+    r = run(mpirun_cmd(3, "--mode", "ps", "--ps-delay-comp", 0.5, "--model", model("lenet"),
+                       "--data-cache", data_cache, "--steps", 200, "--batch-size", 32, "--lr", 0.02,
+                       "--log-every", 100, "--metrics", metrics))
+    assert r.returncode == 0, r.stdout + r.stderr
+    end = read_metrics(metrics)[-1]
+    assert end["test_accuracy"] >= 0.80, end
+    assert 2.0 <= end["compression"] < 2.01, end
+
+
 def test_resume_equals_uninterrupted(tmp_path, data_cache):
     """sync: stopped after 12 of 20 steps and resumed from the server's
     checkpoint, the run ends with the same loss and test accuracy (the
@@ -140,6 +154,7 @@ def test_resume_equals_uninterrupted(tmp_path, data_cache):
     (["--consistency", "eventually"], 2, "unknown consistency 'eventually'"),
     (["--codec", "powersgd:2"], 2, "has no point-to-point form"),
     (["--ps-pull-codec", "zip"], 2, "pull codec: ddpx: unknown codec 'zip'"),
+    (["--consistency", "sync", "--ps-delay-comp", 0.5], 2, "would do nothing"),
     (["--consistency", "ssp:0"], 3, "use ssp:1 or more"),
     (["--ps-async-momentum", "half"], 3, "--ps-async-momentum"),
 ])

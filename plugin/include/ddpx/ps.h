@@ -30,7 +30,9 @@
 //                gradient was computed on), codec id + argument, flags,
 //                loss/correct/samples of the step, segment count}
 //        int64 length of each segment's payload in bytes
-//        payloads, each the codec's message (plugin/comm/codec_message.h)
+//        payloads, each the codec's message (plugin/comm/codec_message.h),
+//                followed with flag DELAY_COMP by g * g * w_base of the
+//                segment as float32 (Options::delay_comp)
 //      The server takes it with MPI_Improbe(ANY_SOURCE) -> MPI_Get_count ->
 //      MPI_Mrecv on its progress thread: any size, any order, no pre-sent
 //      size, no padding. It checks the header (worker = source rank, segment
@@ -140,6 +142,16 @@ struct Options {
   // (staleness-aware async SGD, Zhang et al. 2016); fresh and sync updates
   // keep it.
   bool staleness_lr = false;
+  // Delay compensation (DC-ASGD, Zheng et al. 2017; 0: off). A gradient g
+  // computed on w_base and applied to w_now is applied as
+  //   g + lambda * g * g * (w_now - w_base),
+  // a first-order Taylor step of the gradient from w_base to w_now with
+  // g * g standing in for the Hessian's diagonal. The server keeps no copy
+  // of any worker's parameters: the worker sends g * g * w_base beside g (as
+  // float32: a push grows by 4 bytes per element) and the server subtracts it
+  // from g * g * w_now. With a lossy codec, g is the decoded gradient on both
+  // sides. Not with sync (its gradients are never stale).
+  double delay_comp = 0;
   // Server checkpoints: after every checkpoint_every updates (0: never) and
   // when serve() ends, on_checkpoint gets this server's state as bytes to
   // store; Server::restore takes them back.
