@@ -11,7 +11,8 @@ Gate::Gate(Consistency c, int workers, bool deterministic)
       deterministic_(deterministic),
       live_(workers, true),
       base_(workers, 0),
-      given_(workers, false) {}
+      given_(workers, false),
+      done_(workers, 0) {}
 
 void Gate::offer(const Ticket& t) {
   TORCH_INTERNAL_ASSERT(t.worker >= 0 && t.worker < static_cast<int>(live_.size()));
@@ -43,9 +44,8 @@ std::optional<Decision> Gate::next(int64_t version) {
   if (held_.empty()) return std::nullopt;
   switch (c_.kind) {
     case Consistency::Kind::Async:
+    case Consistency::Kind::Ssp:  // applied as they come; ssp bounds the replies (may_start)
       return next_async();
-    case Consistency::Kind::Ssp:
-      return next_ssp(version);
     case Consistency::Kind::Sync:
       return next_sync(version);
   }
@@ -76,35 +76,16 @@ std::optional<Decision> Gate::next_async() {
   return std::nullopt;
 }
 
-std::optional<Decision> Gate::next_ssp(int64_t version) {
-  // Every live worker holds one gradient (computing, or held here) with base
-  // b_w, and each is applied at its own version. A held push of u may go if,
-  // after it, the others can still all be applied in time: sorted by base,
-  // the i-th would be applied at version + 1 + i at the earliest, so
-  // version + 1 + i - b_(i) <= S for every i. Trying the oldest held push
-  // first keeps that true forever: the oldest gradient can always go (the
-  // others keep their slots), so nothing waits for ever. Checking only
-  // version + 1 - b_w <= S is not enough: two workers still on the same old
-  // base both need a slot, and one of them would end up S + 1 stale.
-  std::vector<size_t> order(held_.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return held_[a].base < held_[b].base; });
-  std::vector<int64_t> others;
-  for (size_t i : order) {
-    const int u = held_[i].worker;
-    others.clear();
-    for (size_t w = 0; w < live_.size(); ++w) {
-      if (static_cast<int>(w) != u && live_[w]) others.push_back(base_[w]);
-    }
-    std::sort(others.begin(), others.end());
-    bool ok = true;
-    for (size_t j = 0; j < others.size() && ok; ++j) {
-      ok = version + 1 + static_cast<int64_t>(j) - others[j] <= c_.bound;
-    }
-    if (ok) return take(i);
+bool Gate::may_start(int worker) const {
+  if (c_.kind != Consistency::Kind::Ssp) return true;
+  // Stale synchronous parallel (Ho et al. 2013): the clock bound. The
+  // slowest live worker can always go (its gap is 0), so nothing waits for
+  // ever; a worker that is gone bounds nobody.
+  int64_t slowest = done_[worker];
+  for (size_t w = 0; w < live_.size(); ++w) {
+    if (live_[w]) slowest = std::min(slowest, done_[w]);
   }
-  return std::nullopt;
+  return done_[worker] - slowest <= c_.bound;
 }
 
 std::optional<Decision> Gate::next_sync(int64_t version) {

@@ -35,6 +35,14 @@ class Gate {
   void gave(int worker, int64_t version);
   // BYE or dropped: the worker sends nothing more and bounds nobody.
   void gone(int worker);
+  // One more push of `worker` is done with (applied or dropped): its clock.
+  void finished(int worker) { ++done_[worker]; }
+  // A restored server: `worker` had `n` pushes done with.
+  void set_done(int worker, int64_t n) { done_[worker] = n; }
+  // May `worker` be given parameters for its next step? Under ssp:S only
+  // while its clock (pushes done with) is at most S ahead of the slowest
+  // live worker's; the server holds the reply until then. Always otherwise.
+  bool may_start(int worker) const;
   bool live(int worker) const { return live_[worker]; }
   int live_count() const;
   int64_t held() const;
@@ -45,7 +53,6 @@ class Gate {
 
  private:
   std::optional<Decision> next_async();
-  std::optional<Decision> next_ssp(int64_t version);
   std::optional<Decision> next_sync(int64_t version);
   Decision take(size_t i);
 
@@ -54,6 +61,7 @@ class Gate {
   std::vector<bool> live_;
   std::vector<int64_t> base_;  // [worker] base of the gradient it is computing
   std::vector<bool> given_;    // [worker] has had its first parameters
+  std::vector<int64_t> done_;  // [worker] pushes applied or dropped (its clock)
   std::deque<Ticket> held_;    // arrival order
   int cursor_ = 0;             // deterministic async: whose turn it is
 };

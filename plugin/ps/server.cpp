@@ -62,6 +62,7 @@ class ServerImpl {
       while (auto d = gate_.next(stats_.version)) apply(*d, on_update);
       const auto now = Clock::now();
       drop_silent(now, timeout);
+      if (!awaiting_.empty()) release_held();
       if (now - last_beat > timeout / 4) {
         // Workers waiting for a held reply (ssp, sync) know this server lives.
         for (int w = 0; w < workers_; ++w) {
@@ -94,7 +95,10 @@ class ServerImpl {
     stats_ = st.stats;
     next_seq_ = st.next_seq;
     // Every worker computes its next gradient on the restored version.
-    for (int w = 0; w < workers_; ++w) gate_.gave(w, stats_.version);
+    for (int w = 0; w < workers_; ++w) {
+      gate_.gave(w, stats_.version);
+      gate_.set_done(w, next_seq_[w]);
+    }
     return stats_;
   }
 
@@ -125,7 +129,7 @@ class ServerImpl {
           return on_push(w, m);
         case kPull:
           parse_note(m.bytes, kPull, w);
-          return reply(w);
+          return answer(w);
         case kBye:
           parse_note(m.bytes, kBye, w);
           gate_.gone(w);
@@ -232,7 +236,30 @@ class ServerImpl {
     auto it = pending_.find(t.id);
     const bool wants = it->second.header.flags & kAfterPush;
     pending_.erase(it);
-    if (wants && gate_.live(t.worker)) reply(t.worker);
+    gate_.finished(t.worker);
+    if (wants && gate_.live(t.worker)) answer(t.worker);
+  }
+
+  // A reply now, or (ssp: the worker is too far ahead) once the slowest live
+  // worker has caught up; release_held() sends it.
+  void answer(int w) {
+    if (gate_.may_start(w)) return reply(w);
+    awaiting_.push_back(w);
+  }
+
+  // After a push was done with or a worker left: the held replies that may go.
+  void release_held() {
+    for (size_t i = 0; i < awaiting_.size();) {
+      const int w = awaiting_[i];
+      if (!gate_.live(w)) {
+        awaiting_.erase(awaiting_.begin() + static_cast<std::ptrdiff_t>(i));
+      } else if (gate_.may_start(w)) {
+        awaiting_.erase(awaiting_.begin() + static_cast<std::ptrdiff_t>(i));
+        reply(w);
+      } else {
+        ++i;
+      }
+    }
   }
 
   // The shard at the current version; one buffer per version, shared by
@@ -317,6 +344,7 @@ class ServerImpl {
   std::map<int64_t, Push> pending_;
   std::vector<int64_t> next_seq_;  // [worker] seq of its next push
   std::vector<bool> answered_;     // [worker] sent its first reply
+  std::vector<int> awaiting_;      // ssp: workers whose reply is held (clock bound)
   comm::MessageCodec pull_codec_;
   std::vector<at::Tensor> held_;   // [worker] what it holds (pull codec only), float32
   int64_t next_id_ = 0;

@@ -130,12 +130,6 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
               s_->consistency.str(),
               " needs pulls after each push (the server gates on the "
               "version each worker computes on), not prefetched pulls");
-  TORCH_CHECK(
-      s_->consistency.kind != Consistency::Kind::Ssp || s_->consistency.bound >= workers - 1,
-      "ddpx ps: consistency ", s_->consistency.str(), " cannot hold with ", workers,
-      " workers: gradients computed at once by N workers are applied one after another, "
-      "so the last is N - 1 = ",
-      workers - 1, " versions stale; use ssp:", workers - 1, " or more, or sync");
   TORCH_CHECK(std::isfinite(opts.delay_comp) && opts.delay_comp >= 0,
               "ddpx ps: delay_comp (DC-ASGD's lambda) must be >= 0, got ", opts.delay_comp);
   TORCH_CHECK(opts.delay_comp == 0 || s_->consistency.kind != Consistency::Kind::Sync,

@@ -124,7 +124,7 @@ Options parse_options(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   ps->add_option("--consistency", o.consistency,
-                 "async | ssp:<S> (at most S versions stale) | sync[:<n>] (n gradients per "
+                 "async | ssp:<S> (a worker at most S steps ahead of the slowest) | sync[:<n>] (n gradients per "
                  "update, default all workers)")
       ->capture_default_str();
   ps->add_option("--ps-pull", o.ps_pull,

@@ -45,15 +45,13 @@
 //        async     in arrival order (deterministic: in the fixed order worker
 //                  0, 1, ..., N-1 of each seq, whatever the arrival order,
 //                  and only once every worker has had its first parameters);
-//        ssp:S     a push is held while applying it would leave the gradients
-//                  the other live workers are computing (or sent) unable to be
-//                  applied at most S versions after their base: sorted by base
-//                  b_(i), the i-th is applied at version + 1 + i at the
-//                  earliest, so each needs version + 1 + i - b_(i) <= S. The
-//                  oldest held push goes first. Applied staleness never exceeds
-//                  S and nothing waits for ever. Needs S >= N - 1 (N gradients
-//                  computed at once are applied one after another) and
-//                  AfterPush pulls;
+//        ssp:S     stale synchronous parallel (Ho et al. 2013): pushes are
+//                  applied as they come, and a worker's clock (its pushes the
+//                  server is done with) may be at most S ahead of the slowest
+//                  live worker's: the reply to a worker further ahead is held
+//                  until the slowest catches up (or is dropped). S = 0 is
+//                  lockstep; any S >= 0. Needs AfterPush pulls (the reply is
+//                  the gate);
 //        sync[:n]  pushes on the current version are collected; when n of them
 //                  (default N; fewer if fewer workers are live) are in, their
 //                  mean (summed in worker order) is applied once; a push on an
@@ -103,7 +101,7 @@ namespace ddpx::ps {
 struct Consistency {
   enum class Kind { Async, Ssp, Sync };
   Kind kind = Kind::Async;
-  int64_t bound = 0;   // ssp: S
+  int64_t bound = 0;   // ssp: S (clocks a worker may run ahead of the slowest)
   int64_t quorum = 0;  // sync: n (0: every worker)
   static Consistency parse(const std::string& spec);
   std::string str() const;
