@@ -12,7 +12,8 @@ Gate::Gate(Consistency c, int workers, bool deterministic)
       live_(workers, true),
       base_(workers, 0),
       given_(workers, false),
-      done_(workers, 0) {}
+      done_(workers, 0),
+      in_flight_(workers, false) {}
 
 void Gate::offer(const Ticket& t) {
   TORCH_INTERNAL_ASSERT(t.worker >= 0 && t.worker < static_cast<int>(live_.size()));
@@ -23,6 +24,12 @@ void Gate::offer(const Ticket& t) {
 void Gate::gave(int worker, int64_t version) {
   base_[worker] = version;
   given_[worker] = true;
+  in_flight_[worker] = true;
+}
+
+void Gate::finished(int worker) {
+  ++done_[worker];
+  in_flight_[worker] = false;
 }
 
 void Gate::gone(int worker) { live_[worker] = false; }
@@ -44,8 +51,14 @@ std::optional<Decision> Gate::next(int64_t version) {
   if (held_.empty()) return std::nullopt;
   switch (c_.kind) {
     case Consistency::Kind::Async:
-    case Consistency::Kind::Ssp:  // applied as they come; ssp bounds the replies (may_start)
       return next_async();
+    case Consistency::Kind::Ssp:
+      // The replies keep the clock bound (may_start). With S >= N - 1 the
+      // pushes are also held so that no applied gradient is more than S
+      // versions stale; below that no order can promise it (N gradients
+      // computed at once are applied one after another), and they go as
+      // they come.
+      return c_.bound >= static_cast<int64_t>(live_.size()) - 1 ? next_ssp(version) : next_async();
     case Consistency::Kind::Sync:
       return next_sync(version);
   }
@@ -72,6 +85,39 @@ std::optional<Decision> Gate::next_async() {
     }
     if (live_[cursor_]) return std::nullopt;  // its push is still on the way
     cursor_ = (cursor_ + 1) % n;
+  }
+  return std::nullopt;
+}
+
+std::optional<Decision> Gate::next_ssp(int64_t version) {
+  // Every live worker holds one gradient (computing, or held here) with base
+  // b_w, and each is applied at its own version. A held push of u may go if,
+  // after it, the others can still all be applied in time: sorted by base,
+  // the i-th would be applied at version + 1 + i at the earliest, so
+  // version + 1 + i - b_(i) <= S for every i. Trying the oldest held push
+  // first keeps that true forever: the oldest gradient can always go (the
+  // others keep their slots), so nothing waits for ever. Checking only
+  // version + 1 - b_w <= S is not enough: two workers still on the same old
+  // base both need a slot, and one of them would end up S + 1 stale.
+  std::vector<size_t> order(held_.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return held_[a].base < held_[b].base; });
+  std::vector<int64_t> others;
+  for (size_t i : order) {
+    const int u = held_[i].worker;
+    others.clear();
+    for (size_t w = 0; w < live_.size(); ++w) {
+      // (A worker whose reply the clock bound holds has no gradient in
+      // flight: it gets the version of that moment when it is let go.)
+      if (static_cast<int>(w) != u && live_[w] && in_flight_[w]) others.push_back(base_[w]);
+    }
+    std::sort(others.begin(), others.end());
+    bool ok = true;
+    for (size_t j = 0; j < others.size() && ok; ++j) {
+      ok = version + 1 + static_cast<int64_t>(j) - others[j] <= c_.bound;
+    }
+    if (ok) return take(i);
   }
   return std::nullopt;
 }

@@ -36,7 +36,7 @@ class Gate {
   // BYE or dropped: the worker sends nothing more and bounds nobody.
   void gone(int worker);
   // One more push of `worker` is done with (applied or dropped): its clock.
-  void finished(int worker) { ++done_[worker]; }
+  void finished(int worker);
   // A restored server: `worker` had `n` pushes done with.
   void set_done(int worker, int64_t n) { done_[worker] = n; }
   // May `worker` be given parameters for its next step? Under ssp:S only
@@ -53,6 +53,7 @@ class Gate {
 
  private:
   std::optional<Decision> next_async();
+  std::optional<Decision> next_ssp(int64_t version);
   std::optional<Decision> next_sync(int64_t version);
   Decision take(size_t i);
 
@@ -62,6 +63,7 @@ class Gate {
   std::vector<int64_t> base_;  // [worker] base of the gradient it is computing
   std::vector<bool> given_;    // [worker] has had its first parameters
   std::vector<int64_t> done_;  // [worker] pushes applied or dropped (its clock)
+  std::vector<bool> in_flight_;  // [worker] computing on parameters it was given, or held here
   std::deque<Ticket> held_;    // arrival order
   int cursor_ = 0;             // deterministic async: whose turn it is
 };

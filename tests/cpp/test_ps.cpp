@@ -10,7 +10,8 @@
 //                                same per-segment error feedback, bitwise
 //   pulls through a codec     == local SGD whose gradients are taken on a copy that
 //                                follows by decoded shard deltas, bitwise
-//   ssp:S                     no worker more than S steps ahead of the slowest
+//   ssp:S                     no worker more than S steps ahead of the slowest;
+//                                S >= N - 1: applied staleness <= S
 //   async, N equal workers    mean staleness within 0.35 of N - 1
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -370,13 +371,14 @@ TEST(Ps, SyncQuorumDropsLatePushes) {
 // (below N - 1 with 3 workers): a worker is given the parameters for its
 // step s only once every live worker has pushed at least s - S times, so
 // (one server) the version it gets is at least s + (N - 1)(s - S); and no
-// applied gradient is more than (2N - 1) S + N - 1 versions stale.
+// applied gradient is more than (2N - 1) S + N - 1 versions stale; with
+// S = N - 1 none more than S.
 TEST(Ps, SspHoldsEachWorkerWithinSStepsOfTheSlowest) {
   const int n = world_size();
   if (n < 3) GTEST_SKIP() << "needs two workers";
   const int workers = n - 1;
   const int64_t steps = 30;
-  for (int64_t S : {0, 1}) {
+  for (int64_t S : {int64_t{0}, int64_t{1}, int64_t{workers - 1}}) {
     SCOPED_TRACE(::testing::Message() << "ssp:" << S);
     std::vector<at::Tensor> params = make_params();
     ps::Session session(params, options(1, "ssp:" + std::to_string(S)));
@@ -401,6 +403,7 @@ TEST(Ps, SspHoldsEachWorkerWithinSStepsOfTheSlowest) {
     const auto stats = session.gather_stats(mine);
     EXPECT_EQ(stats.applied, workers * steps);
     EXPECT_LE(stats.staleness.max(), (2 * workers - 1) * S + workers - 1);
+    if (S >= workers - 1) EXPECT_LE(stats.staleness.max(), S);  // pushes held too
   }
 }
 

@@ -50,8 +50,14 @@
 //                  server is done with) may be at most S ahead of the slowest
 //                  live worker's: the reply to a worker further ahead is held
 //                  until the slowest catches up (or is dropped). S = 0 is
-//                  lockstep; any S >= 0. Needs AfterPush pulls (the reply is
-//                  the gate);
+//                  lockstep; any S >= 0. With S >= N - 1 pushes are also held
+//                  so that no applied gradient is more than S versions stale
+//                  (sorted by base b_(i), the i-th gradient in flight is
+//                  applied at version + 1 + i at the earliest, so each needs
+//                  version + 1 + i - b_(i) <= S; the oldest held push goes
+//                  first, so nothing waits for ever); below N - 1 no order
+//                  can promise that. Needs AfterPush pulls (the reply is the
+//                  gate);
 //        sync[:n]  pushes on the current version are collected; when n of them
 //                  (default N; fewer if fewer workers are live) are in, their
 //                  mean (summed in worker order) is applied once; a push on an
