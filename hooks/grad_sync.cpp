@@ -24,16 +24,7 @@ void GradSync::Impl::fail_step(std::exception_ptr error) {
     expected_unused.clear();
     early_used.clear();
   }
-  std::string what;
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::DistError& e) {
-    what = e.what_without_backtrace();
-  } catch (const c10::Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    what = e.what();
-  }
+  const std::string what = comm::detail::backend_failure_text(error);
   const std::string who = comm::roll_call(channels[0]->pg(), stats.step);
   if (who.empty()) std::rethrow_exception(error);
   C10_THROW_ERROR(DistBackendError, "GradSync: step " + std::to_string(stats.step) + " of " +

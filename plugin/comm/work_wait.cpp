@@ -17,20 +17,27 @@ std::string name_collective(c10d::OpType op, const std::string& what) {
   return head + ": " + what;
 }
 
+std::string backend_failure_text(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::DistError& e) {
+    return e.what_without_backtrace();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
 void wait_named(const c10::intrusive_ptr<c10d::Work>& work) {
   std::string what;
   try {
     work->wait();
     return;
-  } catch (const c10::DistError& e) {
-    what = e.what_without_backtrace();
-  } catch (const c10::Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    what = e.what();
+  } catch (...) {
+    what = backend_failure_text(std::current_exception());
   }
-  const std::string named = name_collective(work->retrieveOpType(), what);
-  C10_THROW_ERROR(DistBackendError, named);
+  C10_THROW_ERROR(DistBackendError, name_collective(work->retrieveOpType(), what));
 }
 
 }  // namespace ddpx::comm::detail

@@ -14,6 +14,12 @@ namespace ddpx::comm::detail {
 // c10::Errors (bad input, named by whoever checked it) pass unchanged.
 void wait_named(const c10::intrusive_ptr<c10d::Work>& work);
 
+// The text of a backend's failure held in `error`: a c10::DistError's
+// message without its backtrace, or a plain std::exception's. Any other
+// c10::Error (bad input, named by whoever checked it) is rethrown as it is,
+// and so is anything that is no std::exception.
+std::string backend_failure_text(std::exception_ptr error);
+
 // The text wait_named puts first: "waiting for allreduce: " + what, or what
 // unchanged when it already names the collective. (Split out for the tests.)
 std::string name_collective(c10d::OpType op, const std::string& what);
