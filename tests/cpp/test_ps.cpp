@@ -253,17 +253,32 @@ std::vector<at::Tensor> sequential_round_robin(int workers, int64_t steps,
 
 // np 3: 1 server, 2 workers; np 4: 2 servers (a split tensor), 2 workers.
 // Random delays scramble the arrival order; the result must not change.
+// And with delay compensation (DC-ASGD): bitwise the sequential application
+// with g + lambda * g * g * (w_now - w_base), w_base the parameters each
+// worker computed on -- which the server never holds; the workers send
+// g * g * w_base. It is not a no-op.
 TEST(Ps, DeterministicEqualsSequentialApplication) {
   const int n = world_size();
   if (n < 3) GTEST_SKIP() << "needs two workers";
   const int servers = n == 3 ? 1 : 2;
   const int workers = n - servers;
-  auto o = options(servers, "async");
-  o.deterministic = true;
-  o.max_push_delay_us = 2000;
-  const int64_t steps = 15;
-  const auto got = run_ps(o, steps);
-  expect_bitwise(got.params, sequential_round_robin(workers, steps));
+  for (const double dc : {0.0, 2.0}) {
+    SCOPED_TRACE(::testing::Message() << "delay_comp " << dc);
+    auto o = options(servers, "async");
+    o.deterministic = true;
+    o.delay_comp = dc;
+    o.max_push_delay_us = 2000;
+    const int64_t steps = 15;
+    const auto got = run_ps(o, steps);
+    const auto want = sequential_round_robin(workers, steps, false, dc);
+    expect_bitwise(got.params, want);
+    if (dc == 0) continue;
+    EXPECT_FALSE(at::equal(want[0], sequential_round_robin(workers, steps)[0]));
+    // Every push carried g * g * w_base: 4 more bytes per element.
+    const int64_t per_push = servers * static_cast<int64_t>(sizeof(ps::detail::PushHeader)) +
+                             8 * static_cast<int64_t>(servers == 1 ? 4 : 5) + 2 * 4 * 120;
+    EXPECT_EQ(got.stats.bytes_received, workers * steps * per_push);
+  }
 }
 
 // The same with the staleness-aware rate: np 3 has 2 workers (tau <= 1, the
@@ -285,30 +300,6 @@ TEST(Ps, StalenessAwareRateEqualsSequentialApplication) {
     // And it is not the plain rate's result.
     EXPECT_FALSE(at::equal(want[0], sequential_round_robin(workers, steps)[0]));
   }
-}
-
-// Delay compensation (DC-ASGD) in the same deterministic order, np 3 and 4:
-// bitwise the sequential application with g + lambda * g * g * (w_now -
-// w_base), w_base the parameters each worker computed on -- which the server
-// never holds; the workers send g * g * w_base. And it is not a no-op.
-TEST(Ps, DelayCompensationEqualsSequentialApplication) {
-  const int n = world_size();
-  if (n < 3) GTEST_SKIP() << "needs two workers";
-  const int servers = n == 3 ? 1 : 2;
-  const int workers = n - servers;
-  auto o = options(servers, "async");
-  o.deterministic = true;
-  o.delay_comp = 2.0;
-  o.max_push_delay_us = 1000;
-  const int64_t steps = 12;
-  const auto got = run_ps(o, steps);
-  const auto want = sequential_round_robin(workers, steps, false, 2.0);
-  expect_bitwise(got.params, want);
-  EXPECT_FALSE(at::equal(want[0], sequential_round_robin(workers, steps)[0]));
-  // Every push carried g * g * w_base: 4 more bytes per element.
-  const int64_t per_push = servers * static_cast<int64_t>(sizeof(ps::detail::PushHeader)) +
-                           8 * static_cast<int64_t>(servers == 1 ? 4 : 5) + 2 * 4 * 120;
-  EXPECT_EQ(got.stats.bytes_received, workers * steps * per_push);
 }
 
 // sync with n = N: every update is the mean of the N gradients computed on
