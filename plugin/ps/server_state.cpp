@@ -8,6 +8,8 @@
 
 #include <sstream>
 
+#include "plugin/archive_check.h"
+
 namespace ddpx::ps::detail {
 namespace {
 
@@ -55,6 +57,7 @@ std::string save_server_state(const ServerState& s, torch::optim::Optimizer& opt
 }
 
 void load_server_state(const std::string& bytes, ServerState& s, torch::optim::Optimizer& opt) {
+  ddpx::detail::check_torch_archive(bytes.data(), bytes.size(), "ddpx ps: a server checkpoint");
   torch::serialize::InputArchive ar;
   std::istringstream is(bytes);
   ar.load_from(is);

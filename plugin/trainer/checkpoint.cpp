@@ -15,6 +15,8 @@
 #include <unordered_map>
 #include <unistd.h>
 
+#include "plugin/archive_check.h"
+
 namespace ddpx::trainer {
 namespace {
 
@@ -193,6 +195,7 @@ bool load_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjec
 void restore_checkpoint(const char* data, size_t size, const std::string& name, TrainObjects& t,
                         Position& pos) {
   try {
+    ddpx::detail::check_torch_archive(data, size, "its archive");
     torch::serialize::InputArchive ar;
     ar.load_from(data, size);
     restore(ar, t, pos);

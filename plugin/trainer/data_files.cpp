@@ -14,6 +14,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "plugin/archive_check.h"
 #include "plugin/trainer/data.h"
 
 namespace ddpx::trainer {
@@ -135,35 +136,13 @@ DataSplit finish(Dataset train, Dataset test, const InputSpec& s) {
   return out;
 }
 
-// torch::pickle_load reads a torch.save zip through a reader that copies
-// whatever range the zip's directory names, past the end of the bytes when
-// the file is damaged (a heap over-read inside torch, found by
-// tests/fuzz/fuzz_data_file). This one answers such reads short, which the
-// zip reader reports as a damaged file.
-class BoundedReader final : public caffe2::serialize::ReadAdapterInterface {
- public:
-  BoundedReader(const char* data, size_t size) : data_(data), size_(size) {}
-  size_t size() const override { return size_; }
-  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
-    if (pos >= size_ || n == 0) return 0;
-    n = static_cast<size_t>(std::min<uint64_t>(n, size_ - pos));
-    std::memcpy(buf, data_ + pos, n);
-    return n;
-  }
-
- private:
-  const char* data_;
-  size_t size_;
-};
-
-// torch.save's bytes: what torch::pickle_load does, through BoundedReader.
-c10::IValue load_saved(const char* data, size_t size) {
-  if (size >= 4 && std::memcmp(data, "PK\x03\x04", 4) == 0) {
-    caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BoundedReader>(data, size));
-    return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
-                                             std::nullopt, std::nullopt, std::nullopt, reader);
-  }
-  return torch::pickle_load(std::vector<char>(data, data + size));  // torch's older format
+// torch.save's bytes, each length checked before torch trusts it
+// (archive_check.h): what torch::pickle_load does, without its reserving
+// whatever a damaged file declares.
+c10::IValue load_saved(const char* data, size_t size, const std::string& path) {
+  const auto reader = ddpx::detail::open_torch_archive(data, size, path);
+  return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
+                                           std::nullopt, std::nullopt, std::nullopt, *reader);
 }
 
 DataSplit load_idx_dir(const std::string& dir, const InputSpec& s) {
@@ -194,7 +173,7 @@ DataSplit parse_saved_dict(const char* data, size_t size, const std::string& pat
                            const InputSpec& s) {
   c10::IValue v;
   try {
-    v = load_saved(data, size);
+    v = load_saved(data, size, path);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "ddpx-train: --data ", path,
                 " is neither an idx directory nor a file written by torch.save (",
