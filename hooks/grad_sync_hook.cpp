@@ -269,12 +269,17 @@ void GradSync::Impl::on_grad(int p) {
   hooks::Range range("ddpx::hook");
   const at::Tensor& g = params[p].grad();
   // Declared unused, yet here: neither copied nor sent (its slot may be
-  // off the wire), an error at the step's end on every rank.
+  // off the wire), an error at the step's end on every rank. The same for
+  // one that prepare_for_backward's outputs do not reach (Exact): it was
+  // marked ready unused when the step began, so its slot may be on the wire
+  // already (zeroed, if another rank uses it) -- copying into it would race
+  // the send (ThreadSanitizer found that).
   const bool skip = declared[p] != 0;
+  const bool surprise = !skip && !expected_unused.empty() && expected_unused[p];
   // The copy needs no lock: slots (and sparse_dim entries) are per
   // parameter, and the plan only changes at the step boundary, after every
   // hook of the step has run.
-  const bool in_slot = g.defined() && !skip && gather_grad(p, g);
+  const bool in_slot = g.defined() && !skip && !surprise && gather_grad(p, g);
   std::lock_guard<std::mutex> lock(mu);
   if (!active) {
     begin_step_locked();
@@ -283,10 +288,10 @@ void GradSync::Impl::on_grad(int p) {
   grad_in_slot[p] = in_slot ? 1 : 0;
   if (skip) {
     if (g.defined()) declared_surprises.push_back(p);
-  } else if (g.defined() && ready[p] && !expected_unused.empty() && expected_unused[p]) {
+  } else if (g.defined() && surprise) {
     surprises.push_back(p);  // an error at the step's end, on every rank
   }
-  if (g.defined() && !skip) mark_ready_locked(p, /*used=*/true);
+  if (g.defined() && !skip && !surprise) mark_ready_locked(p, /*used=*/true);
   ++stats.hook_calls;
   const auto h1 = Clock::now();
   hook_cpu_us = hook_cpu_us + hooks::us_since(h0, h1);
