@@ -110,10 +110,15 @@ std::string roll_call(c10d::ProcessGroup& pg, int64_t seq, std::chrono::millisec
   // and leave that thread behind (the job is failing anyway).
   auto done = std::make_shared<std::promise<Answers>>();
   auto answers = done->get_future();
-  std::thread([done, store, prefix, rank, size, seq, grace] {
+  // It drops its reference to the store before it answers, so the caller
+  // (who may destroy the group next) always holds the last one.
+  std::thread([done, store, prefix, rank, size, seq, grace]() mutable {
     try {
-      done->set_value(ask(store, prefix, rank, size, seq, grace));
+      Answers a = ask(store, prefix, rank, size, seq, grace);
+      store.reset();
+      done->set_value(std::move(a));
     } catch (...) {
+      store.reset();
       done->set_exception(std::current_exception());
     }
   }).detach();

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "grad_sync_train_harness.h"
+#include "sanitizer.h"
 
 namespace {
 
@@ -90,6 +91,10 @@ TEST(GradSyncOverlapErrors, SetOptimizerIsCheckedLocally) {
 }
 
 TEST(GradSyncOverlapErrors, UngatedForwardFailsTheNextBackwardOnEveryRank) {
+  // The misuse it checks is a race by construction (a forward and the next
+  // backward's gradient accumulation run against the last step's update in
+  // flight); GradSync names it afterwards. ThreadSanitizer rightly reports it.
+  if (ddpx::test::kThreadSanitizer) GTEST_SKIP() << "races on purpose";
   auto& pg = world();
   torch::manual_seed(3);
   Gated m;
