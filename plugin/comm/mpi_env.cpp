@@ -89,6 +89,11 @@ std::string MpiEnv::broken_why() const {
   return broken_why_;
 }
 
+void MpiEnv::end_job_at_exit(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (end_why_.empty()) end_why_ = why;
+}
+
 void MpiEnv::on_shutdown(std::function<bool()> fn) {
   std::lock_guard<std::mutex> lock(mu_);
   shutdown_.push_back(std::move(fn));
@@ -107,16 +112,25 @@ void MpiEnv::at_exit() {
   for (auto& fn : fns) {
     if (!fn()) env.mark_broken("a communication thread is still blocked inside MPI");
   }
-  std::string why;
+  std::string why, end;
   {
     std::lock_guard<std::mutex> lock(env.mu_);
     why = env.broken_why_;
+    end = env.end_why_;
   }
   if (!why.empty()) {
     std::fprintf(stderr, "ddpx_mpi: rank %d aborting the MPI job at exit: %s\n", env.world_rank_,
                  why.c_str());
     std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 1);
+    return;
+  }
+  if (!end.empty()) {
+    std::fprintf(stderr, "ddpx_mpi: rank %d ending the MPI job at exit (MPI_Abort, code 0): %s\n",
+                 env.world_rank_, end.c_str());
+    std::fflush(stderr);
+    std::fflush(stdout);
+    MPI_Abort(MPI_COMM_WORLD, 0);
     return;
   }
   MPI_Finalize();

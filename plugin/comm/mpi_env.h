@@ -32,6 +32,11 @@ class MpiEnv {
   bool broken() const;
   // Why (the first failure's message), "" while not broken.
   std::string broken_why() const;
+  // The job finished, but some of its ranks never will (a frozen worker the
+  // parameter server dropped): end them with MPI_Abort(code 0) at exit
+  // instead of MPI_Finalize, whose fence would wait for them. Call it on one
+  // rank, after its results are out.
+  void end_job_at_exit(const std::string& why);
 
   // Called at exit before MPI_Finalize: each worker registers a function that
   // stops it and returns false if it could not (a thread stuck inside MPI).
@@ -47,6 +52,7 @@ class MpiEnv {
   bool we_initialised_ = false;
   mutable std::mutex mu_;
   std::string broken_why_;
+  std::string end_why_;
   std::vector<std::function<bool()>> shutdown_;
 };
 

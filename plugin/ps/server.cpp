@@ -64,9 +64,11 @@ class ServerImpl {
       drop_silent(now, timeout);
       if (!awaiting_.empty()) release_held();
       if (now - last_beat > timeout / 4) {
-        // Workers waiting for a held reply (ssp, sync) know this server lives.
+        // Workers waiting for a held reply (ssp, sync), or after their BYE
+        // for the final list of live workers (Session::share_final), know
+        // this server lives.
         for (int w = 0; w < workers_; ++w) {
-          if (gate_.live(w)) out_.send(pack_note(kHeartbeat, -1, 0), rank_of(w), kHeartbeat);
+          if (!lost(w)) out_.send(pack_note(kHeartbeat, -1, 0), rank_of(w), kHeartbeat);
         }
         last_beat = now;
       }
@@ -149,7 +151,7 @@ class ServerImpl {
       std::memcpy(text.data_ptr(), why.data(), why.size());
       out_.send(text, m.source, kError);
       gate_.gone(w);
-      ++stats_.workers_lost;
+      lose(w);
     }
   }
 
@@ -318,11 +320,19 @@ class ServerImpl {
     return out;
   }
 
+  // Dropped (silent or refused), for good: Session::share_final leaves it out.
+  bool lost(int w) const { return s_.state().lost[w] != 0; }
+  void lose(int w) {
+    s_.state().lost[w] = 1;
+    out_.abandon(rank_of(w));  // a dead worker's sends never complete
+    ++stats_.workers_lost;
+  }
+
   void drop_silent(Clock::time_point now, std::chrono::duration<double> timeout) {
     for (int w = 0; w < workers_; ++w) {
       if (!gate_.live(w) || now - last_heard_[w] <= timeout) continue;
       gate_.gone(w);
-      ++stats_.workers_lost;
+      lose(w);
       std::fprintf(stderr,
                    "[ddpx ps] server %d: worker %d (rank %d) sent nothing for %.0f s: dropped, "
                    "training goes on with %d worker(s)\n",

@@ -1,5 +1,5 @@
 // ddpx::ps::Session: the set-up every rank does once (step 0 of the protocol
-// in ddpx/ps.h) and the collectives after training (step 7).
+// in ddpx/ps.h). The collectives after training (step 7): session_final.cpp.
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
@@ -52,33 +52,6 @@ void check_same(MPI_Comm comm, const std::vector<std::pair<std::string, int64_t>
   }
   TORCH_CHECK(bad.empty(), "ddpx ps: the ranks disagree on the ", bad, " (this rank has ", mine,
               "); every rank must run the same model with the same options");
-}
-
-// The collectives after training must not wait for ever for a rank that
-// never joins (a frozen worker the servers dropped): each is started
-// nonblocking and waited for at most the timeout. Then the job is marked
-// broken (MPI_Abort at exit, which ends the frozen rank too), the buffers are
-// leaked (MPI may still write them) and a c10::Error says what happened.
-void await_bounded(MPI_Request& r, double timeout_s, const std::string& what,
-                   const std::vector<at::Tensor>& buffers) {
-  using comm::detail::WaitPacer;
-  const auto start = WaitPacer::Clock::now();
-  WaitPacer pacer(start);
-  while (true) {
-    const auto t0 = WaitPacer::Clock::now();
-    int done = 0;
-    DDPX_MPI_CHECK(MPI_Test(&r, &done, MPI_STATUS_IGNORE));
-    if (done) return;
-    if (std::chrono::duration<double>(t0 - start).count() > timeout_s) {
-      for (const auto& b : buffers) new at::Tensor(b);
-      MpiEnv::get().mark_broken("ddpx ps: " + what + " never completed");
-      TORCH_CHECK(false, "ddpx ps: ", what, " did not complete within ", timeout_s,
-                  " s (DDPX_TIMEOUT_S): a rank never joined it (a worker the servers dropped, "
-                  "or a server that stopped)");
-    }
-    const auto nap = pacer.after_test(t0, WaitPacer::Clock::now());
-    if (nap.count() > 0) std::this_thread::sleep_for(nap);
-  }
 }
 
 double env_timeout() {
@@ -155,6 +128,10 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
        << ", pull codec " << pull_codec.spec();
   DDPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &s_->comm));
   DDPX_MPI_CHECK(MPI_Comm_set_errhandler(s_->comm, MPI_ERRORS_RETURN));
+  // The servers' own communicator (step 7's agreement), made while every rank is in.
+  DDPX_MPI_CHECK(MPI_Comm_split(s_->comm, s_->rank < opts.servers ? 0 : MPI_UNDEFINED, s_->rank,
+                                &s_->servers_comm));
+  s_->lost.assign(static_cast<size_t>(workers), 0);
   check_same(s_->comm,
              {{"parameter count", static_cast<int64_t>(params.size())},
               {"parameter shapes", stable_hash(shapes.str())},
@@ -174,7 +151,10 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
 }
 
 Session::~Session() {
-  if (s_ && s_->comm != MPI_COMM_NULL) MPI_Comm_free(&s_->comm);
+  if (!s_) return;
+  if (s_->final_comm != MPI_COMM_NULL && s_->final_comm != s_->comm) MPI_Comm_free(&s_->final_comm);
+  if (s_->servers_comm != MPI_COMM_NULL) MPI_Comm_free(&s_->servers_comm);
+  if (s_->comm != MPI_COMM_NULL) MPI_Comm_free(&s_->comm);
 }
 
 bool Session::is_server() const { return s_->rank < s_->opts.servers; }
@@ -185,84 +165,5 @@ const Options& Session::options() const { return s_->opts; }
 const Consistency& Session::consistency() const { return s_->consistency; }
 const std::vector<at::Tensor>& Session::params() const { return s_->params; }
 double Session::timeout_s() const { return s_->timeout_s; }
-
-void Session::share_final(const std::vector<at::Tensor>& params) {
-  TORCH_CHECK(params.size() == s_->params.size(), "ddpx ps: share_final got ", params.size(),
-              " parameters; the session has ", s_->params.size());
-  at::NoGradGuard no_grad;
-  for (int k = 0; k < s_->opts.servers; ++k) {
-    const auto& segs = s_->layout.shards[k];
-    at::Tensor buf = at::empty({s_->layout.shard_numel[k]}, at::kFloat);
-    int64_t off = 0;
-    if (s_->rank == k) {
-      for (const auto& sg : segs) {
-        buf.narrow(0, off, sg.numel)
-            .copy_(params[sg.param].view(-1).narrow(0, sg.offset, sg.numel));
-        off += sg.numel;
-      }
-    }
-    MPI_Request r;
-    DDPX_MPI_CHECK(
-        MPI_Ibcast(buf.data_ptr(), static_cast<int>(buf.numel()), MPI_FLOAT, k, s_->comm, &r));
-    await_bounded(r, s_->timeout_s, "the final broadcast of server " + std::to_string(k), {buf});
-    off = 0;
-    for (const auto& sg : segs) {
-      params[sg.param].view(-1).narrow(0, sg.offset, sg.numel).copy_(buf.narrow(0, off, sg.numel));
-      off += sg.numel;
-    }
-  }
-}
-
-ServerStats Session::gather_stats(const ServerStats& mine) {
-  // Counters are summed over the servers; the version is server 0's. One
-  // bounded allreduce of int64 (length first, so every rank sizes the
-  // histogram alike) and one of double.
-  auto allreduce = [&](at::Tensor t, MPI_Datatype type, MPI_Op op) {
-    at::Tensor out = at::empty_like(t);
-    MPI_Request r;
-    DDPX_MPI_CHECK(MPI_Iallreduce(t.data_ptr(), out.data_ptr(), static_cast<int>(t.numel()), type,
-                                  op, s_->comm, &r));
-    await_bounded(r, s_->timeout_s, "the final gathering of the servers' statistics", {t, out});
-    return out;
-  };
-  const int64_t len = static_cast<int64_t>(mine.staleness.counts.size());
-  const int64_t max_len =
-      allreduce(at::tensor({len}, at::kLong), MPI_INT64_T, MPI_MAX)[0].item<int64_t>();
-  std::vector<int64_t> ints = {is_server() && rank() == 0 ? mine.version : 0,
-                               mine.applied,
-                               mine.dropped,
-                               mine.updates,
-                               mine.bytes_received,
-                               mine.bytes_raw,
-                               mine.workers_lost};
-  const size_t head = ints.size();
-  ints.resize(head + max_len, 0);
-  for (int64_t i = 0; i < len; ++i) ints[head + i] = mine.staleness.counts[i];
-  const at::Tensor summed =
-      allreduce(at::tensor(c10::ArrayRef<int64_t>(ints), at::kLong), MPI_INT64_T, MPI_SUM);
-  const std::vector<int64_t> sum(summed.data_ptr<int64_t>(),
-                                 summed.data_ptr<int64_t>() + summed.numel());
-  const at::Tensor dsum_t = allreduce(
-      at::tensor({mine.loss_sum, mine.correct, mine.samples}, at::kDouble), MPI_DOUBLE, MPI_SUM);
-  const double dsum[3] = {dsum_t[0].item<double>(), dsum_t[1].item<double>(),
-                          dsum_t[2].item<double>()};
-  const int64_t version = sum[0];
-  std::vector<int64_t> rest(sum.begin() + 1, sum.end());
-  ServerStats out;
-  out.version = version;
-  out.applied = rest[0];
-  out.dropped = rest[1];
-  out.updates = rest[2];
-  out.bytes_received = rest[3];
-  out.bytes_raw = rest[4];
-  out.workers_lost = rest[5];
-  out.staleness.counts.assign(sum.begin() + static_cast<std::ptrdiff_t>(head), sum.end());
-  // Each server saw every worker's loss: report one server's worth.
-  const double k = s_->opts.servers;
-  out.loss_sum = dsum[0] / k;
-  out.correct = dsum[1] / k;
-  out.samples = dsum[2] / k;
-  return out;
-}
 
 }  // namespace ddpx::ps

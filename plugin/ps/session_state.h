@@ -1,7 +1,12 @@
 #pragma once
 // What a Session holds, for the server and worker files.
+#include <ATen/core/Tensor.h>
 #include <ddpx/ps.h>
 #include <mpi.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
 
 #include "plugin/ps/layout.h"
 
@@ -12,9 +17,28 @@ struct Session::State {
   Consistency consistency;
   std::vector<at::Tensor> params;
   detail::Layout layout;
-  MPI_Comm comm = MPI_COMM_NULL;  // a duplicate of MPI_COMM_WORLD: our tags, our matching
+  MPI_Comm comm = MPI_COMM_NULL;          // a duplicate of MPI_COMM_WORLD: our tags, our matching
+  MPI_Comm servers_comm = MPI_COMM_NULL;  // the servers alone (MPI_COMM_NULL on a worker)
+  // The ranks that finish together (step 7): comm itself, or a communicator
+  // without the workers the servers dropped. MPI_COMM_NULL until agreed.
+  MPI_Comm final_comm = MPI_COMM_NULL;
+  std::vector<int32_t> lost;  // per worker: 1 once a server dropped it (server side, then agreed)
+  std::vector<int> lost_ranks;  // after the agreement: the world ranks left out
   int rank = 0, size = 0;
   double timeout_s = 0;
 };
 
+namespace detail {
+
+// Waits for a nonblocking collective for at most timeout_s; past that, marks
+// the job broken (MPI_Abort at exit), leaks `buffers` (MPI may still write
+// them) and throws a c10::Error naming `what`.
+void await_bounded(MPI_Request& r, double timeout_s, const std::string& what,
+                   const std::vector<at::Tensor>& buffers);
+
+// The communicator of step 7, agreed on first use (collective over the
+// servers and the workers they did not drop).
+MPI_Comm final_comm(Session::State& s);
+
+}  // namespace detail
 }  // namespace ddpx::ps

@@ -3,6 +3,10 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <deque>
+#include <vector>
+
 #include "plugin/comm/mpi_env.h"
 #include "plugin/comm/wait_pacer.h"
 
@@ -22,6 +26,40 @@ void Inbox::stop() {
 }
 
 void Inbox::loop() {
+  // Receives are nonblocking (MPI_Imrecv): a matched message whose sender
+  // dies half way (kill -9 mid-push) never completes, and a blocking
+  // MPI_Mrecv would stall every other worker's messages behind it. Such a
+  // receive stays in `pending` (its buffer with it) while the rest go on;
+  // the server drops its sender after the timeout. Messages are handed on in
+  // the order they matched, per source (a push before the same worker's BYE).
+  struct Pending {
+    MPI_Request request;
+    Message message;
+  };
+  std::deque<Pending> pending;
+  auto deliver_completed = [&] {
+    bool any = false;
+    std::vector<int> blocked;  // sources with an earlier receive still in flight
+    for (auto it = pending.begin(); it != pending.end();) {
+      const bool behind =
+          std::find(blocked.begin(), blocked.end(), it->message.source) != blocked.end();
+      int done = 0;
+      if (!behind) DDPX_MPI_CHECK(MPI_Test(&it->request, &done, MPI_STATUS_IGNORE));
+      if (!done) {
+        blocked.push_back(it->message.source);
+        ++it;
+        continue;
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        queue_.push_back(std::move(it->message));
+      }
+      cv_.notify_one();
+      it = pending.erase(it);
+      any = true;
+    }
+    return any;
+  };
   try {
     auto pacer = WaitPacer(WaitPacer::Clock::now());
     while (!stop_) {
@@ -30,27 +68,30 @@ void Inbox::loop() {
       MPI_Status status;
       const auto t0 = WaitPacer::Clock::now();
       DDPX_MPI_CHECK(MPI_Improbe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, &handle, &status));
-      if (!flag) {
-        const auto nap = pacer.after_test(t0, WaitPacer::Clock::now());
-        if (nap.count() > 0) std::this_thread::sleep_for(nap);
+      if (flag) {
+        int count = 0;
+        DDPX_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
+        pending.push_back(
+            {MPI_REQUEST_NULL, Message{status.MPI_SOURCE, status.MPI_TAG, at::empty({count}, at::kByte)}});
+        Pending& p = pending.back();
+        DDPX_MPI_CHECK(
+            MPI_Imrecv(p.message.bytes.data_ptr(), count, MPI_BYTE, &handle, &p.request));
+      }
+      if (deliver_completed() || flag) {
+        pacer = WaitPacer(WaitPacer::Clock::now());  // the next message often follows soon
         continue;
       }
-      int count = 0;
-      DDPX_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
-      Message m{status.MPI_SOURCE, status.MPI_TAG, at::empty({count}, at::kByte)};
-      DDPX_MPI_CHECK(MPI_Mrecv(m.bytes.data_ptr(), count, MPI_BYTE, &handle, MPI_STATUS_IGNORE));
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        queue_.push_back(std::move(m));
-      }
-      cv_.notify_one();
-      pacer = WaitPacer(WaitPacer::Clock::now());  // the next message often follows soon
+      const auto nap = pacer.after_test(t0, WaitPacer::Clock::now());
+      if (nap.count() > 0) std::this_thread::sleep_for(nap);
     }
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> lock(mu_);
     error_ = e.what();
     cv_.notify_one();
   }
+  // A receive still in flight cannot be cancelled (it matched): MPI may
+  // still write its buffer, so the buffer outlives us.
+  for (auto& p : pending) new at::Tensor(p.message.bytes);
 }
 
 std::optional<Message> Inbox::pop(std::chrono::microseconds wait) {
@@ -79,6 +120,21 @@ void Outbox::send(const at::Tensor& bytes, int dest, int tag) {
       MPI_Isend(bytes.data_ptr(), static_cast<int>(bytes.numel()), MPI_BYTE, dest, tag, comm_, &r));
   requests_.push_back(r);
   buffers_.push_back(bytes);
+  dests_.push_back(dest);
+}
+
+void Outbox::abandon(int dest) {
+  for (size_t i = 0; i < requests_.size();) {
+    if (dests_[i] != dest) {
+      ++i;
+      continue;
+    }
+    new at::Tensor(buffers_[i]);  // leaked: MPI may still read it
+    const auto at = static_cast<std::ptrdiff_t>(i);
+    requests_.erase(requests_.begin() + at);
+    buffers_.erase(buffers_.begin() + at);
+    dests_.erase(dests_.begin() + at);
+  }
 }
 
 size_t Outbox::progress() {
@@ -86,8 +142,10 @@ size_t Outbox::progress() {
     int done = 0;
     DDPX_MPI_CHECK(MPI_Test(&requests_[i], &done, MPI_STATUS_IGNORE));
     if (done) {
-      requests_.erase(requests_.begin() + static_cast<std::ptrdiff_t>(i));
-      buffers_.erase(buffers_.begin() + static_cast<std::ptrdiff_t>(i));
+      const auto at = static_cast<std::ptrdiff_t>(i);
+      requests_.erase(requests_.begin() + at);
+      buffers_.erase(buffers_.begin() + at);
+      dests_.erase(dests_.begin() + at);
     } else {
       ++i;
     }

@@ -60,11 +60,15 @@ class Outbox {
   size_t progress();
   // Waits for every send; false if some were still in flight after `limit`.
   bool drain(std::chrono::duration<double> limit);
+  // Gives up on the sends to `dest` (a worker the server dropped: they may
+  // never complete): no longer waited for, their buffers left to MPI.
+  void abandon(int dest);
 
  private:
   MPI_Comm comm_;
   std::vector<MPI_Request> requests_;
   std::vector<at::Tensor> buffers_;
+  std::vector<int> dests_;
 };
 
 }  // namespace ddpx::ps::detail

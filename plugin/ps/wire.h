@@ -14,7 +14,15 @@
 namespace ddpx::ps::detail {
 
 // MPI tags; the header repeats the kind (a message is checked against both).
-enum Tag : int { kPush = 1, kPull = 2, kBye = 3, kHeartbeat = 4, kReply = 10, kError = 11 };
+enum Tag : int {
+  kPush = 1,
+  kPull = 2,
+  kBye = 3,
+  kHeartbeat = 4,
+  kFinal = 5,  // server 0 -> worker: the list of dropped workers (Session::share_final)
+  kReply = 10,
+  kError = 11
+};
 
 constexpr int32_t kMagic = 0x64707331;  // "dps1"
 

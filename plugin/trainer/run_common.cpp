@@ -55,10 +55,11 @@ at::Tensor allreduce_sum(c10d::ProcessGroup& pg, at::Tensor t) {
   return t;
 }
 
-double evaluate(torch::jit::Module& m, const Dataset& test, c10d::ProcessGroup& pg, int64_t batch) {
+double evaluate(torch::jit::Module& m, const Dataset& test, int rank, int size,
+                const std::function<at::Tensor(const at::Tensor&)>& sum, int64_t batch) {
   at::NoGradGuard no_grad;
   m.eval();
-  const at::Tensor idx = shard_indices(test.size(), pg.getRank(), pg.getSize(), 0, 0);
+  const at::Tensor idx = shard_indices(test.size(), rank, size, 0, 0);
   double correct = 0;
   for (int64_t b = 0; b < idx.numel(); b += batch) {
     const at::Tensor rows = idx.narrow(0, b, std::min(batch, idx.numel() - b));
@@ -66,8 +67,13 @@ double evaluate(torch::jit::Module& m, const Dataset& test, c10d::ProcessGroup& 
     correct += out.argmax(1).eq(test.targets.index_select(0, rows)).sum().item<double>();
   }
   m.train();
-  auto t = allreduce_sum(pg, at::tensor({correct, double(idx.numel())}, at::kDouble));
+  const at::Tensor t = sum(at::tensor({correct, double(idx.numel())}, at::kDouble));
   return t[0].item<double>() / std::max(1.0, t[1].item<double>());
+}
+
+double evaluate(torch::jit::Module& m, const Dataset& test, c10d::ProcessGroup& pg, int64_t batch) {
+  return evaluate(m, test, pg.getRank(), pg.getSize(),
+                  [&pg](const at::Tensor& t) { return allreduce_sum(pg, t); }, batch);
 }
 
 }  // namespace ddpx::trainer

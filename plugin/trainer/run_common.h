@@ -2,10 +2,11 @@
 // What both kinds of run (GradSync's synchronous one, trainer.cpp, and the
 // parameter server's, trainer_ps.cpp) do alike: data, progress text, the
 // final evaluation.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/script.h>
 
+#include <functional>
 #include <string>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "plugin/trainer/data.h"
 #include "plugin/trainer/model.h"
@@ -29,5 +30,9 @@ at::Tensor allreduce_sum(c10d::ProcessGroup& pg, at::Tensor t);
 
 // Accuracy of the model on the test set, each rank of pg scoring its share.
 double evaluate(torch::jit::Module& m, const Dataset& test, c10d::ProcessGroup& pg, int64_t batch);
+// The same for a group that is not a ProcessGroup (the parameter server's
+// final ranks): this rank's shard of the test set, summed with `sum` (float64).
+double evaluate(torch::jit::Module& m, const Dataset& test, int rank, int size,
+                const std::function<at::Tensor(const at::Tensor&)>& sum, int64_t batch);
 
 }  // namespace ddpx::trainer

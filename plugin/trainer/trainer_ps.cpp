@@ -253,11 +253,15 @@ void run_ps(const Options& o) {
   }
   session.share_final(params);
   const ps::ServerStats st = session.gather_stats(mine);
-  auto w = allreduce_sum(*pg, at::tensor({double(wstats.pushes), double(wstats.bytes_sent),
+  // The ranks still in (a worker the servers dropped is left out) finish
+  // together: share_final, the sums and the test score run among them.
+  auto w = session.sum_final(at::tensor({double(wstats.pushes), double(wstats.bytes_sent),
                                           double(wstats.bytes_raw), wstats.wait_us,
                                           double(wstats.pull_bytes), double(wstats.pull_bytes_raw)},
                                          at::kDouble));
-  const double test_acc = evaluate(model, data.test, *pg, 256);
+  const double test_acc =
+      evaluate(model, data.test, session.final_rank(), session.final_size(),
+               [&session](const at::Tensor& t) { return session.sum_final(t); }, 256);
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
   if (!lead) return;
   const double pushes = w[0].item<double>();
@@ -278,7 +282,7 @@ void run_ps(const Options& o) {
                   "dropped, %lld worker(s) lost; pushes %.0f B each (x%.3f of float32), "
                   "pulls x%.3f; workers waited %.1f ms per step for parameters",
                   (long long)st.version, (long long)(st.applied / o.servers),
-                  (long long)(st.dropped / o.servers), (long long)st.workers_lost,
+                  (long long)(st.dropped / o.servers), (long long)session.lost_ranks().size(),
                   pushes > 0 ? w[1].item<double>() / pushes : 0.0, compression, pull_ratio,
                   pushes > 0 ? w[3].item<double>() / pushes / 1000 : 0.0);
     std::cout << line << std::endl;
@@ -299,7 +303,7 @@ void run_ps(const Options& o) {
                           {"updates", st.version},
                           {"applied", st.applied / o.servers},
                           {"dropped", st.dropped / o.servers},
-                          {"workers_lost", st.workers_lost},
+                          {"workers_lost", session.lost_ranks().size()},
                           {"bytes_sent_per_step", pushes > 0 ? w[1].item<double>() / pushes : 0},
                           {"compression", compression},
                           {"pull_bytes_per_step", pushes > 0 ? w[4].item<double>() / pushes : 0},

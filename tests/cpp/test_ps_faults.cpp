@@ -3,8 +3,9 @@
 //   a frozen server (np 2): the worker fails within the timeout plus a margin,
 //     with an error naming the server;
 //   a frozen worker (np 3, SIGSTOP): the server drops it and the other worker
-//     finishes its training; woken up after the server is gone, the frozen one
-//     fails with the error too.
+//     finishes its training, and the two share the final values without it
+//     (rank 0 then ends the job at exit with MPI_Abort, code 0); woken up
+//     after the server is done, the frozen one fails with the error too.
 #include <ATen/ATen.h>
 #include <ddpx/ps.h>
 #include <gtest/gtest.h>
@@ -95,6 +96,20 @@ TEST(PsFaults, FrozenWorkerIsDroppedAndTrainingGoesOn) {
     } else {
       EXPECT_NE(err.find("sent nothing for 2 s"), std::string::npos) << err;
     }
+  }
+  if (rank != 2) {
+    // The server and worker 0 finish without the dropped one (step 7):
+    // worker 0 ends with the server's values, and both know who is missing.
+    p[0].mutable_grad() = at::Tensor();
+    if (rank == 1) p[0].detach().fill_(-1);
+    session.share_final(p);
+    EXPECT_EQ(session.lost_ranks(), std::vector<int>{2});
+    EXPECT_EQ(session.final_size(), 2);
+    EXPECT_EQ(session.final_rank(), rank);
+    const auto sum = session.sum_final(p[0].detach().to(at::kDouble));
+    EXPECT_TRUE(at::equal(sum, 2 * p[0].detach().to(at::kDouble)));
+    // 43 gradients of 0.5 at lr 0.1 from 1.
+    EXPECT_TRUE(at::allclose(p[0].detach(), at::full({7}, 1 - 43 * 0.05), 1e-5, 1e-5));
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }

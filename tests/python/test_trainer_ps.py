@@ -17,6 +17,9 @@ Stated targets (CPU, generated data):
 - LeNet, async, delay compensation 0.5: >= 80%, pushes 2x float32.
 - a server frozen by SIGSTOP: the workers fail within DDPX_TIMEOUT_S + 15 s,
   naming it.
+- a worker killed with kill -9 (mpirun told to let the others live) or
+  frozen by SIGSTOP: the other trains to the end, the two ranks left score
+  the servers' parameters (>= 50%; seen 97-99%), status 0.
 - MLP, sync, stopped and resumed from the server's checkpoint:
   the same logged losses and test accuracy, exactly.
 """
@@ -191,3 +194,47 @@ def test_frozen_server_fails_the_workers_in_time(tmp_path, data_cache):
     assert p.returncode != 0, out
     assert elapsed <= 5 + 15, f"{elapsed:.1f} s\n{out}"
     assert "server 0 (rank 0) sent nothing for 5 s" in out, out
+
+
+# Open MPI 4's mpirun ends the whole job when a rank dies, unless told not to.
+RECOVER = ["--mca", "orte_enable_recovery", "1", "--mca", "orte_abort_on_non_zero_status", "0"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
+def test_lost_worker_the_others_finish(tmp_path, data_cache, sig):
+    """Kill -9 (mpirun told to let the others live) or SIGSTOP worker 1
+    mid-run: the server drops it after DDPX_TIMEOUT_S (5 s), worker 0
+    trains to the end, the ranks left share the final parameters and score
+    them, and the job ends with status 0 (the frozen one ended by rank 0's
+    MPI_Abort(0) at exit)."""
+    marker = str(tmp_path / "marker")
+    cmd = mpirun_cmd(3, "--mode", "ps", "--model", model("mlp"), "--data-cache", data_cache,
+                     "--steps", 300, "--batch-size", 16, "--log-every", 20, "--metrics", marker)
+    if sig == signal.SIGKILL:
+        cmd = cmd[:1] + RECOVER + cmd[1:]
+    p = start(cmd, env=env(DDPX_TIMEOUT_S=5))
+    lines = []
+
+    def progressing():
+        line = p.stdout.readline()
+        lines.append(line)
+        return "step 20/" in line or (line == "" and p.poll() is not None and "exited")
+    try:
+        wait_for(progressing, 120, "training to start")
+        assert p.poll() is None, "".join(lines)
+        pid = wait_for(lambda: rank_pid(marker, 2, "OMPI_COMM_WORLD_RANK"), 30, "rank 2's pid")
+        os.kill(pid, sig)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        kill_group(p)
+    out = "".join(lines) + out
+    assert p.returncode == 0, out
+    assert "worker 1 (rank 2) sent nothing for 5 s: dropped" in out, out
+    assert "finishing without the worker(s) the servers dropped (rank 2)" in out, out
+    assert "1 worker(s) lost" in out, out
+    done = [ln for ln in out.splitlines() if "test accuracy" in ln]
+    assert done, out
+    acc = float(done[-1].rsplit("test accuracy", 1)[1].strip().rstrip("%"))
+    assert acc >= 50, out
+    end = read_metrics(marker)[-1]
+    assert end["event"] == "end" and end["test_accuracy"] == pytest.approx(acc / 100, abs=1e-4)

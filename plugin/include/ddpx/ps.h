@@ -82,11 +82,23 @@
 //   6. Liveness: a server that hears nothing from a worker for the timeout
 //      (a worker sends a HEARTBEAT each timeout/4 from a thread of its own)
 //      drops it (logged) and goes on; the ssp bound and the sync quorum count
-//      live workers only. Servers send each live worker a HEARTBEAT each
-//      timeout/4 too (a reply held by the gate is not a silence), and a worker
+//      live workers only. Servers send each worker they have not dropped a
+//      HEARTBEAT each timeout/4 too (a reply held by the gate is not a silence), and a worker
 //      that, waiting for a reply, hears nothing from a server for the timeout
 //      throws a c10::Error naming that server's rank.
-//   7. Session::share_final (collective): each server broadcasts its shard.
+//   7. After training the ranks still in agree on who they are: the servers
+//      merge (MAX-allreduce among themselves) the lists of workers each
+//      dropped, and server 0 sends the result to every other worker (FINAL;
+//      servers keep sending heartbeats to workers that said BYE until then,
+//      so a worker waiting for it names a dead server within the timeout).
+//      With workers dropped, the ranks left make a communicator of their own
+//      (MPI_Comm_create_group: only its members take part), and rank 0 ends
+//      the job at exit with MPI_Abort(code 0), which also ends a frozen
+//      worker that would hold mpirun for ever. Then Session::share_final
+//      (each server broadcasts its shard), gather_stats and sum_final run
+//      on it. A killed worker thus costs the others nothing -- if mpirun lets
+//      them live: Open MPI 4's mpirun ends the job when a rank dies unless
+//      given --mca orte_enable_recovery 1 --mca orte_abort_on_non_zero_status 0.
 //   Checkpoints: a server hands its state (shard, optimizer state, version,
 //   counters, and each worker's next seq) to Options::on_checkpoint; restored,
 //   its first REPLY to each worker carries that worker's next seq, from which
@@ -221,11 +233,19 @@ class Session {
   const Consistency& consistency() const;
   const std::vector<at::Tensor>& params() const;
   double timeout_s() const;
-  // Collective: every rank's params become the servers' values; servers call
-  // it after serve(), workers after finish().
+  // Collective over the servers and the workers they did not drop (step 7):
+  // every such rank's params become the servers' values; servers call it
+  // after serve(), workers after finish().
   void share_final(const std::vector<at::Tensor>& params);
-  // Collective: the servers' stats merged (every rank gets them).
+  // Collective, the same ranks: the servers' stats merged (each gets them).
   ServerStats gather_stats(const ServerStats& mine);
+  // Collective, the same ranks: the element-wise sum of a float64 tensor.
+  at::Tensor sum_final(const at::Tensor& t);
+  // This rank's place among them, and their number.
+  int final_rank() const;
+  int final_size() const;
+  // The world ranks left out: the workers the servers dropped.
+  const std::vector<int>& lost_ranks() const;
 
   // Internals (communicator, layout), defined in plugin/ps/session_state.h.
   struct State;
