@@ -3,9 +3,15 @@ own whose loopback loses packets. Everything the ranks send each other (MPI
 over TCP, Gloo, the TCPStore) crosses that loopback.
 
 Impairments, the kernel's netem when it has it (1% loss, 2 ms +- 1 ms
-jitter, 5% of packets reordered), else nftables dropping a random 1% (no
-jitter or reordering then: `impairment` says which ran). `cut()` drops
-everything (100% loss), `heal()` restores a clean link.
+jitter, 5% of packets reordered). Without netem (this project's machines):
+nftables drops a random 1% on input, and for jitter and reordering marks a
+random eighth of the packets on output (DSCP CS1), which an htb class of
+their own (u32 on the TOS byte) holds to 100 Mbit/s while the rest pass at
+1 Gbit/s: the held packets wait a varying time in their queue and arrive
+after packets sent later. `impairment` says which ran; `tcp_counters()`
+reads the namespace's TCP counters (out-of-order, retransmits), so a test
+can show the link really misbehaved. `cut()` drops everything (100% loss),
+`heal()` restores a clean link.
 
     with LossyLink() as link:          # pytest.skip()s where namespaces cannot be made
         link.impair()
@@ -49,37 +55,75 @@ class LossyLink:
             pytest.skip("this kernel has neither netem nor nftables: no lossy link")
         return self
 
-    def _drop(self, per_mille):
-        """Drops `per_mille` of 1000 packets arriving over the loopback
-        (nftables). On input, not output: a packet dropped on output is an
-        EPERM to its sender (a refused connect), not a loss TCP recovers from."""
+    def _nft(self, per_mille, reorder=False):
+        """Drops `per_mille` of 1000 packets arriving over the loopback, on
+        input, not output: a packet dropped on output is an EPERM to its
+        sender (a refused connect), not a loss TCP recovers from. With
+        `reorder`, marks a random eighth of the packets on output for the
+        slow htb class (see the module's text)."""
         _sh(*self.prefix, "nft", "flush", "ruleset")
-        if per_mille == 0:
+        rules = []
+        if per_mille > 0:
+            rule = "drop" if per_mille >= 1000 else f"numgen random mod 1000 < {per_mille} drop"
+            rules.append("add chain inet ddpx in { type filter hook input priority 0; policy accept; }; "
+                         f"add rule inet ddpx in {rule}")
+        if reorder:
+            rules.append("add chain inet ddpx out { type filter hook output priority 0; policy accept; }; "
+                         "add rule inet ddpx out meta mark set numgen random mod 8; "
+                         "add rule inet ddpx out meta mark 1 ip dscp set cs1")
+        if rules:
+            _sh(*self.prefix, "nft", "add table inet ddpx; " + "; ".join(rules))
+
+    def _slow_lane(self, on):
+        """An htb qdisc on the loopback: packets marked CS1 (TOS 0x20) take a
+        100 Mbit/s class, the rest a 1 Gbit/s one."""
+        tc = [*self.prefix, "tc"]
+        _sh(*tc, "qdisc", "del", "dev", "lo", "root", check=False)
+        if not on:
             return
-        rule = "drop" if per_mille >= 1000 else f"numgen random mod 1000 < {per_mille} drop"
-        _sh(*self.prefix, "nft", f"add table inet ddpx; add chain inet ddpx in "
-            f"{{ type filter hook input priority 0; policy accept; }}; add rule inet ddpx in {rule}")
+        _sh(*tc, "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10", "r2q", "1000")
+        _sh(*tc, "class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb", "rate", "1gbit",
+            "burst", "256kb")
+        _sh(*tc, "class", "add", "dev", "lo", "parent", "1:", "classid", "1:20", "htb", "rate", "100mbit",
+            "ceil", "100mbit", "burst", "8kb")
+        _sh(*tc, "filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "tos", "0x20", "0xfc", "flowid", "1:20")
+
+    def tcp_counters(self):
+        """The namespace's TCP counters (nstat names without the prefix):
+        TCPOFOQueue (segments that arrived out of order), RetransSegs, ..."""
+        out = _sh(*self.prefix, "nstat", "-az", check=False).stdout
+        counters = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[1].isdigit():
+                counters[parts[0].removeprefix("TcpExt").removeprefix("Tcp")] = int(parts[1])
+        return counters
 
     def impair(self):
         if self.netem:
             _sh(*self.prefix, "tc", "qdisc", "replace", "dev", "lo", "root", *NETEM)
             self.impairment = "netem " + " ".join(NETEM[1:])
         else:
-            self._drop(10)
-            self.impairment = "nftables: 1% random drop (this kernel has no netem: no jitter, no reordering)"
+            self._nft(10, reorder=True)
+            self._slow_lane(True)
+            self.impairment = ("nftables + htb: 1% random drop, a random eighth of the packets "
+                               "held in a 100 Mbit/s lane (jitter, reordering)")
 
     def cut(self):
         if self.netem:
             _sh(*self.prefix, "tc", "qdisc", "replace", "dev", "lo", "root", "netem", "loss", "100%")
         else:
-            self._drop(1000)
+            self._slow_lane(False)
+            self._nft(1000)
         self.impairment = "cut (100% loss)"
 
     def heal(self):
         if self.netem:
             _sh(*self.prefix, "tc", "qdisc", "del", "dev", "lo", "root", check=False)
         else:
-            self._drop(0)
+            self._slow_lane(False)
+            self._nft(0)
         self.impairment = "clean"
 
     def close(self):

@@ -2,10 +2,12 @@
 namespace of our own, its loopback impaired; lossy_link.py), over ddpx_mpi
 (mpirun, MPI over TCP) and over Gloo (torchrun).
 
-- 1% packet loss (with jitter and reordering where the kernel has netem):
-  GradSync training completes, and its parameters are bit for bit those of
-  the same run on a clean link (two ranks: each element's sum is one
-  addition, whatever the bucket plan the timing led to).
+- 1% packet loss with jitter and reordering (netem where the kernel has
+  it, else nftables + an htb slow lane: lossy_link.py): GradSync training
+  completes, and its parameters are bit for bit those of the same run on a
+  clean link (two ranks: each element's sum is one addition, whatever the
+  bucket plan the timing led to). The namespace's TCP counters show the
+  link really reordered (out-of-order segments) and lost (retransmits).
 - The link cut mid-run (100% loss): every rank exits non-zero within
   DDPX_TIMEOUT_S + MARGIN s with a timeout error that names the collective
   (under Gloo also GradSync's step and Gloo's transfer), and the last
@@ -59,10 +61,16 @@ def test_lossy_link_trains_bitwise_as_a_clean_one(tmp_path, data, launcher):
             if tag == "lossy":
                 link.impair()
             t0 = time.monotonic()
+            before = link.tcp_counters()
             r = run(link.prefix + command(launcher, *train_args(tmp_path, data, tag, "--steps", steps)),
                     env=net_env(DDPX_TIMEOUT_S=120), timeout=900)
             assert r.returncode == 0, f"{link.impairment}:\n{r.stdout}\n{r.stderr}"
-            print(f"{launcher} {steps} steps on the {link.impairment} link: {time.monotonic() - t0:.1f} s")
+            after = link.tcp_counters()
+            seen = {k: after.get(k, 0) - before.get(k, 0) for k in ("TCPOFOQueue", "RetransSegs")}
+            print(f"{launcher} {steps} steps on the {link.impairment} link: {time.monotonic() - t0:.1f} s, "
+                  f"TCP: {seen}")
+            if tag == "lossy":
+                assert seen["TCPOFOQueue"] > 0 and seen["RetransSegs"] > 0, f"the link behaved: {seen}"
             results[tag] = checkpoint_tensors(tmp_path / f"{tag}.ckpt")
     (clean, clean_pos), (lossy, lossy_pos) = results["clean"], results["lossy"]
     assert clean_pos == lossy_pos and clean_pos[0] == steps
