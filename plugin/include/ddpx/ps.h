@@ -98,7 +98,7 @@
 //      (each server broadcasts its shard), gather_stats and sum_final run
 //      on it. A killed worker thus costs the others nothing -- if mpirun lets
 //      them live: Open MPI 4's mpirun ends the job when a rank dies unless
-//      given --mca orte_enable_recovery 1 --mca orte_abort_on_non_zero_status 0.
+//      given --mca orte_enable_recovery 1 (and then exits 0 whatever happened).
 //   Checkpoints: a server hands its state (shard, optimizer state, version,
 //   counters, and each worker's next seq) to Options::on_checkpoint; restored,
 //   its first REPLY to each worker carries that worker's next seq, from which
