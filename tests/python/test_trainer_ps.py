@@ -172,14 +172,14 @@ def test_bad_input_is_an_error_naming_it(data_cache, args, np, message):
     assert message in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["sigstop", "kill-9"])
-def test_lost_server_fails_the_workers_in_time(tmp_path, data_cache, sig):
-    """SIGSTOP the server mid-run, or kill -9 it with mpirun told to let the
-    others live: the workers fail within DDPX_TIMEOUT_S (5 s) plus a margin,
-    naming it, and the job ends (a frozen server with it)."""
-    marker = str(tmp_path / "marker")  # finds this run's ranks
+def signal_rank_mid_run(tmp_path, data_cache, steps, rank, sig):
+    """Starts MLP async on 1 server + 2 workers (DDPX_TIMEOUT_S 5), sends
+    `sig` to `rank` once step 20 is logged (kill -9 under RECOVER), and
+    waits for the job: (output, returncode, seconds from the signal, the
+    metrics file)."""
+    marker = str(tmp_path / "marker")  # the metrics file; also finds this run's ranks
     cmd = mpirun_cmd(3, "--mode", "ps", "--model", model("mlp"), "--data-cache", data_cache,
-                     "--steps", 1000000, "--batch-size", 16, "--log-every", 20, "--metrics", marker)
+                     "--steps", steps, "--batch-size", 16, "--log-every", 20, "--metrics", marker)
     if sig == signal.SIGKILL:
         cmd = cmd[:1] + RECOVER + cmd[1:]
     p = start(cmd, env=env(DDPX_TIMEOUT_S=5))
@@ -192,18 +192,25 @@ def test_lost_server_fails_the_workers_in_time(tmp_path, data_cache, sig):
     try:
         wait_for(progressing, 120, "training to start")
         assert p.poll() is None, "".join(lines)
-        pid = wait_for(lambda: rank_pid(marker, 0, "OMPI_COMM_WORLD_RANK"), 30, "rank 0's pid")
+        pid = wait_for(lambda: rank_pid(marker, rank, "OMPI_COMM_WORLD_RANK"), 30, f"rank {rank}'s pid")
         t0 = time.monotonic()
         os.kill(pid, sig)
-        out, _ = p.communicate(timeout=60)
+        out, _ = p.communicate(timeout=120)
         elapsed = time.monotonic() - t0
     finally:
         kill_group(p)
-    out = "".join(lines) + out
-    assert p.returncode != 0 or sig == signal.SIGKILL, out  # RECOVER: mpirun says 0 regardless
+    return "".join(lines) + out, p.returncode, elapsed, marker
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["sigstop", "kill-9"])
+def test_lost_server_fails_the_workers_in_time(tmp_path, data_cache, sig):
+    """SIGSTOP the server mid-run, or kill -9 it with mpirun told to let the
+    others live: the workers fail within DDPX_TIMEOUT_S (5 s) plus a margin,
+    naming it, and the job ends (a frozen server with it)."""
+    out, status, elapsed, _ = signal_rank_mid_run(tmp_path, data_cache, 1000000, 0, sig)
+    assert status != 0 or sig == signal.SIGKILL, out  # RECOVER: mpirun says 0 regardless
     assert elapsed <= 5 + 15, f"{elapsed:.1f} s\n{out}"
     assert "server 0 (rank 0) sent nothing for 5 s" in out, out
-
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
@@ -213,28 +220,8 @@ def test_lost_worker_the_others_finish(tmp_path, data_cache, sig):
     trains to the end, the ranks left share the final parameters and score
     them, and the job ends with status 0 (the frozen one ended by rank 0's
     MPI_Abort(0) at exit)."""
-    marker = str(tmp_path / "marker")
-    cmd = mpirun_cmd(3, "--mode", "ps", "--model", model("mlp"), "--data-cache", data_cache,
-                     "--steps", 300, "--batch-size", 16, "--log-every", 20, "--metrics", marker)
-    if sig == signal.SIGKILL:
-        cmd = cmd[:1] + RECOVER + cmd[1:]
-    p = start(cmd, env=env(DDPX_TIMEOUT_S=5))
-    lines = []
-
-    def progressing():
-        line = p.stdout.readline()
-        lines.append(line)
-        return "step 20/" in line or (line == "" and p.poll() is not None and "exited")
-    try:
-        wait_for(progressing, 120, "training to start")
-        assert p.poll() is None, "".join(lines)
-        pid = wait_for(lambda: rank_pid(marker, 2, "OMPI_COMM_WORLD_RANK"), 30, "rank 2's pid")
-        os.kill(pid, sig)
-        out, _ = p.communicate(timeout=120)
-    finally:
-        kill_group(p)
-    out = "".join(lines) + out
-    assert p.returncode == 0, out
+    out, status, _, marker = signal_rank_mid_run(tmp_path, data_cache, 300, 2, sig)
+    assert status == 0, out
     assert "worker 1 (rank 2) sent nothing for 5 s: dropped" in out, out
     assert "finishing without the worker(s) the servers dropped (rank 2)" in out, out
     assert "1 worker(s) lost" in out, out
