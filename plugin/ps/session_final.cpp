@@ -58,7 +58,6 @@ void await_bounded(MPI_Request& r, double timeout_s, const std::string& what,
   }
 }
 
-
 namespace {
 
 // A worker, after its BYE: server 0's list of dropped workers. The servers
@@ -78,10 +77,12 @@ at::Tensor receive_final_list(const Session::State& s) {
     if (flag) {
       int count = 0;
       DDPX_MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &count));
-      TORCH_CHECK(count == 4 * workers, "ddpx ps: the final list of live workers from server 0 "
-                  "has ", count, " bytes, expected ", 4 * workers);
-      DDPX_MPI_CHECK(MPI_Recv(lost.data_ptr(), workers, MPI_INT32_T, 0, kFinal, s.comm,
-                              MPI_STATUS_IGNORE));
+      TORCH_CHECK(count == 4 * workers,
+                  "ddpx ps: the final list of live workers from server 0 "
+                  "has ",
+                  count, " bytes, expected ", 4 * workers);
+      DDPX_MPI_CHECK(
+          MPI_Recv(lost.data_ptr(), workers, MPI_INT32_T, 0, kFinal, s.comm, MPI_STATUS_IGNORE));
       return lost;
     }
     DDPX_MPI_CHECK(MPI_Iprobe(0, kHeartbeat, s.comm, &flag, &st));
@@ -121,10 +122,11 @@ MPI_Comm final_comm(Session::State& s) {
       for (int w = 0; w < workers; ++w) {
         if (lost[w].item<int32_t>()) continue;
         sends.emplace_back();
-        DDPX_MPI_CHECK(MPI_Isend(lost.data_ptr(), workers, MPI_INT32_T, K + w, kFinal, s.comm,
-                                 &sends.back()));
+        DDPX_MPI_CHECK(
+            MPI_Isend(lost.data_ptr(), workers, MPI_INT32_T, K + w, kFinal, s.comm, &sends.back()));
       }
-      for (auto& r2 : sends) await_bounded(r2, s.timeout_s, "the final list of live workers", {lost});
+      for (auto& r2 : sends)
+        await_bounded(r2, s.timeout_s, "the final list of live workers", {lost});
     }
   } else {
     lost = receive_final_list(s);
@@ -142,13 +144,14 @@ MPI_Comm final_comm(Session::State& s) {
   for (size_t i = 0; i < s.lost_ranks.size(); ++i) ranks << (i ? ", " : "") << s.lost_ranks[i];
   MPI_Group world, live;
   DDPX_MPI_CHECK(MPI_Comm_group(s.comm, &world));
-  DDPX_MPI_CHECK(MPI_Group_excl(world, static_cast<int>(s.lost_ranks.size()),
-                                s.lost_ranks.data(), &live));
+  DDPX_MPI_CHECK(
+      MPI_Group_excl(world, static_cast<int>(s.lost_ranks.size()), s.lost_ranks.data(), &live));
   DDPX_MPI_CHECK(MPI_Comm_create_group(s.comm, live, kFinal, &s.final_comm));
   MPI_Group_free(&live);
   MPI_Group_free(&world);
   if (s.rank == 0) {
-    std::fprintf(stderr, "[ddpx ps] finishing without the worker(s) the servers dropped (rank %s)\n",
+    std::fprintf(stderr,
+                 "[ddpx ps] finishing without the worker(s) the servers dropped (rank %s)\n",
                  ranks.str().c_str());
     MpiEnv::get().end_job_at_exit("the servers dropped rank(s) " + ranks.str() +
                                   ", which may still be running (frozen)");
@@ -242,7 +245,6 @@ ServerStats Session::gather_stats(const ServerStats& mine) {
   out.samples = dsum[2] / k;
   return out;
 }
-
 
 at::Tensor Session::sum_final(const at::Tensor& t) {
   TORCH_CHECK(t.scalar_type() == at::kDouble && t.is_contiguous() && t.device().is_cpu(),

@@ -22,7 +22,7 @@ struct Session::State {
   // The ranks that finish together (step 7): comm itself, or a communicator
   // without the workers the servers dropped. MPI_COMM_NULL until agreed.
   MPI_Comm final_comm = MPI_COMM_NULL;
-  std::vector<int32_t> lost;  // per worker: 1 once a server dropped it (server side, then agreed)
+  std::vector<int32_t> lost;    // per worker: 1 once a server dropped it (server side, then agreed)
   std::vector<int> lost_ranks;  // after the agreement: the world ranks left out
   int rank = 0, size = 0;
   double timeout_s = 0;

@@ -71,8 +71,8 @@ void Inbox::loop() {
       if (flag) {
         int count = 0;
         DDPX_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
-        pending.push_back(
-            {MPI_REQUEST_NULL, Message{status.MPI_SOURCE, status.MPI_TAG, at::empty({count}, at::kByte)}});
+        pending.push_back({MPI_REQUEST_NULL, Message{status.MPI_SOURCE, status.MPI_TAG,
+                                                     at::empty({count}, at::kByte)}});
         Pending& p = pending.back();
         DDPX_MPI_CHECK(
             MPI_Imrecv(p.message.bytes.data_ptr(), count, MPI_BYTE, &handle, &p.request));
