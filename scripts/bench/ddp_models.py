@@ -12,7 +12,9 @@ see the same numbers); `step` is an int argument so that models whose graph
 changes with the step (unused parameters) are scriptable and take the same
 branch in DDP and in C++.
 
-Balance: batch sizes are chosen so that one 1-thread rank's backward takes
+Balance (scripts/bench/ddp calibrates it on the machine at hand, `calibrate`;
+the defaults below were measured on one such machine): batch sizes are chosen
+so that one 1-thread rank's backward takes
 about as long as all-reducing the model's gradients alone over the emulated
 1 Gbit/s link (both directions share the shaped loopback: about 16 ns per
 float32 byte with 2 ranks): backward / comm measured 0.98 (mlp25m), 1.05
@@ -25,7 +27,10 @@ and part of it showed whatever the overlap: at each model's floor the suite's
 ratio to DDP came to about 0.75, and no implementation could get within
 1.3x the limit.)
 """
-from typing import List
+import re
+import statistics
+import time
+from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -223,12 +228,77 @@ SUITE = ["mlp25m", "cnn", "many520", "unused", "reordered"]
 QUICK = ["cnn", "many520"]
 
 
-def make(name: str) -> nn.Module:
+def make(name: str, batch: Optional[int] = None) -> nn.Module:
     torch.manual_seed(0)
-    return MODELS[name][0]()
+    return MODELS[name][0]() if batch is None else MODELS[name][0](batch=batch)
 
 
-def export(names: List[str], out_dir) -> None:
-    """Scripts and saves each model as <out_dir>/<name>.pt."""
+def export(names: List[str], out_dir, batches: Optional[Dict[str, int]] = None) -> None:
+    """Scripts and saves each model as <out_dir>/<name>.pt (batch: `batches`
+    where given, else the model's default)."""
     for name in names:
-        torch.jit.script(make(name)).save(str(out_dir / f"{name}.pt"))
+        torch.jit.script(make(name, (batches or {}).get(name))).save(str(out_dir / f"{name}.pt"))
+
+
+def rate_bits_per_s(rate: str) -> float:
+    """tc's rate syntax as used here: 1gbit, 250mbit, 10kbit."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
+    if not m:
+        raise ValueError(f"cannot read the link rate '{rate}' (e.g. 1gbit, 250mbit)")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def backward_ms(m: nn.Module, steps: int = 3) -> float:
+    """One rank's backward of `m` (median of `steps` after a warm-up step)."""
+    times = []
+    for step in range(steps + 1):
+        loss = m(m.inputs(step, 0), step)
+        t0 = time.perf_counter()
+        loss.backward()
+        if step:
+            times.append((time.perf_counter() - t0) * 1e3)
+        for p in m.parameters():
+            p.grad = None
+    return statistics.median(times)
+
+
+def comm_ms(m: nn.Module, bits_per_s: float) -> float:
+    """All-reducing m's float32 gradients between 2 ranks on the shaped
+    loopback: both ranks' bytes cross the one link."""
+    nbytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    return 2 * nbytes * 8 / bits_per_s * 1e3
+
+
+def calibrate(names: List[str], rate: str, threads: int, log=print) -> Dict[str, int]:
+    """Each dense model's batch such that one rank's backward (on `threads`
+    threads) takes as long as all-reducing its gradients on the link (`rate`)
+    on the machine at hand: backward is near linear in the batch, so the
+    batch is scaled by comm / backward until the two are within 5% (at most
+    three times: fixed costs and caches bend the line). Sparse models keep
+    their batch (their bytes depend on the ids)."""
+    bits = rate_bits_per_s(rate)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _calibrate(names, rate, bits, log)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _calibrate(names: List[str], rate: str, bits: float, log) -> Dict[str, int]:
+    batches = {}
+    for name in names:
+        if name in SPARSE:
+            continue
+        default = make(name).batch
+        batch = default
+        for attempt in range(4):
+            m = torch.jit.script(make(name, batch))
+            bwd, comm = backward_ms(m), comm_ms(m, bits)
+            if abs(bwd / comm - 1) <= 0.05 or attempt == 3:
+                break
+            batch = max(1, round(batch * comm / bwd))
+        log(f"# calibrated {name}: batch {default} -> {batch}, backward {bwd:.0f} ms, "
+            f"comm on {rate} {comm:.0f} ms (estimated), backward / comm {bwd / comm:.2f}")
+        batches[name] = batch
+    return batches
