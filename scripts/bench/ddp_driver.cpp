@@ -138,14 +138,17 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   for (const auto& p : params) numel += p.numel();
 
   std::optional<ddpx::GradSync> sync;
-  const bool exact = std::find(a.exact.begin(), a.exact.end(), model) != a.exact.end();
+  const bool stale = variant == "gradsync_stale";
+  // staleness(1) takes Unused::Predict only (its step is exact about unused
+  // parameters anyway, at its end); the other variants follow --exact.
+  const bool exact =
+      !stale && std::find(a.exact.begin(), a.exact.end(), model) != a.exact.end();
   // With an optimizer step (SGD, momentum): gradsync_opt steps it after
   // backward (the synchronous path), gradsync_gated gives it to GradSync
   // under Overlap::NextForward (updates land during the next forward),
   // gradsync_stale one step stale (each step's reductions overlap all of
   // the next step; its update lands at the end of that step's backward).
   const bool gated = variant == "gradsync_gated";
-  const bool stale = variant == "gradsync_stale";
   const bool by_sync = gated || stale;  // GradSync steps the optimizer
   std::optional<torch::optim::SGD> sgd;
   if (variant == "gradsync_opt" || by_sync) {
