@@ -58,6 +58,17 @@ void await_bounded(MPI_Request& r, double timeout_s, const std::string& what,
   }
 }
 
+// An allreduce of a contiguous CPU tensor, waited for at most timeout_s.
+at::Tensor bounded_allreduce(MPI_Comm comm, const at::Tensor& t, MPI_Datatype type, MPI_Op op,
+                             double timeout_s, const std::string& what) {
+  at::Tensor out = at::empty_like(t);
+  MPI_Request r;
+  DDPX_MPI_CHECK(MPI_Iallreduce(t.data_ptr(), out.data_ptr(), static_cast<int>(t.numel()), type, op,
+                                comm, &r));
+  await_bounded(r, timeout_s, what, {t, out});
+  return out;
+}
+
 namespace {
 
 // A worker, after its BYE: server 0's list of dropped workers. The servers
@@ -112,11 +123,9 @@ MPI_Comm final_comm(Session::State& s) {
   const int K = s.opts.servers, workers = s.size - K;
   at::Tensor lost = at::zeros({workers}, at::kInt);
   if (s.rank < K) {
-    at::Tensor mine = at::tensor(c10::ArrayRef<int32_t>(s.lost), at::kInt);
-    MPI_Request r;
-    DDPX_MPI_CHECK(MPI_Iallreduce(mine.data_ptr(), lost.data_ptr(), workers, MPI_INT32_T, MPI_MAX,
-                                  s.servers_comm, &r));
-    await_bounded(r, s.timeout_s, "the servers' agreement on the live workers", {mine, lost});
+    lost = bounded_allreduce(s.servers_comm, at::tensor(c10::ArrayRef<int32_t>(s.lost), at::kInt),
+                             MPI_INT32_T, MPI_MAX, s.timeout_s,
+                             "the servers' agreement on the live workers");
     if (s.rank == 0) {
       std::vector<MPI_Request> sends;
       for (int w = 0; w < workers; ++w) {
@@ -198,13 +207,9 @@ ServerStats Session::gather_stats(const ServerStats& mine) {
   // bounded allreduce of int64 (length first, so every rank sizes the
   // histogram alike) and one of double.
   const MPI_Comm comm = detail::final_comm(*s_);
-  auto allreduce = [&](at::Tensor t, MPI_Datatype type, MPI_Op op) {
-    at::Tensor out = at::empty_like(t);
-    MPI_Request r;
-    DDPX_MPI_CHECK(MPI_Iallreduce(t.data_ptr(), out.data_ptr(), static_cast<int>(t.numel()), type,
-                                  op, comm, &r));
-    await_bounded(r, s_->timeout_s, "the final gathering of the servers' statistics", {t, out});
-    return out;
+  auto allreduce = [&](const at::Tensor& t, MPI_Datatype type, MPI_Op op) {
+    return detail::bounded_allreduce(comm, t, type, op, s_->timeout_s,
+                                     "the final gathering of the servers' statistics");
   };
   const int64_t len = static_cast<int64_t>(mine.staleness.counts.size());
   const int64_t max_len =
@@ -249,13 +254,8 @@ ServerStats Session::gather_stats(const ServerStats& mine) {
 at::Tensor Session::sum_final(const at::Tensor& t) {
   TORCH_CHECK(t.scalar_type() == at::kDouble && t.is_contiguous() && t.device().is_cpu(),
               "ddpx ps: sum_final takes a contiguous float64 CPU tensor, got ", t.toString());
-  const MPI_Comm comm = detail::final_comm(*s_);
-  at::Tensor out = at::empty_like(t);
-  MPI_Request r;
-  DDPX_MPI_CHECK(MPI_Iallreduce(t.data_ptr(), out.data_ptr(), static_cast<int>(t.numel()),
-                                MPI_DOUBLE, MPI_SUM, comm, &r));
-  detail::await_bounded(r, s_->timeout_s, "a final sum over the ranks", {t, out});
-  return out;
+  return detail::bounded_allreduce(detail::final_comm(*s_), t, MPI_DOUBLE, MPI_SUM, s_->timeout_s,
+                                   "a final sum over the ranks");
 }
 
 int Session::final_rank() const {
