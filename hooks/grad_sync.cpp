@@ -1,6 +1,8 @@
 // GradSync: the end of a step (final callback: unused parameters, the
 // step-end agreement, write-back, re-planning). The step protocol is in
 // grad_sync.h; the state and the hook side are in grad_sync_impl.h.
+#include <c10/core/StreamGuard.h>
+
 #include <exception>
 
 #include "hooks/grad_sync_impl.h"
@@ -118,18 +120,25 @@ void GradSync::Impl::finish_step() {
   // NextForward: backward returns now; each parameter's gate opens when its
   // update has landed. Stale: the update waits for the next backward's end.
   if (gates) gates->close_all();
-  completing = worker->submit([this](c10d::ProcessGroup&) {
-    try {
-      complete_step();
-    } catch (...) {
-      completion_error = std::current_exception();
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        active = false;
-      }
-      if (gates) gates->fail(completion_error);
-    }
-  });
+  // Device buckets: the worker queues the step's device work (the waits for
+  // the reductions, the updates) on this thread's streams, the ones the
+  // trainer's next forward and optimizer run on.
+  std::vector<c10::Device> devices;
+  for (const auto& b : plan) devices.push_back(b.device);
+  completing =
+      worker->submit([this, consumer = hooks::current_streams(devices)](c10d::ProcessGroup&) {
+        c10::MultiStreamGuard on_consumer(consumer);
+        try {
+          complete_step();
+        } catch (...) {
+          completion_error = std::current_exception();
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            active = false;
+          }
+          if (gates) gates->fail(completion_error);
+        }
+      });
 }
 
 std::exception_ptr GradSync::Impl::surprise_error() {
@@ -263,7 +272,17 @@ void GradSync::Impl::complete_step() {
     }
     buffers_us = us_since(b0, Clock::now());
   }
-  if (gates) gates->open_all();  // the buffers' (and any parameter left: sparse, unused)
+  if (gates) {
+    // The buffers' (and any parameter left: sparse, unused); on a device,
+    // after the work queued here (the broadcast, the write-back).
+    std::shared_ptr<hooks::StreamFence> queued;
+    for (const auto& b : plan) {
+      if (!hooks::has_streams(b.device)) continue;
+      if (!queued) queued = std::make_shared<hooks::StreamFence>();
+      queued->add(hooks::current_stream(b.device));
+    }
+    gates->open_all(queued);
+  }
 
   std::lock_guard<std::mutex> lock(mu);
   const auto f1 = Clock::now();

@@ -86,13 +86,6 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
                 "', which is the prefix of no parameter that requires grad (or only of "
                 "parameters an earlier unit has)");
   }
-  if (options.overlap_ != Overlap::None) {
-    for (size_t p = 0; p < params.size(); ++p) {
-      TORCH_CHECK(!hooks::has_streams(params[p].device()), "GradSync: parameter '", names[p],
-                  "' is on ", params[p].device(), "; Overlap::Optimizer and NextForward step "
-                  "the optimizer on CPU tensors only so far (use Overlap::None on devices)");
-    }
-  }
   TORCH_CHECK(options.staleness_ == 0 || options.staleness_ == 1, "GradSync: staleness is ",
               options.staleness_, "; it must be 0 (exact) or 1 (each update one step late)");
   TORCH_CHECK(options.stale_warmup_ >= 0, "GradSync: stale_warmup is ", options.stale_warmup_,

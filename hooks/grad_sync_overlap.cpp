@@ -22,6 +22,14 @@ bool GradSync::Impl::needs_agreement(int b) const {
 
 void GradSync::Impl::apply_bucket(int b, const int* agreed, bool stale) {
   at::NoGradGuard no_grad;
+  // A device bucket: the update is queued on this thread's stream (the
+  // trainer's: complete_step runs under its streams), after the reduction
+  // on the channel's stream; nothing here waits for the device.
+  const c10::Device device = plan[b].device;
+  const bool on_device = hooks::has_streams(device);
+  if (on_device && static_cast<size_t>(b) < reduced.size() && reduced[b]) {
+    reduced[b]->block(hooks::current_stream(device));
+  }
   std::vector<int> stepped;
   for (int p : plan[b].params) {
     const bool used = agreed ? agreed[p] != 0 : true;
@@ -55,7 +63,14 @@ void GradSync::Impl::apply_bucket(int b, const int* agreed, bool stale) {
     }
   }
   if (gates) {
-    for (int p : plan[b].params) gates->open(p);
+    // On a device the gate opens once the update is queued; a reader's
+    // stream then waits for it (Gates::wait).
+    std::shared_ptr<hooks::StreamFence> queued;
+    if (on_device) {
+      queued = std::make_shared<hooks::StreamFence>();
+      queued->add(hooks::current_stream(device));
+    }
+    for (int p : plan[b].params) gates->open(p, queued);
   }
 }
 

@@ -5,6 +5,8 @@
 #include <shared_mutex>
 #include <unordered_map>
 
+#include "hooks/stream_handoff.h"
+
 namespace ddpx::hooks {
 
 namespace {
@@ -30,6 +32,7 @@ std::shared_ptr<Gates> Gates::make(const std::vector<at::Tensor>& tensors,
   const size_t n = tensors.size();
   g->open_.assign(n, 1);
   g->passed_.assign(n, 1);
+  g->after_.assign(n, nullptr);
   std::unique_lock<std::shared_mutex> lock(registry_mutex());
   auto& r = registry();
   for (size_t i = 0; i < n; ++i) {
@@ -60,20 +63,26 @@ void Gates::close_all() {
   std::lock_guard<std::mutex> lock(mu_);
   std::fill(open_.begin(), open_.end(), 0);
   std::fill(passed_.begin(), passed_.end(), 0);
+  std::fill(after_.begin(), after_.end(), nullptr);
 }
 
-void Gates::open(int i) {
+void Gates::open(int i, std::shared_ptr<const StreamFence> after) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     open_[i] = 1;
+    if (after) after_[i] = std::move(after);
   }
   cv_.notify_all();
 }
 
-void Gates::open_all() {
+void Gates::open_all(const std::shared_ptr<const StreamFence>& after) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    std::fill(open_.begin(), open_.end(), 1);
+    for (size_t i = 0; i < open_.size(); ++i) {
+      // (A gate opened earlier keeps its own update's fence.)
+      if (!open_[i] && after) after_[i] = after;
+      open_[i] = 1;
+    }
   }
   cv_.notify_all();
 }
@@ -105,7 +114,9 @@ void Gates::wait(int i) {
   }
   passed_[i] = 1;
   if (error_) std::rethrow_exception(error_);
+  const auto after = after_[i];
   lock.unlock();
+  if (after) after->block_current();
   if (on_wait_ && t1 > t0) on_wait_(i, t0, t1);
 }
 

@@ -24,6 +24,8 @@ struct Module;
 
 namespace ddpx::hooks {
 
+class StreamFence;
+
 class Gates : public std::enable_shared_from_this<Gates> {
  public:
   // Registers `tensors` (none may already be gated by another GradSync).
@@ -34,12 +36,17 @@ class Gates : public std::enable_shared_from_this<Gates> {
   Gates& operator=(const Gates&) = delete;
 
   void close_all();  // the end of a backward: every tensor awaits its update
-  void open(int i);
-  void open_all();
+  // `after` (device tensors; null on the CPU): the update's work on its
+  // streams. The host opens the gate once that work is queued, not done, so
+  // a reader's stream is made to wait for it when the reader passes.
+  void open(int i, std::shared_ptr<const StreamFence> after = nullptr);
+  void open_all(const std::shared_ptr<const StreamFence>& after = nullptr);
   // The step failed: every gate opens and a wait rethrows `e`, until reset.
   void fail(std::exception_ptr e);
   void reset();  // the failure was reported
-  // Blocks while gate i is closed (rethrows a failure) and notes the pass.
+  // Blocks while gate i is closed (rethrows a failure) and notes the pass;
+  // then orders the caller's current streams after the update (open's
+  // `after`), as a read of a device tensor is queued work too.
   void wait(int i);
   void wait_all();  // every gate, passing all (synchronize)
   // Was tensor i read through its gate since the gates last closed (or
@@ -59,6 +66,7 @@ class Gates : public std::enable_shared_from_this<Gates> {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<char> open_, passed_;
+  std::vector<std::shared_ptr<const StreamFence>> after_;  // per gate, from open
   std::exception_ptr error_;
   double wait_us_ = 0;
   int64_t waits_ = 0;

@@ -32,6 +32,24 @@ void StreamFence::block(const c10::Stream& s) const {
   }
 }
 
+void StreamFence::block_current() const {
+  for (size_t i = 0; i < events_.size(); ++i) {
+    const c10::Stream here = current_stream(streams_[i].device());
+    if (streams_[i] != here) events_[i].block(here);
+  }
+}
+
+std::vector<c10::Stream> current_streams(const std::vector<c10::Device>& devices) {
+  std::vector<c10::Stream> out;
+  for (const auto& d : devices) {
+    if (!has_streams(d)) continue;
+    const bool seen =
+        std::any_of(out.begin(), out.end(), [&](const c10::Stream& s) { return s.device() == d; });
+    if (!seen) out.push_back(current_stream(d));
+  }
+  return out;
+}
+
 std::vector<c10::Storage> storages_of(const at::Tensor& t) {
   if (!t.defined()) return {};
   if (t.is_sparse()) return {t._indices().storage(), t._values().storage()};

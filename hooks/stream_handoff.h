@@ -43,6 +43,9 @@ class StreamFence {
   void add(const c10::Stream& s);
   // Makes `s` wait for every event, without blocking the host.
   void block(const c10::Stream& s) const;
+  // Makes the calling thread's current stream on each event's device wait
+  // for it (a reader that does not know which stream the writer used).
+  void block_current() const;
   bool empty() const { return events_.empty(); }
   size_t size() const { return events_.size(); }
 
@@ -50,6 +53,12 @@ class StreamFence {
   std::vector<c10::Stream> streams_;
   std::vector<c10::Event> events_;
 };
+
+// The calling thread's current stream on each device of `devices` that has
+// streams, once per device: what another thread must queue on to be
+// ordered with this one's work (GradSync's worker, completing a step
+// backward's caller will consume).
+std::vector<c10::Stream> current_streams(const std::vector<c10::Device>& devices);
 
 // Runs `fn` with `comm` as its device's current stream, after the work in
 // `before`, and records in `*done` the work fn queued on `comm`. `keep`:

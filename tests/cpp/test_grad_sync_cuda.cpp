@@ -35,7 +35,12 @@ struct SlowMLPImpl : torch::nn::Module {
 };
 TORCH_MODULE(SlowMLP);
 
-void expect_matches_one_process(const std::string& backend, bool zero_in_place) {
+// overlap: None, the trainer steps after backward; Optimizer and NextForward,
+// GradSync steps each bucket as its average lands (queued on `side` after
+// the reduction), and the next forward waits at each parameter's gate
+// (NextForward), which orders `side` after the update.
+void expect_matches_one_process(const std::string& backend, bool zero_in_place,
+                                ddpx::Overlap overlap = ddpx::Overlap::None) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible";
   auto pg = ddpx::comm::make(backend);
   const int r = pg->getRank(), n = pg->getSize();
@@ -47,10 +52,14 @@ void expect_matches_one_process(const std::string& backend, bool zero_in_place) 
   torch::manual_seed(7);
   SlowMLP model;
   model->to(dev, at::kDouble);
-  ddpx::GradSync sync(model->named_parameters(), pg,
-                      ddpx::GradSyncOptions().bucket_cap_mb(0.5).first_bucket_mb(0.1));
-  torch::optim::SGD opt(model->parameters(), 0.1);
-  torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+  ddpx::GradSync sync(
+      model->named_parameters(), pg,
+      ddpx::GradSyncOptions().bucket_cap_mb(0.5).first_bucket_mb(0.1).overlap(overlap));
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  torch::optim::SGD opt(model->parameters(), sgd);
+  torch::optim::SGD ref_opt(ref->parameters(), sgd);
+  const bool steps_itself = overlap == ddpx::Overlap::None;
+  if (!steps_itself) sync.set_optimizer(opt);
   // Everything from here runs on `side`, a non-blocking stream: nothing
   // orders it after the default stream's set-up but this.
   torch::cuda::synchronize();
@@ -66,9 +75,23 @@ void expect_matches_one_process(const std::string& backend, bool zero_in_place) 
       total = total.defined() ? total + l : l;
     }
     total.backward();
-    opt.zero_grad(/*set_to_none=*/!zero_in_place);
+    if (steps_itself) opt.zero_grad(/*set_to_none=*/!zero_in_place);
+    // (NextForward: the gates of the last update, one call for the model.)
+    sync.wait_ready(model->parameters());
     model(batch.narrow(0, r * kB, kB)).backward();
     auto rp = ref->named_parameters();
+    if (!steps_itself) {
+      ref_opt.step();
+      sync.synchronize();  // every update queued, and `side` after them
+      for (const auto& item : model->named_parameters()) {
+        const auto got = item.value().detach().cpu();
+        const auto want = rp[item.key()].detach().cpu();
+        EXPECT_TRUE(at::allclose(got, want, 1e-9, 1e-12))
+            << backend << " " << item.key() << " step " << step << ": max diff "
+            << (got - want).abs().max().item<double>();
+      }
+      continue;
+    }
     for (const auto& item : model->named_parameters()) {
       // .cpu() runs on `side`: it sees the average only if the step's end
       // ordered `side` after the reductions.
@@ -101,6 +124,15 @@ TEST(GradSyncCuda, GlooZeroGradInPlace) { expect_matches_one_process("gloo", tru
 
 TEST(GradSyncCuda, DdpxMpiOnASideStreamMatchesOneProcess) {
   expect_matches_one_process("ddpx_mpi", false);
+}
+
+TEST(GradSyncCuda, OptimizerPerBucketOnASideStreamMatchesOneProcess) {
+  expect_matches_one_process("ddpx_mpi", false, ddpx::Overlap::Optimizer);
+}
+
+TEST(GradSyncCuda, NextForwardGatedOnASideStreamMatchesOneProcess) {
+  expect_matches_one_process("ddpx_mpi", false, ddpx::Overlap::NextForward);
+  expect_matches_one_process("gloo", false, ddpx::Overlap::NextForward);
 }
 
 }  // namespace

@@ -14,9 +14,11 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <thread>
 #include <vector>
 
 #include "hooks/channel.h"
+#include "hooks/param_gate.h"
 #include "hooks/stream_handoff.h"
 
 namespace {
@@ -221,6 +223,78 @@ TEST_F(StreamHandoff, StorageUsedByTheReductionIsRecordedOnItsStream) {
   ASSERT_EQ(sim().recorded_ptrs.size(), 1u);
   EXPECT_EQ(sim().recorded_ptrs[0].first, residual.storage().data_ptr().get());
   EXPECT_EQ(sim().recorded_ptrs[0].second, comm.id());
+}
+
+// Overlap modes on a device: the update of a parameter is queued (on the
+// stream the worker completes the step on) when its gate opens, not run. A
+// forward reading the parameter on another stream must be ordered after it:
+// drained reader-first, only the gate's fence keeps the order.
+TEST_F(StreamHandoff, AGateOrdersTheReadersStreamAfterTheQueuedUpdate) {
+  const auto w = torch::zeros({2});  // the parameter (its identity keys the gate)
+  auto gates = ddpx::hooks::Gates::make({w}, {"w"});
+  int value = 1, seen = -1;
+  const c10::Stream update = ddpx::hooks::pool_stream(kDev);
+  const c10::Stream reader = ddpx::hooks::pool_stream(kDev);
+  gates->close_all();
+  {
+    c10::StreamGuard g(update);
+    enqueue([&] { value = 7; });
+    auto queued = std::make_shared<ddpx::hooks::StreamFence>();
+    queued->add(update);
+    gates->open(0, queued);
+  }
+  {
+    c10::StreamGuard g(reader);
+    ddpx::hooks::wait_gate(w);  // ddpx::param_ready's work
+    enqueue([&] { seen = value; });
+  }
+  sim().drain({reader.id(), update.id()});
+  EXPECT_EQ(seen, 7) << "the forward read the parameter before its update ran";
+}
+
+// open_all (the step's end: buffers, parameters left) gives its fence only
+// to gates still closed; one opened by its bucket's update keeps that one's.
+TEST_F(StreamHandoff, OpenAllKeepsTheFenceOfAGateAlreadyOpen) {
+  const auto a = torch::zeros({1}), b = torch::zeros({1});
+  auto gates = ddpx::hooks::Gates::make({a, b}, {"a", "b"});
+  const c10::Stream s1 = ddpx::hooks::pool_stream(kDev);
+  const c10::Stream s2 = ddpx::hooks::pool_stream(kDev);
+  gates->close_all();
+  auto f1 = std::make_shared<ddpx::hooks::StreamFence>();
+  auto f2 = std::make_shared<ddpx::hooks::StreamFence>();
+  f1->add(s1);
+  f2->add(s2);
+  gates->open(0, f1);
+  gates->open_all(f2);
+  const auto waits_on = [&](const at::Tensor& t) {
+    sim() = Sim{};  // count the waits queued on the reader's stream alone
+    ddpx::hooks::wait_gate(t);
+    const auto& q = sim().queues[current_id];
+    EXPECT_EQ(q.size(), 1u);
+    return q.empty() ? c10::StreamId(-1) : q.front().wait_stream;
+  };
+  EXPECT_EQ(waits_on(a), s1.id());
+  EXPECT_EQ(waits_on(b), s2.id());
+}
+
+// GradSync's worker completes a step on the streams of the thread whose
+// backward ended it (finish_step): captured there, installed on the worker.
+TEST_F(StreamHandoff, TheWorkerQueuesOnTheStreamsOfTheThreadThatHandedItTheStep) {
+  const c10::Stream trainer = ddpx::hooks::pool_stream(kDev);
+  std::vector<c10::Stream> captured;
+  {
+    c10::StreamGuard g(trainer);
+    captured = ddpx::hooks::current_streams({kDev, c10::Device(c10::kCPU), kDev});
+  }
+  ASSERT_EQ(captured.size(), 1u) << "one stream per device with streams";
+  EXPECT_EQ(captured[0], trainer);
+  c10::Stream seen = ddpx::hooks::current_stream(kDev);
+  std::thread worker([&] {
+    c10::MultiStreamGuard on_consumer(captured);
+    seen = ddpx::hooks::current_stream(kDev);
+  });
+  worker.join();
+  EXPECT_EQ(seen, trainer);
 }
 
 // A channel keeps one stream per device.

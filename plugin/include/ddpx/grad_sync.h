@@ -83,6 +83,10 @@ enum class Overlap {
                 // backward returns with the parameters updated
   NextForward,  // backward returns once every gradient is in its bucket; updates land
                 // during the next forward, each parameter read waits for its own
+  // On a device with streams (CUDA) the updates are queued, never waited
+  // for by the host: on the stream backward's caller runs on, after the
+  // bucket's reduction on its channel's stream; a gate opens once its update
+  // is queued and makes the reading stream wait for it.
 };
 
 enum class Unused {
