@@ -1,6 +1,7 @@
 #include "hooks/bucket_planner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -319,6 +320,33 @@ std::vector<char> priority_tail(const std::vector<BucketPlan>& plan, const PlanT
   if (last - first + 1 < 2) return held;
   for (int b = first; b <= last; ++b) held[b] = 1;
   return held;
+}
+
+PrioritySplit priority_split(const std::vector<BucketPlan>& plan, const std::vector<char>& held,
+                             const PlanTiming& timing, int64_t piece) {
+  PrioritySplit none;
+  const auto& t = timing.arrival_us;
+  if (timing.bytes_per_us <= 0 || t.empty() || piece <= 0) return none;
+  if (std::find(held.begin(), held.end(), 1) == held.end()) return none;
+  double end_of_backward = 0;
+  for (double a : t) end_of_backward = std::max(end_of_backward, a);
+  LinkModel link{&timing};
+  double launch = 0;
+  for (size_t b = 0; b < plan.size() && !held[b]; ++b) {
+    double ready = plan[b].late && timing.late_at_end ? end_of_backward : 0;
+    for (int p : plan[b].params) ready = std::max(ready, t[p] < 0 ? end_of_backward : t[p]);
+    launch = std::max(launch, ready);
+    link.send(plan[b], launch);
+    // The held run follows this bucket: is it still on the link at the end?
+    if (b + 1 >= held.size() || !held[b + 1]) continue;
+    if (plan[b].late || plan[b].sparse || launch >= end_of_backward) return none;
+    const double left = (link.free_at - end_of_backward) * timing.bytes_per_us;
+    const auto elem = static_cast<double>(c10::elementSize(plan[b].dtype));
+    const auto rest = static_cast<int64_t>(std::ceil(left / elem / piece)) * piece;
+    if (left <= 0 || rest >= plan[b].numel) return none;
+    return PrioritySplit{static_cast<int>(b), plan[b].numel - rest};
+  }
+  return none;
 }
 
 std::vector<char> priority_cuts(const std::vector<BucketPlan>& plan, const std::vector<char>& held,

@@ -38,6 +38,12 @@ struct BucketPlan {
   // backward and launched at its end with the other held buckets in reverse
   // plan order -- the first layers' first, as the next forward needs them.
   bool held = false;
+  // Priority, for a bucket still on the link when backward ends (ahead of
+  // the held ones; priority_split): > 0, only its elements [0, held_from)
+  // launch as it fills, the rest after the held buckets -- they overtake
+  // its remainder, as a late urgent gradient overtakes queued pieces of a
+  // large one (P3, ByteScheduler), even when it is a single parameter.
+  int64_t held_from = 0;
 };
 
 // Arrival-time planning: when gradients are predicted to arrive and what the
@@ -132,6 +138,20 @@ std::vector<char> priority_tail(const std::vector<BucketPlan>& plan, const PlanT
 std::vector<char> priority_cuts(const std::vector<BucketPlan>& plan, const std::vector<char>& held,
                                 const std::vector<int>& order, const std::vector<ParamInfo>& params,
                                 int pieces);
+
+// Where priority cuts a bucket in two (BucketPlan::held_from): the last
+// dense, reliable, not held bucket that the link, launched in plan order as
+// buckets fill, would still be sending when backward ends while held
+// buckets (`held`, from priority_tail) wait behind it. Its remainder -- the
+// bytes predicted to be left at the end of backward, rounded up to whole
+// `piece` elements -- is held and sent after them. {-1, 0}: none (no held
+// bucket, an unknown rate, or nothing left at the end).
+struct PrioritySplit {
+  int bucket = -1;
+  int64_t from = 0;
+};
+PrioritySplit priority_split(const std::vector<BucketPlan>& plan, const std::vector<char>& held,
+                             const PlanTiming& timing, int64_t piece);
 
 // Launch delay of `plan` when gradients arrive in `arrival` (missing = arrive
 // last): bucket b is ready when its last gradient arrives (a late bucket: at

@@ -61,6 +61,8 @@ void GradSync::Impl::finish_step() {
       clear_declared_locked();
       // Buckets already launched must finish before the storage is reused.
       for (auto& f : futures) if (f.valid()) f.wait();
+      for (auto& f : rest_futures)
+        if (f.valid()) f.wait();
       std::string list;
       for (size_t i = 0; i < missing.size() && i < 8; ++i) list += (i ? ", " : "") + missing[i];
       TORCH_CHECK(false, "GradSync: ", missing.size(), " parameter(s) received no gradient in "
@@ -205,6 +207,7 @@ void GradSync::Impl::complete_step() {
         if (anywhere[p]) views[p].zero_();
       }
       for (; next_launch < n_buckets; ++next_launch) launch_bucket_locked(next_launch, anywhere);
+      launch_rest_locked();  // (a cut bucket that only went out here: its remainder too)
     }
   }
   const auto wait0 = Clock::now();
@@ -213,12 +216,21 @@ void GradSync::Impl::complete_step() {
   // With an optimizer, each bucket is stepped as it lands (in plan order),
   // while later ones are still on the wire.
   // (In launch order: held buckets went first layer first.)
-  std::vector<int> seq = launch_seq;
+  // A bucket cut by priority lands after the held ones that overtook its
+  // remainder: it goes last, so their updates are not held up behind it.
+  std::vector<int> seq;
+  for (int b : launch_seq) {
+    if (!rest_futures[b].valid()) seq.push_back(b);
+  }
+  for (int b : launch_seq) {
+    if (rest_futures[b].valid()) seq.push_back(b);
+  }
   for (int b = 0; b < n_buckets; ++b) {
     if (std::find(seq.begin(), seq.end(), b) == seq.end()) seq.push_back(b);
   }
   for (int b : seq) {
     take(futures[b]);
+    take(rest_futures[b]);
     if (!optimizer || error || step_stale) continue;
     if (needs_agreement(b)) settle();
     if (!error) apply_bucket(b, agreed ? flags.const_data_ptr<int>() : nullptr);
@@ -394,8 +406,9 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
   // Every rank adopts rank 0's predicted order, late set and timing cuts
   // (its arrival times are its own): [order | late | cuts].
   const int64_t n = static_cast<int64_t>(params.size());
-  // [order | late | cuts | held (per parameter: its bucket held, priority)]
-  auto msg = at::zeros({4 * n}, at::kLong);
+  // [order | late | cuts | held (per parameter: its bucket held, priority) |
+  //  the bucket cut by priority, or -1 | where its held remainder starts]
+  auto msg = at::zeros({4 * n + 2}, at::kLong);
   int64_t* o = msg.data_ptr<int64_t>();
   if (pg.getRank() == 0) {
     const auto order = order_of(predictor);
@@ -423,6 +436,12 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
     for (size_t b = 0; b < tail.size(); ++b) {
       for (int p : next[b].params) o[3 * n + p] = tail[b];
     }
+    // (A lossy codec keeps state per run: its buckets stay whole.)
+    const auto split = opts.codec_ == "none" && !tail.empty()
+                           ? hooks::priority_split(next, tail, *timing, kPrioritySplitPiece)
+                           : hooks::PrioritySplit{};
+    o[4 * n] = split.bucket;
+    o[4 * n + 1] = split.from;
   }
   std::vector<at::Tensor> t{msg};
   comm::detail::wait_named(pg.broadcast(t));
@@ -436,6 +455,12 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
     deferred_replan = Replan{std::move(order), std::move(late), std::move(cuts), std::move(held)};
   } else {
     replan(order, std::move(late), cuts, held);
+    // (Rank 0 planned the same buckets from the same order and cuts.)
+    const int64_t split = o[4 * n], from = o[4 * n + 1];
+    if (split >= 0 && split < static_cast<int64_t>(plan.size()) && from > 0 &&
+        from < plan[split].numel) {
+      plan[split].held_from = from;
+    }
   }
   priority_change_steps = 0;
   timing_gain_steps = 0;

@@ -85,6 +85,9 @@ void GradSync::Impl::begin_step_locked(const Clock::time_point* replay_start) {
   launch_seq.clear();
   futures.clear();
   futures.resize(plan.size());
+  rest_futures.clear();
+  rest_futures.resize(plan.size());
+  split_sent = -1;
   wrote_on.assign(plan.size(), {});
   reduced.assign(plan.size(), nullptr);
   stats.buckets.assign(plan.size(), {});
@@ -220,17 +223,30 @@ void GradSync::Impl::launch_held_locked() {
     launch_ready_locked();
     return;
   }
+  // The buckets before the held ones first (in plan order, on every rank:
+  // a cut bucket's first part among them), then the held ones first layer
+  // first, then the cut bucket's remainder they overtook.
+  launch_ready_locked();
   const int n = static_cast<int>(plan.size());
   int end = next_launch;
   while (end < n && plan[end].held && pending[end] == 0) ++end;
   for (int b = end - 1; b >= next_launch; --b) launch_bucket_locked(b, early_used);
   next_launch = end;
+  launch_rest_locked();
   launch_ready_locked();
 }
 
 void GradSync::Impl::launch_bucket_locked(int b, const std::vector<char>& anywhere) {
   launch_seq.push_back(b);
   if (!plan[b].late && skipped_in[b] == 0) {
+    // Cut by priority: its remainder goes after the held buckets
+    // (launch_held_locked); every rank cuts alike (the plan and
+    // priority_now are agreed, skipped_in compared).
+    if (plan[b].held_from > 0 && priority_now) {
+      launch_locked(b, {{0, plan[b].held_from}});
+      split_sent = b;
+      return;
+    }
     launch_locked(b);
     return;
   }

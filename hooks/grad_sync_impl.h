@@ -88,6 +88,9 @@ struct GradSync::Impl {
   // the first layers' piece then lands after an eighth of the tail's bytes,
   // for seven more launches.
   static constexpr int kPriorityPieces = 8;
+  // A bucket cut by priority (BucketPlan::held_from) holds back whole
+  // pieces of this many elements (256 KiB of float32).
+  static constexpr int64_t kPrioritySplitPiece = int64_t{1} << 16;
   // Per parameter: how often lately some rank used it (from the agreed
   // flags), so the planner counts what a late bucket really sends.
   hooks::UseRate used_anywhere;
@@ -128,6 +131,11 @@ struct GradSync::Impl {
   std::vector<int> carried;        // unused in this backward, accumulated under no_sync
   std::vector<int> surprises;      // Exact: gradients for parameters expected unused
   std::vector<std::future<void>> futures;
+  // Per bucket: the reduction of a cut bucket's remainder (held_from), and
+  // the cut bucket whose first part went out this step and whose remainder
+  // waits for the held buckets (-1: none).
+  std::vector<std::future<void>> rest_futures;
+  int split_sent = -1;
   // Per bucket on a device with streams (stream_handoff.h): the streams that
   // wrote its slots this step, and the end of its reduction on its channel's
   // stream (set by the channel thread before its future is ready).
@@ -346,14 +354,17 @@ struct GradSync::Impl {
   // Launches bucket b's reduction on its channel: the whole bucket, or (a
   // late bucket) only the runs of slots of parameters used on some rank
   // (`runs` empty: the whole bucket).
-  void launch_locked(int b, std::vector<Run> runs = {});
+  // `into`: where the reduction's future goes (null: futures[b]).
+  void launch_locked(int b, std::vector<Run> runs = {}, std::future<void>* into = nullptr);
+  // The held remainder of the bucket cut by priority (split_sent), if any.
+  void launch_rest_locked();
   // Sparse bucket b's reduction: its parameter's rows (sparse_reduce.h).
   void launch_sparse_locked(int b);
   // Queues `body` (bucket b's reduction) on b's channel; on a device, on the
   // channel's stream after the streams that wrote b, with `keep` (storages
   // made on other streams that body uses) marked in use there.
   void submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
-                     std::vector<c10::Storage> keep);
+                     std::vector<c10::Storage> keep, std::future<void>* into = nullptr);
 
   // (slot, residual) of the parameters in bucket b's `runs` that owe a
   // residual from before a re-plan; they owe nothing afterwards.
@@ -464,7 +475,8 @@ struct GradSync::Impl {
     for (const auto& b : stats.buckets) {
       // (A sparse bucket's collectives are gathers of rows, not the link's
       // all-reduce rate.)
-      if (b.bytes == 0 || plan[b.index].sparse) continue;
+      // (Nor a cut bucket's: the held buckets ran between its parts.)
+      if (b.bytes == 0 || plan[b.index].sparse || b.held_bytes > 0) continue;
       const double start = std::max(b.launch_us, free_at);
       samples.emplace_back(static_cast<double>(b.bytes), b.complete_us - start);
       free_at = std::max(free_at, b.complete_us);

@@ -2,6 +2,8 @@
 // or a late bucket's used runs) and the error-feedback residuals a re-plan
 // leaves owed to parameters, added to their slots when next sent. Called
 // under Impl::mu from the hooks and the final callback (grad_sync_impl.h).
+#include <utility>
+
 #include "hooks/grad_sync_impl.h"
 #include "hooks/sparse_reduce.h"
 
@@ -38,7 +40,7 @@ void GradSync::Impl::owe(int p, const at::Tensor& r) {
   }
 }
 
-void GradSync::Impl::launch_locked(int b, std::vector<Run> runs) {
+void GradSync::Impl::launch_locked(int b, std::vector<Run> runs, std::future<void>* into) {
   if (plan[b].sparse) {
     launch_sparse_locked(b);
     return;
@@ -87,7 +89,19 @@ void GradSync::Impl::launch_locked(int b, std::vector<Run> runs) {
       }
     }
   };
-  submit_locked(b, std::move(body), std::move(keep));
+  submit_locked(b, std::move(body), std::move(keep), into);
+}
+
+void GradSync::Impl::launch_rest_locked() {
+  if (split_sent < 0) return;
+  const int b = std::exchange(split_sent, -1);
+  auto& bs = stats.buckets[b];
+  const double first_launch = bs.launch_us;
+  const int64_t first_bytes = bs.bytes;
+  launch_locked(b, {{plan[b].held_from, plan[b].numel - plan[b].held_from}}, &rest_futures[b]);
+  bs.held_bytes = bs.bytes;
+  bs.bytes += first_bytes;
+  bs.launch_us = first_launch;
 }
 
 void GradSync::Impl::launch_sparse_locked(int b) {
@@ -107,12 +121,13 @@ void GradSync::Impl::launch_sparse_locked(int b) {
 }
 
 void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
-                                   std::vector<c10::Storage> keep) {
+                                   std::vector<c10::Storage> keep, std::future<void>* into) {
   auto* complete = &stats.buckets[b].complete_us;
   const auto start = t0;
   const int c = b % static_cast<int>(channels.size());
+  std::future<void>& future = into ? *into : futures[b];
   if (!hooks::has_streams(plan[b].device)) {
-    futures[b] =
+    future =
         channels[c]->submit([body = std::move(body), complete, start,
                              ctx = profiler->launch_context(b)](c10d::ProcessGroup& pg) mutable {
           {
@@ -130,8 +145,8 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
   auto before = std::make_shared<hooks::StreamFence>();
   for (const auto& s : wrote_on[b]) before->add(s);
   auto done = std::make_shared<hooks::StreamFence>();
-  reduced[b] = done;
-  futures[b] = channels[c]->submit(
+  reduced[b] = done;  // (a cut bucket's remainder: on the same stream, after its first part)
+  future = channels[c]->submit(
       [body = std::move(body), complete, start, ctx = profiler->launch_context(b), before, done,
        keep = std::move(keep),
        comm = channels[c]->stream(plan[b].device)](c10d::ProcessGroup& pg) mutable {

@@ -144,12 +144,18 @@ namespace {
 // though it filled last, completes before the held ones that filled
 // earlier (seen in the step records); and the parameters stay bitwise
 // those of the synchronous path.
+// head > 0: a last layer of that many outputs, one large parameter whose
+// gradient comes first in backward and is still on the wire when it ends.
 struct WideImpl : torch::nn::Module {
   std::vector<torch::nn::Linear> layers;
+  torch::nn::Linear head{nullptr};
   std::function<void(const std::vector<at::Tensor>&)> gate;
-  WideImpl() {
+  explicit WideImpl(int64_t head_outputs = 0) {
     for (int i = 0; i < 6; ++i) {
       layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(384, 384)));
+    }
+    if (head_outputs > 0) {
+      head = register_module("head", torch::nn::Linear(384, head_outputs));
     }
   }
   at::Tensor forward(const at::Tensor& x) {
@@ -158,16 +164,20 @@ struct WideImpl : torch::nn::Module {
       if (gate) gate(l->parameters());
       h = torch::tanh(l(h));
     }
+    if (head) {
+      if (gate) gate(head->parameters());
+      h = head(h);
+    }
     return h.pow(2).mean();
   }
 };
 TORCH_MODULE(Wide);
 
 std::pair<std::vector<at::Tensor>, std::vector<ddpx::StepStats>> train_wide(
-    Overlap overlap, int steps, const std::string& trace = "") {
+    Overlap overlap, int steps, const std::string& trace = "", int64_t head = 0) {
   auto& pg = world();
   torch::manual_seed(11);
-  Wide m;
+  Wide m(head);
   torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   GradSync sync(m->named_parameters(), pg,
                 GradSyncOptions().overlap(overlap).bucket_cap_mb(0.3).first_bucket_mb(0.3).trace(
@@ -239,6 +249,38 @@ TEST(GradSyncOverlapPriority, HeldBucketsGoFirstLayerFirstAndChangeNothing) {
     }
   }
   EXPECT_GT(fifo, 0) << "no first-in-first-out trial step while the plan held buckets";
+}
+
+// A large parameter (the head's weight, a bucket of its own) goes on the
+// wire first in backward and is still being sent when backward ends; the
+// plan cuts it (BucketPlan::held_from), and the held buckets, launched
+// later but needed first by the next forward, complete before its
+// remainder -- the step records show it. Parameters stay bitwise.
+TEST(GradSyncOverlapPriority, HeldBucketsOvertakeTheRemainderOfALargeParameter) {
+  constexpr int64_t kHead = 8192;  // 384 x 8192 floats: 12 MiB
+  const auto [want, unused_records] = train_wide(Overlap::None, 30, "", kHead);
+  const auto [got, records] = train_wide(Overlap::NextForward, 30, "", kHead);
+  expect_bitwise(got, want, "priority, cut");
+  int cut_steps = 0;
+  for (const auto& st : records) {
+    const ddpx::StepStats::Bucket* cut = nullptr;
+    for (const auto& b : st.buckets) {
+      if (b.held_bytes > 0) cut = &b;
+    }
+    if (cut == nullptr) continue;
+    ++cut_steps;
+    EXPECT_TRUE(st.priority_on) << "step " << st.step << ": cut without priority";
+    EXPECT_LT(cut->held_bytes, cut->bytes) << "step " << st.step;
+    for (const auto& b : st.buckets) {
+      if (!b.held) continue;
+      EXPECT_GE(b.launch_us, cut->launch_us) << "step " << st.step;
+      EXPECT_LE(b.complete_us, cut->complete_us)
+          << "step " << st.step << ": held bucket " << b.index
+          << " completed after the remainder it should overtake";
+    }
+  }
+  EXPECT_GT(cut_steps, 0) << "no step cut the head's bucket: it was not on the wire at the end "
+                             "of backward here, or the cut was never planned";
 }
 
 }  // namespace

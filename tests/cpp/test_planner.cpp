@@ -544,6 +544,37 @@ TEST(PriorityTail, LeavesLateBucketsToTheAgreement) {
 
 namespace {
 
+TEST(PrioritySplit, CutsTheBucketOnTheLinkAtTheEndOfBackward) {
+  // 20 bytes/us: bucket 0 (1000 bytes) is on the link from 10 to 65, past
+  // backward's end (40), and 1..3 wait behind it (held). Left at the end:
+  // 25 us, 500 bytes = 125 floats, rounded up to pieces of 10: its last 130
+  // elements go after the held buckets.
+  const auto plan = four_buckets();
+  const auto timing = four_times(20.0);
+  const auto held = ddpx::hooks::priority_tail(plan, timing);
+  ASSERT_EQ(held, (std::vector<char>{0, 1, 1, 1}));
+  const auto split = ddpx::hooks::priority_split(plan, held, timing, 10);
+  EXPECT_EQ(split.bucket, 0);
+  EXPECT_EQ(split.from, 120);
+  // Pieces as large as the bucket: nothing would be left to send first.
+  EXPECT_EQ(ddpx::hooks::priority_split(plan, held, timing, 250).bucket, -1);
+  // Nothing held: nothing to overtake it.
+  EXPECT_EQ(ddpx::hooks::priority_split(plan, {0, 0, 0, 0}, timing, 10).bucket, -1);
+  // Unknown rate: no prediction.
+  EXPECT_EQ(ddpx::hooks::priority_split(plan, held, four_times(0.0), 10).bucket, -1);
+}
+
+TEST(PrioritySplit, NeverCutsALateBucketOrOneDoneBeforeTheEnd) {
+  const auto timing = four_times(20.0);
+  // A late bucket goes after the agreement, whole.
+  EXPECT_EQ(
+      ddpx::hooks::priority_split(four_buckets({1, 0, 0, 0}), {0, 1, 1, 1}, timing, 10).bucket, -1);
+  // 400 bytes/us: bucket 0 is done at 17.5, long before the end; the held
+  // run (as given) has nothing in front of it to overtake.
+  EXPECT_EQ(ddpx::hooks::priority_split(four_buckets(), {0, 1, 1, 1}, four_times(400.0), 10).bucket,
+            -1);
+}
+
 TEST(PriorityTail, PiecesSplitTheHeldBucketsByBytes) {
   // Bucket 0: parameter 0; bucket 1 (held): parameters 1..8, 100 bytes
   // each, laid out in that order; order lists them 0..8.

@@ -199,6 +199,10 @@ struct StepStats {
     double ready_us, launch_us, complete_us;
     int64_t bytes;
     bool held;  // launched by priority at the end of backward (GradSyncOptions::priority)
+    // Of `bytes`, those held back by priority: a bucket still on the link at
+    // the end of backward sends its remainder after the held buckets, which
+    // overtake it (complete_us is then the remainder's).
+    int64_t held_bytes;
   };
   std::vector<Bucket> buckets;
 };
