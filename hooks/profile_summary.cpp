@@ -38,6 +38,10 @@ ProfileSummary summarize(const std::deque<StepRecord>& rs, int64_t params) {
       [](const StepRecord& r) { return r.comm_us > 0; });
   s.hook_cpu_us = median(rs, [](const StepRecord& r) { return r.hook_cpu_us; });
   s.gate_wait_us = median(rs, [](const StepRecord& r) { return r.gate_wait_us; });
+  s.held_buckets =
+      median(rs, [](const StepRecord& r) { return static_cast<double>(r.held_buckets); });
+  s.overtaken_bytes =
+      median(rs, [](const StepRecord& r) { return static_cast<double>(r.overtaken_bytes); });
   s.hook_cpu_per_param_us = median(
       rs, [](const StepRecord& r) { return r.hooks_only_us / static_cast<double>(r.hook_calls); },
       [](const StepRecord& r) { return r.hook_calls > 0; });
@@ -78,6 +82,8 @@ std::string format_summary(const ProfileSummary& s) {
   row("exposed communication", s.exposed_comm_us / 1e3, "ms");
   row("overlap efficiency", 100.0 * s.overlap_efficiency, "%");
   if (s.gate_wait_us > 0) row("forward waiting at gates", s.gate_wait_us / 1e3, "ms");
+  if (s.held_buckets > 0) row("held for priority (pieces)", s.held_buckets, "buckets");
+  if (s.overtaken_bytes > 0) row("overtaken by them", s.overtaken_bytes / 1e6, "MB");
   row("hook CPU, total", s.hook_cpu_us / 1e3, "ms");
   row("hook CPU per parameter tensor", s.hook_cpu_per_param_us, "us");
   row("bytes sent", s.bytes_sent / 1e6, "MB");

@@ -175,6 +175,10 @@ void Profiler::end_step(const StepStats& s, const FinalTimes& t, double hooks_on
   // NextForward: what the step exposes is the end of backward plus the
   // forward's waits at gates (recorded with the step after them).
   r.gate_wait_us = s.gate_wait_us;
+  for (const auto& b : s.buckets) {
+    r.held_buckets += b.held ? 1 : 0;
+    r.overtaken_bytes += b.held_bytes;
+  }
   r.exposed_us = s.exposed_comm_us + s.gate_wait_us;
   r.hook_cpu_us = s.hook_cpu_us;
   r.hooks_only_us = hooks_only_us;

@@ -297,6 +297,9 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     if (gated) {
       j["gate_wait_us"] = sync->profile().gate_wait_us;
       j["priority_on"] = sync->last_step().priority_on;  // the trial's choice
+      const auto prof = sync->profile();
+      j["held_buckets"] = prof.held_buckets;
+      j["overtaken_mb"] = prof.overtaken_bytes / 1e6;
     }
   }
   return j;

@@ -223,6 +223,11 @@ struct ProfileSummary {
   int64_t replans = 0;                 // re-planning events in these steps
   int64_t unused_mispredictions = 0;   // summed over these steps
   double gate_wait_us = 0;             // Overlap::NextForward: forward waiting at gates
+  // Priority (NextForward): buckets held and launched first layer first (the
+  // held part is cut into pieces), and the bytes of a bucket cut at the end
+  // of backward that they overtook (StepStats::Bucket::held_bytes).
+  double held_buckets = 0;
+  double overtaken_bytes = 0;
 };
 
 class GradSync {
