@@ -290,7 +290,8 @@ double predicted_finish_us(const std::vector<BucketPlan>& plan, const PlanTiming
   return link.free_at;
 }
 
-std::vector<char> priority_tail(const std::vector<BucketPlan>& plan, const PlanTiming& timing) {
+std::vector<char> priority_tail(const std::vector<BucketPlan>& plan, const PlanTiming& timing,
+                                int min_run) {
   std::vector<char> held(plan.size(), 0);
   const auto& t = timing.arrival_us;
   if (timing.bytes_per_us <= 0 || t.empty()) return held;
@@ -317,7 +318,7 @@ std::vector<char> priority_tail(const std::vector<BucketPlan>& plan, const PlanT
          start[first - 1] >= at_end) {
     --first;
   }
-  if (last - first + 1 < 2) return held;
+  if (last - first + 1 < std::max(1, min_run)) return held;
   for (int b = first; b <= last; ++b) held[b] = 1;
   return held;
 }

@@ -126,8 +126,11 @@ std::vector<BucketPlan> plan_buckets_cheapest(const std::vector<int>& order,
 // the first layers' updates land first, and the next forward, gated per
 // parameter, starts while the rest is on the wire (P3's and ByteScheduler's
 // priority, for the part of the step where it pays). Per bucket, 1: held;
-// all 0 when the rate or the times are unknown or fewer than two qualify.
-std::vector<char> priority_tail(const std::vector<BucketPlan>& plan, const PlanTiming& timing);
+// all 0 when the rate or the times are unknown or fewer than `min_run`
+// qualify (one bucket alone is worth holding only to be cut into pieces, or
+// to overtake a bucket cut by priority_split).
+std::vector<char> priority_tail(const std::vector<BucketPlan>& plan, const PlanTiming& timing,
+                                int min_run = 2);
 
 // Cuts (as plan_buckets takes them, over `order`) that split the held
 // buckets (`held`, from priority_tail) into up to `pieces` buckets of about

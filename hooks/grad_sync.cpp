@@ -419,13 +419,14 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
     if (cuts.empty()) cuts.assign(n, 0);
     std::vector<char> tail;
     if (prioritised() && timing) {
-      tail = hooks::priority_tail(next, *timing);
+      // (Even one bucket: cut into pieces, the first layers' go first.)
+      tail = hooks::priority_tail(next, *timing, 1);
       if (std::find(tail.begin(), tail.end(), 1) != tail.end()) {
         // The held part in pieces, so the first layers' bucket is small.
         const auto pieces = hooks::priority_cuts(next, tail, order, info, kPriorityPieces);
         for (int64_t i = 0; i < n; ++i) cuts[i] = cuts[i] || pieces[i];
         next = hooks::plan_buckets(order, info, first_cap_bytes(), cap_bytes(), late, cuts);
-        tail = hooks::priority_tail(next, *timing);
+        tail = held_tail(next, *timing);
       }
     }
     for (int64_t i = 0; i < n; ++i) {

@@ -402,6 +402,21 @@ struct GradSync::Impl {
   // under Predict the agreement comes at the end of backward, and so do they.
   bool prioritised() const { return opts.overlap_ == Overlap::NextForward && opts.priority_; }
 
+  // The buckets `p` holds for priority under `timing`: priority_tail's
+  // run, down to a single bucket when that one overtakes a bucket cut by
+  // priority_split (codec none). The plan's own rule, so that a re-plan
+  // proposes itself only when it changes.
+  std::vector<char> held_tail(const std::vector<hooks::BucketPlan>& p,
+                              const hooks::PlanTiming& timing) const {
+    auto tail = hooks::priority_tail(p, timing, 1);
+    if (std::count(tail.begin(), tail.end(), 1) == 1 &&
+        (opts.codec_ != "none" ||
+         hooks::priority_split(p, tail, timing, kPrioritySplitPiece).bucket < 0)) {
+      std::fill(tail.begin(), tail.end(), 0);
+    }
+    return tail;
+  }
+
   // Final callback: launches the held buckets (all complete by now) in
   // reverse plan order, the first layers' first.
   void launch_held_locked();
@@ -447,7 +462,7 @@ struct GradSync::Impl {
     // The priority tail of the current plan moved (held on two steps in a
     // row, against churn).
     if (prioritised() && timing) {
-      const auto tail = hooks::priority_tail(plan, *timing);
+      const auto tail = held_tail(plan, *timing);
       bool same = true;
       for (size_t b = 0; b < plan.size(); ++b) same = same && (tail[b] != 0) == plan[b].held;
       priority_change_steps = same ? 0 : priority_change_steps + 1;

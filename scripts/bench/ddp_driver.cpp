@@ -296,10 +296,18 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
               {"comm_us", median(comm_us)}, {"replans", replans}, {"buckets", buckets}});
     if (gated) {
       j["gate_wait_us"] = sync->profile().gate_wait_us;
-      j["priority_on"] = sync->last_step().priority_on;  // the trial's choice
-      const auto prof = sync->profile();
-      j["held_buckets"] = prof.held_buckets;
-      j["overtaken_mb"] = prof.overtaken_bytes / 1e6;
+      // The last timed step's: the trial's choice, the buckets it held and
+      // the bytes of a cut bucket they overtook.
+      const auto& last = sync->last_step();
+      j["priority_on"] = last.priority_on;
+      int held = 0;
+      int64_t overtaken = 0;
+      for (const auto& b : last.buckets) {
+        held += b.held ? 1 : 0;
+        overtaken += b.held_bytes;
+      }
+      j["held_buckets"] = held;
+      j["overtaken_mb"] = static_cast<double>(overtaken) / 1e6;
     }
   }
   return j;

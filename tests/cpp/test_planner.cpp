@@ -564,6 +564,22 @@ TEST(PrioritySplit, CutsTheBucketOnTheLinkAtTheEndOfBackward) {
   EXPECT_EQ(ddpx::hooks::priority_split(plan, held, four_times(0.0), 10).bucket, -1);
 }
 
+TEST(PrioritySplit, OneHeldBucketOvertakesTheCutOne) {
+  // 100 bytes/us: buckets 0 and 1 are sent by 31; bucket 2 (ready at 30)
+  // is on the link from 31 to 46, past the end (40), and bucket 3 waits
+  // behind it -- a held run of one, which the default (two) does not hold.
+  // Left of bucket 2 at the end: 600 bytes, 150 floats.
+  auto timing = four_times(100.0);
+  timing.arrival_us = {1, 2, 30, 40};
+  const auto plan = four_buckets();
+  EXPECT_EQ(ddpx::hooks::priority_tail(plan, timing), (std::vector<char>(4, 0)));
+  const auto one = ddpx::hooks::priority_tail(plan, timing, 1);
+  ASSERT_EQ(one, (std::vector<char>{0, 0, 0, 1}));
+  const auto split = ddpx::hooks::priority_split(plan, one, timing, 10);
+  EXPECT_EQ(split.bucket, 2);
+  EXPECT_EQ(split.from, 100);
+}
+
 TEST(PrioritySplit, NeverCutsALateBucketOrOneDoneBeforeTheEnd) {
   const auto timing = four_times(20.0);
   // A late bucket goes after the agreement, whole.
