@@ -402,6 +402,17 @@ bool GradSync::Impl::learn_sparse(const int* used_flags) {
   return changed;
 }
 
+std::vector<char> GradSync::Impl::held_tail(const std::vector<hooks::BucketPlan>& p,
+                                            const hooks::PlanTiming& timing) const {
+  auto tail = hooks::priority_tail(p, timing, 1);
+  if (std::count(tail.begin(), tail.end(), 1) == 1 &&
+      (opts.codec_ != "none" ||
+       hooks::priority_split(p, tail, timing, kPrioritySplitPiece).bucket < 0)) {
+    std::fill(tail.begin(), tail.end(), 0);
+  }
+  return tail;
+}
+
 void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
   // Every rank adopts rank 0's predicted order, late set and timing cuts
   // (its arrival times are its own): [order | late | cuts].

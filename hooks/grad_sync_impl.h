@@ -407,15 +407,7 @@ struct GradSync::Impl {
   // priority_split (codec none). The plan's own rule, so that a re-plan
   // proposes itself only when it changes.
   std::vector<char> held_tail(const std::vector<hooks::BucketPlan>& p,
-                              const hooks::PlanTiming& timing) const {
-    auto tail = hooks::priority_tail(p, timing, 1);
-    if (std::count(tail.begin(), tail.end(), 1) == 1 &&
-        (opts.codec_ != "none" ||
-         hooks::priority_split(p, tail, timing, kPrioritySplitPiece).bucket < 0)) {
-      std::fill(tail.begin(), tail.end(), 0);
-    }
-    return tail;
-  }
+                              const hooks::PlanTiming& timing) const;
 
   // Final callback: launches the held buckets (all complete by now) in
   // reverse plan order, the first layers' first.

@@ -80,26 +80,25 @@ void expect_matches_one_process(const std::string& backend, bool zero_in_place,
     sync.wait_ready(model->parameters());
     model(batch.narrow(0, r * kB, kB)).backward();
     auto rp = ref->named_parameters();
+    // .cpu() runs on `side`: it sees the average (or the update) only if
+    // GradSync ordered `side` after the reductions (and the updates).
+    auto expect_close = [&](const at::Tensor& mine, const at::Tensor& theirs,
+                            const std::string& what) {
+      const auto got = mine.cpu(), want = theirs.cpu();
+      EXPECT_TRUE(at::allclose(got, want, 1e-9, 1e-12))
+          << backend << " " << what << " step " << step << ": max diff "
+          << (got - want).abs().max().item<double>();
+    };
     if (!steps_itself) {
       ref_opt.step();
       sync.synchronize();  // every update queued, and `side` after them
       for (const auto& item : model->named_parameters()) {
-        const auto got = item.value().detach().cpu();
-        const auto want = rp[item.key()].detach().cpu();
-        EXPECT_TRUE(at::allclose(got, want, 1e-9, 1e-12))
-            << backend << " " << item.key() << " step " << step << ": max diff "
-            << (got - want).abs().max().item<double>();
+        expect_close(item.value().detach(), rp[item.key()].detach(), item.key());
       }
       continue;
     }
     for (const auto& item : model->named_parameters()) {
-      // .cpu() runs on `side`: it sees the average only if the step's end
-      // ordered `side` after the reductions.
-      const auto got = item.value().grad().cpu();
-      const auto want = rp[item.key()].grad().cpu();
-      EXPECT_TRUE(at::allclose(got, want, 1e-9, 1e-12))
-          << backend << " " << item.key() << " step " << step << ": max diff "
-          << (got - want).abs().max().item<double>();
+      expect_close(item.value().grad(), rp[item.key()].grad(), item.key() + ".grad");
     }
     opt.step();
     ref_opt.step();
