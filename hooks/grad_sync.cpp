@@ -125,10 +125,8 @@ void GradSync::Impl::finish_step() {
   // Device buckets: the worker queues the step's device work (the waits for
   // the reductions, the updates) on this thread's streams, the ones the
   // trainer's next forward and optimizer run on.
-  std::vector<c10::Device> devices;
-  for (const auto& b : plan) devices.push_back(b.device);
-  completing =
-      worker->submit([this, consumer = hooks::current_streams(devices)](c10d::ProcessGroup&) {
+  completing = worker->submit(
+      [this, consumer = hooks::current_streams(plan_devices())](c10d::ProcessGroup&) {
         c10::MultiStreamGuard on_consumer(consumer);
         try {
           complete_step();
@@ -287,13 +285,7 @@ void GradSync::Impl::complete_step() {
   if (gates) {
     // The buffers' (and any parameter left: sparse, unused); on a device,
     // after the work queued here (the broadcast, the write-back).
-    std::shared_ptr<hooks::StreamFence> queued;
-    for (const auto& b : plan) {
-      if (!hooks::has_streams(b.device)) continue;
-      if (!queued) queued = std::make_shared<hooks::StreamFence>();
-      queued->add(hooks::current_stream(b.device));
-    }
-    gates->open_all(queued);
+    gates->open_all(hooks::fence_current(plan_devices()));
   }
 
   std::lock_guard<std::mutex> lock(mu);

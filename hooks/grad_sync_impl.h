@@ -290,6 +290,12 @@ struct GradSync::Impl {
     return {std::move(flat), std::move(slot)};
   }
 
+  std::vector<c10::Device> plan_devices() const {
+    std::vector<c10::Device> out;
+    for (const auto& b : plan) out.push_back(b.device);
+    return out;
+  }
+
   std::vector<std::vector<int>> bucket_params() const {
     std::vector<std::vector<int>> out;
     for (const auto& b : plan) out.push_back(b.params);

@@ -65,11 +65,7 @@ void GradSync::Impl::apply_bucket(int b, const int* agreed, bool stale) {
   if (gates) {
     // On a device the gate opens once the update is queued; a reader's
     // stream then waits for it (Gates::wait).
-    std::shared_ptr<hooks::StreamFence> queued;
-    if (on_device) {
-      queued = std::make_shared<hooks::StreamFence>();
-      queued->add(hooks::current_stream(device));
-    }
+    const auto queued = hooks::fence_current({device});
     for (int p : plan[b].params) gates->open(p, queued);
   }
 }

@@ -50,6 +50,14 @@ std::vector<c10::Stream> current_streams(const std::vector<c10::Device>& devices
   return out;
 }
 
+std::shared_ptr<const StreamFence> fence_current(const std::vector<c10::Device>& devices) {
+  const auto streams = current_streams(devices);
+  if (streams.empty()) return nullptr;
+  auto fence = std::make_shared<StreamFence>();
+  for (const auto& s : streams) fence->add(s);
+  return fence;
+}
+
 std::vector<c10::Storage> storages_of(const at::Tensor& t) {
   if (!t.defined()) return {};
   if (t.is_sparse()) return {t._indices().storage(), t._values().storage()};

@@ -60,6 +60,10 @@ class StreamFence {
 // backward's caller will consume).
 std::vector<c10::Stream> current_streams(const std::vector<c10::Device>& devices);
 
+// A fence of the work queued so far on those streams (what a gate opened
+// now must make its reader wait for); null when no device has streams.
+std::shared_ptr<const StreamFence> fence_current(const std::vector<c10::Device>& devices);
+
 // Runs `fn` with `comm` as its device's current stream, after the work in
 // `before`, and records in `*done` the work fn queued on `comm`. `keep`:
 // storages allocated on other streams that fn's work uses, marked in use on

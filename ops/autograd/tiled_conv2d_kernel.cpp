@@ -105,9 +105,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_autograd(
     std::array<bool, 3> output_mask) {
   // The usual call: autograd's engine running tiled_conv2d's backward, with
   // grad mode off (no create_graph). Nothing is recorded then, so skip the
-  // Function wrapper (its node and output wrapping cost ~20 us a call, 2-4%
-  // of a LeNet conv2 step: issue 26's A/A measurement) and go straight to
-  // the kernel.
+  // Function wrapper (its node and output wrapping: ~20 us of CPU a call
+  // under torch.profiler on LeNet conv2 at batch 64) and go straight to the
+  // kernel.
   const bool records =
       at::GradMode::is_enabled() &&
       (grad_output.requires_grad() || input.requires_grad() || weight.requires_grad());

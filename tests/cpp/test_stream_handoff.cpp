@@ -288,6 +288,12 @@ TEST_F(StreamHandoff, TheWorkerQueuesOnTheStreamsOfTheThreadThatHandedItTheStep)
   }
   ASSERT_EQ(captured.size(), 1u) << "one stream per device with streams";
   EXPECT_EQ(captured[0], trainer);
+  // What a gate opened by the worker carries: a fence of those streams,
+  // none on the CPU.
+  EXPECT_EQ(ddpx::hooks::fence_current({c10::Device(c10::kCPU)}), nullptr);
+  const auto fence = ddpx::hooks::fence_current({kDev, kDev});
+  ASSERT_NE(fence, nullptr);
+  EXPECT_EQ(fence->size(), 1u);
   c10::Stream seen = ddpx::hooks::current_stream(kDev);
   std::thread worker([&] {
     c10::MultiStreamGuard on_consumer(captured);
