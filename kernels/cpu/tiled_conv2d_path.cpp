@@ -77,6 +77,12 @@ ConvPath choose_conv_path(const CpuConv& p, at::ScalarType dtype, ConvPass pass)
               "'");
 }
 
+bool aten_serves_both_passes(const Conv2dShape& s, at::ScalarType dtype) {
+  const CpuConv p = make_cpu_conv(s);
+  return choose_conv_path(p, dtype, ConvPass::kForward) == ConvPath::kAten &&
+         choose_conv_path(p, dtype, ConvPass::kBackward) == ConvPath::kAten;
+}
+
 std::string conv_paths_name(const CpuConv& p, at::ScalarType dtype) {
   const ConvPath fwd = choose_conv_path(p, dtype, ConvPass::kForward);
   const ConvPath bwd = choose_conv_path(p, dtype, ConvPass::kBackward);

@@ -30,10 +30,15 @@
 //   depthwise 8x32x56, k5 g32                0.4-2.3; 0.2-0.4      1.2-7; 0.4-1.0    aten/direct
 //   resnet 8x64x56 .. 32x256x14, k3          5-28; 5-28            0.8-1.7; 0.9-1.6  aten
 //
-// The aten path itself costs 1.0-1.1x F.conv2d: torch.ops' Python call (~10 us
-// against F.conv2d's ~1 us; half of a tiny call's profile is CPython) is a
-// fixed cost that only our own kernels can win back, so small calls stay on
-// them.
+// The aten path costs what ATen's own op does: where both passes are ATen's,
+// the Autograd kernel calls at::convolution with autograd on (ATen's backward
+// node, no Function of ours), and inference skips our Function altogether.
+// From TorchScript (ddpx-train, C++ programs) the forward then matches
+// F.conv2d (ts_fwd_ratio 1.00-1.01 on LeNet conv2 b64 and ResNet); from
+// Python, torch.ops' call adds ~10 us over F.conv2d's native binding (ours
+// 254.6 us, torch.ops.aten.conv2d 251.2 us, F.conv2d 241.1 us on LeNet conv2
+// b64, no_grad, medians of 400): a fixed cost that only our own kernels can
+// win back, so small calls stay on them.
 //
 // So the rule (auto_rule in tiled_conv2d_path.cpp), for float32:
 //  * one input channel per group (single-channel images, LeNet's first layer,
@@ -65,6 +70,14 @@ const char* conv_path_name(ConvPath path);
 // reads only its own arguments (input, weight, grad_output), never a layout
 // the other left behind.
 ConvPath choose_conv_path(const CpuConv& p, at::ScalarType dtype, ConvPass pass);
+
+// Whether ATen serves both passes of problem `s` (float32 or float64 on the
+// CPU). ddpx::tiled_conv2d's Autograd kernel then hands the whole call to
+// at::convolution with autograd on, so ATen records its own backward node:
+// wrapping ATen's two kernels in our Function and our backward op cost a
+// measured 2-4% (about 40-50 us per forward + backward) on LeNet conv2 at
+// batch 64 and on 3x3 depthwise, the cases issue 26 found above 1.0x.
+bool aten_serves_both_passes(const Conv2dShape& s, at::ScalarType dtype);
 
 // What ddpx::tiled_conv2d_path reports: "direct", or "<forward>/<backward>"
 // ("aten/direct") when the passes differ.

@@ -123,10 +123,30 @@ def test_forced_path_output_mask(path, monkeypatch):
                 torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
 
 
-def test_double_backward_fails_clearly_on_aten_path(monkeypatch):
+def test_double_backward_on_aten_path_is_atens(monkeypatch):
+    # Where ATen serves both passes, the Autograd kernel hands the call to
+    # at::convolution with autograd on: ATen's backward node is recorded (not
+    # ours), so double backward works there, and matches F.conv2d's.
     monkeypatch.setenv("DDPX_CONV_PATH", "aten")
     x = torch.randn(1, 4, 5, 5, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    y = op(x, w, b, [1, 1], [1, 1], [1, 1], 1)
+    assert "Convolution" in type(y.grad_fn).__name__
+    assert torch.autograd.gradgradcheck(
+        lambda x, w, b: op(x, w, b, [1, 1], [1, 1], [1, 1], 1), (x, w, b))
+    # Unbatched input takes the same route and keeps its 3-D shape.
+    y3 = op(x[0], w, b, [1, 1], [1, 1], [1, 1], 1)
+    torch.testing.assert_close(y3, F.conv2d(x[0], w, b, padding=1))
+
+
+def test_double_backward_fails_clearly_where_a_pass_is_ours(monkeypatch):
+    # Forward by ATen, backward by the direct loops: our backward op is in the
+    # graph, and differentiating it again says so.
+    monkeypatch.setenv("DDPX_CONV_PATH", "auto")
+    x = torch.randn(64, 1, 28, 28, requires_grad=True)
+    w = torch.randn(6, 1, 5, 5, requires_grad=True)
+    assert path_of(x, w) == "aten/direct"
     (gx,) = torch.autograd.grad(op(x, w).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward of ddpx::tiled_conv2d"):
         gx.sum().backward()
