@@ -34,6 +34,7 @@ from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 
 def _wave(n: int, cols: int, step: int, rank: int) -> Tensor:
@@ -302,3 +303,68 @@ def _calibrate(names: List[str], rate: str, bits: float, log) -> Dict[str, int]:
             f"comm on {rate} {comm:.0f} ms (estimated), backward / comm {bwd / comm:.2f}")
         batches[name] = batch
     return batches
+
+
+class _FirstUse(TorchFunctionMode):
+    """Notes the time of each parameter's first use in a forward (as an
+    argument of a torch function: F.linear, F.conv2d, F.layer_norm, ...)."""
+
+    def __init__(self, ids: Dict[int, int]):
+        super().__init__()
+        self.ids, self.at = ids, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        now = time.perf_counter()
+        for a in list(args) + list((kwargs or {}).values()):
+            k = self.ids.get(id(a))
+            if k is not None and k not in self.at:
+                self.at[k] = now
+        return func(*args, **(kwargs or {}))
+
+
+def layer_profile(name: str, batch: Optional[int] = None, threads: int = 1,
+                  steps: int = 3) -> List[Dict[str, float]]:
+    """Per parameter that gets a gradient (step 0's, eager, one rank): its
+    bytes, its first use as a fraction of the forward and its gradient's
+    arrival as a fraction of the backward (medians of `steps` after a
+    warm-up). The gated floor per layer (scripts/bench/ddp) scales these to
+    the C++ driver's measured forward and backward."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        m = make(name, batch)
+        params = list(m.parameters())
+        ids = {id(p): k for k, p in enumerate(params)}
+        ready: Dict[int, float] = {}
+
+        def note(k: int):
+            def hook(_p):
+                ready.setdefault(k, time.perf_counter())
+            return hook
+
+        hooks = [p.register_post_accumulate_grad_hook(note(k)) for k, p in enumerate(params)]
+        use, arrive = {}, {}
+        for step in range(steps + 1):
+            x = m.inputs(0, 0)
+            mode = _FirstUse(ids)
+            t0 = time.perf_counter()
+            with mode:
+                loss = m(x, 0)
+            t1 = time.perf_counter()
+            ready.clear()
+            loss.backward()
+            t2 = time.perf_counter()
+            for p in params:
+                p.grad = None
+            if not step:
+                continue
+            for k, t in ready.items():
+                use.setdefault(k, []).append((mode.at.get(k, t1) - t0) / (t1 - t0))
+                arrive.setdefault(k, []).append((t - t1) / (t2 - t1))
+        for h in hooks:
+            h.remove()
+        return [{"bytes": params[k].numel() * params[k].element_size(),
+                 "use": statistics.median(use[k]), "ready": statistics.median(arrive[k])}
+                for k in sorted(arrive)]
+    finally:
+        torch.set_num_threads(before)
