@@ -77,10 +77,8 @@ ConvPath choose_conv_path(const CpuConv& p, at::ScalarType dtype, ConvPass pass)
               "'");
 }
 
-bool aten_serves_both_passes(const Conv2dShape& s, at::ScalarType dtype) {
-  const CpuConv p = make_cpu_conv(s);
-  return choose_conv_path(p, dtype, ConvPass::kForward) == ConvPath::kAten &&
-         choose_conv_path(p, dtype, ConvPass::kBackward) == ConvPath::kAten;
+bool aten_serves(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass) {
+  return choose_conv_path(make_cpu_conv(s), dtype, pass) == ConvPath::kAten;
 }
 
 std::string conv_paths_name(const CpuConv& p, at::ScalarType dtype) {

@@ -71,13 +71,10 @@ const char* conv_path_name(ConvPath path);
 // the other left behind.
 ConvPath choose_conv_path(const CpuConv& p, at::ScalarType dtype, ConvPass pass);
 
-// Whether ATen serves both passes of problem `s` (float32 or float64 on the
-// CPU). ddpx::tiled_conv2d's Autograd kernel then hands the whole call to
-// at::convolution with autograd on, so ATen records its own backward node:
-// wrapping ATen's two kernels in our Function and our backward op cost a
-// measured 2-4% (about 40-50 us per forward + backward) on LeNet conv2 at
-// batch 64 and on 3x3 depthwise, the cases issue 26 found above 1.0x.
-bool aten_serves_both_passes(const Conv2dShape& s, at::ScalarType dtype);
+// Whether ATen serves `pass` of problem `s` on the CPU. ddpx::tiled_conv2d's
+// Autograd kernel then calls at::convolution itself, with autograd on, so
+// ATen records its own backward node (see ops/autograd/tiled_conv2d_kernel.cpp).
+bool aten_serves(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass);
 
 // What ddpx::tiled_conv2d_path reports: "direct", or "<forward>/<backward>"
 // ("aten/direct") when the passes differ.
