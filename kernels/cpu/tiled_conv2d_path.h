@@ -40,6 +40,12 @@
 // b64, no_grad, medians of 400): a fixed cost that only our own kernels can
 // win back, so small calls stay on them.
 //
+// Re-measured on a warm heap (benchlib.steady_heap; before it, page faults
+// of fresh mmap'd tensors made oneDNN's 3x3 depthwise look 3-4x slower from
+// ~3.6M multiply-adds on, a cliff that was the allocator's): direct for both
+// passes of 3x3 depthwise is 1.3-1.5x F.conv2d at 1.8M multiply-adds and
+// 1.7-4.9x from 3.6M (c32..c512, 7x7..112x112), so the rule below stands.
+//
 // So the rule (auto_rule in tiled_conv2d_path.cpp), for float32:
 //  * one input channel per group (single-channel images, LeNet's first layer,
 //    depthwise): forward direct for a single filter per image (<= 2 output
