@@ -140,6 +140,24 @@ def test_double_backward_on_aten_path_is_atens(monkeypatch):
     torch.testing.assert_close(y3, F.conv2d(x[0], w, b, padding=1))
 
 
+@pytest.mark.parametrize("path", ["auto"] + PATHS)
+def test_inference_records_nothing(path, monkeypatch):
+    # no_grad (or nothing requiring grad) skips our Function, and an ATen
+    # forward is called directly: same values, no graph.
+    monkeypatch.setenv("DDPX_CONV_PATH", path)
+    for x, w in ((torch.randn(64, 1, 28, 28), torch.randn(6, 1, 5, 5)),   # aten/direct under auto
+                 (torch.randn(2, 6, 9, 8), torch.randn(4, 6, 3, 3))):
+        b = torch.randn(w.shape[0])
+        ref = F.conv2d(x, w, b, padding=1)
+        with torch.no_grad():
+            got = op(x.requires_grad_(), w.requires_grad_(), b, [1, 1], [1, 1], [1, 1], 1)
+        assert got.grad_fn is None and not got.requires_grad
+        assert_close(got, ref, torch.float32, path)
+        got = op(x.detach(), w.detach(), b, [1, 1], [1, 1], [1, 1], 1)
+        assert got.grad_fn is None
+        assert_close(got, ref, torch.float32, path)
+
+
 def test_double_backward_fails_clearly_where_a_pass_is_ours(monkeypatch):
     # Forward by ATen, backward by the direct loops: our backward op is in the
     # graph, and differentiating it again says so.
