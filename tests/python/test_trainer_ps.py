@@ -45,9 +45,13 @@ def data_cache(tmp_path_factory):
 
 def test_lenet_async(tmp_path, data_cache):
     metrics = tmp_path / "m.jsonl"
+    # Worker 2 sleeps 20 ms a step, so worker 1 pushes while it computes and
+    # its gradients arrive stale. Left to the scheduler, two workers on a
+    # loaded 2-core machine once ran strictly in turn: all 400 updates fresh.
     r = run(mpirun_cmd(3, "--mode", "ps", "--servers", 1, "--consistency", "async",
                        "--model", model("lenet"), "--data-cache", data_cache, "--steps", 200,
-                       "--batch-size", 32, "--lr", 0.02, "--log-every", 50, "--metrics", metrics))
+                       "--batch-size", 32, "--lr", 0.02, "--log-every", 50, "--metrics", metrics,
+                       "--straggler", "2:20"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "1 server(s) + 2 worker(s), consistency async" in r.stdout
     assert "staleness (versions): mean" in r.stdout
