@@ -92,7 +92,39 @@ void BucketOptimizer::snapshot() {
   for (const auto& g : groups) snap_.push_back(g.options().clone());
 }
 
-void BucketOptimizer::apply(int b, const std::vector<int>& ps) {
+namespace {
+
+// A state entry with its own tensors (OptimizerParamState::clone() shares
+// them, and step() updates them in place).
+std::unique_ptr<optim::OptimizerParamState> deep_copy(const optim::OptimizerParamState& st) {
+  auto own = [](const at::Tensor& t) { return t.defined() ? t.clone() : t; };
+  if (const auto* s = dynamic_cast<const optim::SGDParamState*>(&st)) {
+    auto c = std::make_unique<optim::SGDParamState>();
+    c->momentum_buffer(own(s->momentum_buffer()));
+    return c;
+  }
+  if (const auto* s = dynamic_cast<const optim::AdamParamState*>(&st)) {
+    auto c = std::make_unique<optim::AdamParamState>();
+    c->step(s->step());
+    c->exp_avg(own(s->exp_avg()));
+    c->exp_avg_sq(own(s->exp_avg_sq()));
+    c->max_exp_avg_sq(own(s->max_exp_avg_sq()));
+    return c;
+  }
+  if (const auto* s = dynamic_cast<const optim::AdamWParamState*>(&st)) {
+    auto c = std::make_unique<optim::AdamWParamState>();
+    c->step(s->step());
+    c->exp_avg(own(s->exp_avg()));
+    c->exp_avg_sq(own(s->exp_avg_sq()));
+    c->max_exp_avg_sq(own(s->max_exp_avg_sq()));
+    return c;
+  }
+  TORCH_CHECK(false, "GradSync: unexpected optimizer state entry");
+}
+
+}  // namespace
+
+void BucketOptimizer::step(int b, const std::vector<int>& ps, bool lookahead) {
   Sub& s = subs_.at(b);
   if (!s.opt) return;
   auto& sub_groups = s.opt->param_groups();
@@ -108,24 +140,32 @@ void BucketOptimizer::apply(int b, const std::vector<int>& ps) {
   }
   if (!any) return;
   // The state of these parameters moves in for the update and back after,
-  // also if step() throws (the trainer's optimizer must keep it).
+  // also if step() throws (the trainer's optimizer must keep it). A
+  // look-ahead steps copies and drops them.
   auto& mine = s.opt->state();
   auto& theirs = user_.state();
   for (int p : ps) {
     void* key = params_[p].unsafeGetTensorImpl();
     auto it = theirs.find(key);
     if (it == theirs.end()) continue;
-    mine[key] = std::move(it->second);
-    theirs.erase(it);
+    if (lookahead) {
+      mine[key] = deep_copy(*it->second);
+    } else {
+      mine[key] = std::move(it->second);
+      theirs.erase(it);
+    }
   }
   struct GiveBack {
     decltype(mine)& from;
     decltype(theirs)& to;
+    bool drop;
     ~GiveBack() {
-      for (auto& [key, st] : from) to[key] = std::move(st);
+      if (!drop) {
+        for (auto& [key, st] : from) to[key] = std::move(st);
+      }
       from.clear();
     }
-  } give_back{mine, theirs};
+  } give_back{mine, theirs, lookahead};
   s.opt->step();
 }
 

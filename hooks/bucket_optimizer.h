@@ -32,13 +32,19 @@ class BucketOptimizer {
   void snapshot();
   // Steps parameters `ps` of bucket `b` (their .grad holds the average);
   // parameters the optimizer does not hold are skipped.
-  void apply(int b, const std::vector<int>& ps);
+  void apply(int b, const std::vector<int>& ps) { step(b, ps, /*lookahead=*/false); }
+  // The same step on copies of their state, which are dropped after: the
+  // parameters move, the trainer's optimizer keeps its state as it was
+  // (GradSyncOptions::stale_lookahead; their .grad holds the rank's own
+  // gradients).
+  void lookahead(int b, const std::vector<int>& ps) { step(b, ps, /*lookahead=*/true); }
   bool steps(int p) const { return group_of_[p] >= 0; }
   const char* kind() const;
 
  private:
   enum class Kind { SGD, Adam, AdamW };
   std::unique_ptr<torch::optim::Optimizer> make(std::vector<torch::optim::OptimizerParamGroup> g);
+  void step(int b, const std::vector<int>& ps, bool lookahead);
 
   torch::optim::Optimizer& user_;
   Kind kind_;

@@ -199,6 +199,11 @@ struct GradSync::Impl {
     std::vector<char> late, cuts, held;
   };
   std::optional<Replan> deferred_replan;  // agreed by a stale step: after its update
+  // GradSyncOptions::stale_lookahead: the parameters a lookahead moved
+  // (forward runs on them) and their values without it, the committed
+  // ones every rank shares (the exact update applies to these).
+  std::vector<int> lookahead_params;
+  std::vector<at::Tensor> committed;
   bool stale_now() const {
     return opts.staleness_ > 0 && synced_steps.load() >= opts.stale_warmup_;
   }
@@ -209,6 +214,11 @@ struct GradSync::Impl {
   void apply_stale();
   // join() and apply_stale(): nothing left in flight or pending.
   void drain();
+  // The lookahead of this backward's arrivals (.grad: the rank's own
+  // gradients, before the launches), and its undoing (the committed values
+  // back, before an exact update or after a failure).
+  void stale_lookahead(const std::vector<std::pair<int, Clock::time_point>>& arrivals);
+  void restore_committed();
   // After a failed stale step: both sets zeroed, .grad on storage again.
   void stale_reset();
   StepStats stats, last;
@@ -242,53 +252,10 @@ struct GradSync::Impl {
   // held: per parameter, its bucket is held for a priority launch
   // (priority_tail; empty: none).
   void replan(const std::vector<int>& order, std::vector<char> late,
-              const std::vector<char>& cuts = {}, const std::vector<char>& held = {}) {
-    if (opts.unused_ == Unused::Off) late.clear();
-    // Keys name buckets by index: after a re-plan a key holds other slots, so
-    // the codec's state starts over; its residuals move to the parameters.
-    carry_residuals();
-    plan = hooks::plan_buckets(order, info, first_cap_bytes(), cap_bytes(), late, cuts);
-    if (!held.empty()) {
-      for (auto& b : plan) b.held = !b.params.empty() && held[b.params.front()] != 0;
-    }
-    plan_late = late.empty() ? std::vector<char>(params.size(), 0) : std::move(late);
-    keys.clear();
-    shapes.assign(plan.size(), {});
-    bucket_of.assign(params.size(), -1);
-    offset_of.assign(params.size(), 0);
-    for (size_t b = 0; b < plan.size(); ++b) {
-      keys.push_back("bucket" + std::to_string(b));
-      int64_t off = 0;
-      for (int p : plan[b].params) {
-        bucket_of[p] = static_cast<int>(b);
-        if (plan[b].sparse) continue;  // no slot: its rows travel apart
-        offset_of[p] = static_cast<int>(off);
-        shapes[b].push_back(params[p].sizes().vec());
-        off += info[p].numel;
-      }
-    }
-    std::tie(storage, views) = make_slots();
-    if (opts.staleness_ > 0) {
-      std::tie(spare_storage, spare_views) = make_slots();
-    }
-    if (optimizer) optimizer->plan(bucket_params());
-  }
+              const std::vector<char>& cuts = {}, const std::vector<char>& held = {});
 
   // Zeroed bucket tensors for the plan, and each parameter's slot in them.
-  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> make_slots() const {
-    std::vector<at::Tensor> flat, slot(params.size());
-    for (size_t b = 0; b < plan.size(); ++b) {
-      flat.push_back(at::zeros({plan[b].numel},
-                               at::TensorOptions().dtype(plan[b].dtype).device(plan[b].device)));
-      if (plan[b].sparse) continue;
-      for (int p : plan[b].params) {
-        // detach(): an alias, not an autograd view; LibTorch's
-        // Optimizer::zero_grad calls detach_() on .grad, which views reject.
-        slot[p] = flat[b].narrow(0, offset_of[p], info[p].numel).view(params[p].sizes()).detach();
-      }
-    }
-    return {std::move(flat), std::move(slot)};
-  }
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> make_slots() const;
 
   std::vector<c10::Device> plan_devices() const {
     std::vector<c10::Device> out;
@@ -388,20 +355,7 @@ struct GradSync::Impl {
   // steps; else null): the predicted arrivals, the link as measured, and the
   // idle time worth a launch: 2% of backward, at least 1 ms and twice the
   // measured cost of a launch (a shorter one cannot buy it back).
-  std::optional<hooks::PlanTiming> timing_of(const hooks::OrderPredictor& p) const {
-    const auto& t = p.predicted_arrival_us();
-    if (t.empty() || p.timed_steps() < 2) return std::nullopt;
-    const double backward = *std::max_element(t.begin(), t.end());
-    const double gap = std::max({1000.0, 0.02 * backward, 2 * link.launch_us()});
-    std::vector<double> late_bytes(params.size());
-    for (size_t q = 0; q < params.size(); ++q) {
-      late_bytes[q] = static_cast<double>(info[q].numel) *
-                      static_cast<double>(c10::elementSize(info[q].dtype)) *
-                      used_anywhere[static_cast<int>(q)];
-    }
-    return hooks::PlanTiming{
-        t, gap, link.bytes_per_us(), link.launch_us(), late_at_end(), std::move(late_bytes)};
-  }
+  std::optional<hooks::PlanTiming> timing_of(const hooks::OrderPredictor& p) const;
 
   // Under Exact the ranks agree on use in prepare_for_backward, so a late
   // bucket launches when it is ready and belongs where its gradients arrive;
@@ -446,56 +400,13 @@ struct GradSync::Impl {
   // (timing) finish its reductions materially earlier under the predicted
   // arrival times and the measured link? (Rank 0's view decides; a change of
   // the late set is decided apart, from agreed data, in finish_step.)
-  bool should_replan() {
-    // Only rank 0's proposal counts (finish_step), and the timing plans it
-    // compares cost ~50 us a step at 520 tensors: the other ranks skip it.
-    if (!opts.replan_ || channels[0]->pg().getRank() != 0) return false;
-    const hooks::OrderPredictor next = with_this_step();
-    if (next.stable_steps() < 1) return false;  // this order must have repeated
-    const int n = static_cast<int>(params.size());
-    // late_for(predictor): the agreed late set so far
-    const auto timing = timing_of(next);
-    const auto candidate = plan_of(timing, order_of(next), late_for(predictor));
-    if (hooks::reorder_pays(plan, candidate, arrival, n)) return true;
-    // The priority tail of the current plan moved (held on two steps in a
-    // row, against churn).
-    if (prioritised() && timing) {
-      const auto tail = held_tail(plan, *timing);
-      bool same = true;
-      for (size_t b = 0; b < plan.size(); ++b) same = same && (tail[b] != 0) == plan[b].held;
-      priority_change_steps = same ? 0 : priority_change_steps + 1;
-      if (priority_change_steps >= 2) return true;
-    }
-    if (!timing || timing->bytes_per_us <= 0) return false;
-    const double now = hooks::predicted_cost_us(plan, *timing);
-    const double then = hooks::predicted_cost_us(candidate, *timing);
-    // Hysteresis, against churn: step-to-step noise in the arrival times and
-    // the rate moves the model's finish by a few percent (seen: up to 4.5%
-    // on many520, with the cuts shifting by a few parameters), so a timing
-    // re-plan must gain over 5% (at least 1 ms) on two steps in a row.
-    timing_gain_steps = then < now - std::max(1000.0, 0.05 * now) ? timing_gain_steps + 1 : 0;
-    return timing_gain_steps >= 2;
-  }
+  bool should_replan();
 
   // After a step's reductions: a small collective's round trip (`trip_us`,
   // the per-reduction cost; <0: none), then each bucket's bytes and the time
   // the link was busy with it (one queued behind another starts when that
   // one completes), for the link's rate.
-  void learn_link_rate(double trip_us) {
-    if (trip_us >= 0) link.add_round_trip(trip_us);
-    std::vector<std::pair<double, double>> samples;
-    double free_at = 0;
-    for (const auto& b : stats.buckets) {
-      // (A sparse bucket's collectives are gathers of rows, not the link's
-      // all-reduce rate.)
-      // (Nor a cut bucket's: the held buckets ran between its parts.)
-      if (b.bytes == 0 || plan[b.index].sparse || b.held_bytes > 0) continue;
-      const double start = std::max(b.launch_us, free_at);
-      samples.emplace_back(static_cast<double>(b.bytes), b.complete_us - start);
-      free_at = std::max(free_at, b.complete_us);
-    }
-    link.add_step(samples);
-  }
+  void learn_link_rate(double trip_us);
 
   // MAX-allreduces int flags in place on channel 0 (after what is queued
   // there), in a torch.profiler range named `range`; t0/t1 (if given) get

@@ -6,7 +6,11 @@
 // arrived and when; its final callback waits for step t, applies step t's
 // update from the set of bucket tensors in flight, swaps the two sets and
 // replays the arrivals through the usual path (grad_sync_hook.cpp), which
-// launches every bucket and hands step t+1 to the worker.
+// launches every bucket and hands step t+1 to the worker. With
+// stale_lookahead, before the replay each rank also steps the parameters
+// once more on its own gradients of step t+1 (a copy of the optimizer's
+// state; the values before it kept as the committed ones), and the next
+// update first puts the committed values back.
 #include <utility>
 
 #include "hooks/grad_sync_impl.h"
@@ -46,6 +50,7 @@ void GradSync::Impl::finish_stale() {
   }
   join();         // the last step (its failure is this backward's)
   apply_stale();  // its update; storage is the set this backward accumulated into
+  if (opts.stale_lookahead_) stale_lookahead(arrivals);
   // Rank 0's buffers, as this forward left them, for the next forward (the
   // synchronous path sends them at this point too). The channels are idle:
   // the last step is done and this one has not launched.
@@ -78,7 +83,41 @@ void GradSync::Impl::finish_stale() {
   }
 }
 
+void GradSync::Impl::stale_lookahead(
+    const std::vector<std::pair<int, Clock::time_point>>& arrivals) {
+  hooks::Range range("ddpx::stale_lookahead");
+  at::NoGradGuard no_grad;
+  // The options of the step this backward ends (a schedule set them before
+  // its forward): the step its exact update will take.
+  optimizer->snapshot();
+  std::vector<std::vector<int>> by_bucket(plan.size());
+  std::vector<char> seen(params.size(), 0);
+  for (const auto& arrival : arrivals) {
+    const int p = arrival.first;
+    if (seen[p] || !optimizer->steps(p) || !params[p].grad().defined()) continue;
+    seen[p] = 1;
+    by_bucket[bucket_of[p]].push_back(p);
+  }
+  if (committed.size() != params.size()) committed.resize(params.size());
+  for (size_t b = 0; b < by_bucket.size(); ++b) {
+    if (by_bucket[b].empty()) continue;
+    for (int p : by_bucket[b]) {
+      if (!committed[p].defined()) committed[p] = at::empty_like(params[p]);
+      committed[p].copy_(params[p]);
+      lookahead_params.push_back(p);
+    }
+    optimizer->lookahead(static_cast<int>(b), by_bucket[b]);
+  }
+}
+
+void GradSync::Impl::restore_committed() {
+  at::NoGradGuard no_grad;
+  for (int p : lookahead_params) params[p].copy_(committed[p]);
+  lookahead_params.clear();
+}
+
 void GradSync::Impl::apply_stale() {
+  restore_committed();
   if (!stale_pending) return;
   stale_pending = false;
   hooks::Range range("ddpx::stale_update");
@@ -103,6 +142,7 @@ void GradSync::Impl::stale_reset() {
   // The failed step's averages are gone, and so is what the next backward
   // accumulated on top of the set it ran on: both sets start from zero.
   at::NoGradGuard no_grad;
+  restore_committed();  // the look-ahead's, of the failed step's gradients
   stale_pending = false;
   deferred_replan.reset();
   for (auto& t : storage) t.zero_();

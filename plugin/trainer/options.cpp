@@ -91,6 +91,11 @@ Options parse_options(int argc, char** argv) {
                    "with --staleness 1: synchronous steps first")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  sync->add_option("--stale-lookahead", o.stale_lookahead,
+                   "with --staleness 1: each rank runs the next forward one optimizer step "
+                   "ahead on its own gradients, replaced by the average's update a step later "
+                   "(keeps momentum stable); off: each average applied exactly one step late")
+      ->capture_default_str();
   sync->add_option("--channels", o.channels, "process groups used round-robin for buckets")
       ->check(CLI::Range(1, 16))
       ->capture_default_str();

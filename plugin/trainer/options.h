@@ -35,6 +35,7 @@ struct Options {
   std::string overlap = "none";  // none | optimizer | next-forward (GradSyncOptions::overlap)
   int staleness = 0;             // 1: each update one step late (implies --overlap optimizer)
   int stale_warmup = 10;         // synchronous steps before the stale ones
+  bool stale_lookahead = true;   // the next forward one local step ahead
   double timeout_s = 0;  // 0: DDPX_TIMEOUT_S, else torch's default
 
   // Parameter server (--mode ps; --codec compresses the pushes).

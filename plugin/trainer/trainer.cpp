@@ -117,7 +117,8 @@ void run(const Options& o) {
                : o.overlap == "next-forward" ? Overlap::NextForward
                                              : Overlap::None)
       .staleness(o.staleness)
-      .stale_warmup(o.stale_warmup);
+      .stale_warmup(o.stale_warmup)
+      .stale_lookahead(o.stale_lookahead);
   const bool stepped_by_sync = so.overlap_ != Overlap::None;
   // A shared pattern is declared to GradSync each step: each block gets
   // buckets of its own, which a dropped block skips whole.
@@ -293,7 +294,8 @@ void run(const Options& o) {
                                 {"compression", prof.compression},
                                 {"layer_drop", drop.describe()},
                                 {"overlap", o.overlap},
-                                {"staleness", o.staleness}}
+                                {"staleness", o.staleness},
+                                {"stale_lookahead", o.staleness > 0 && o.stale_lookahead}}
                      .dump()
               << std::endl;
     }

@@ -13,6 +13,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "grad_sync_test_models.h"
@@ -107,23 +108,48 @@ struct TrainRun {
   // at the end.
   int staleness = 0;
   int warmup = 0;
+  // GradSyncOptions::stale_lookahead; the reference steps a copy of its
+  // optimizer on the rank's own gradients after each late update.
+  bool lookahead = false;
   int64_t* replans = nullptr;  // if set: the last GradSync's re-plans
 };
 
 // The reference of staleness(1), in the trainer: the average of step t is
 // kept and applied with step t's learning rate after step t+1's backward.
+// With a look-ahead, the parameters then take one more step on `local`
+// (the rank's own gradients of step t+1) by an optimizer of the same kind
+// loaded from the trainer's (so the trainer's state does not move), and
+// the next update starts from the values before it.
 class LateApply {
  public:
+  using Make = std::function<std::unique_ptr<torch::optim::Optimizer>()>;
   // After backward: apply the pending average, keep this one.
-  void after_backward(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& ps,
-                      int step) {
+  void after_backward(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& ps, int step,
+                      const std::vector<at::Tensor>& local = {}, const Make& make = {}) {
     std::vector<at::Tensor> now;
     for (const auto& p : ps) now.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
     apply(opt, ps);
     pending_ = std::move(now);
     step_ = step;
+    if (local.empty()) return;
+    std::stringstream bytes;
+    torch::save(opt, bytes);
+    auto ahead = make();
+    torch::load(*ahead, bytes);
+    set_lr(*ahead, step);
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> avg;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      committed_.push_back(ps[i].detach().clone());
+      avg.push_back(std::exchange(ps[i].mutable_grad(), local[i]));
+    }
+    ahead->step();
+    for (size_t i = 0; i < ps.size(); ++i) ps[i].mutable_grad() = avg[i];
   }
   void apply(torch::optim::Optimizer& opt, const std::vector<at::Tensor>& ps) {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < committed_.size(); ++i) ps[i].detach().copy_(committed_[i]);
+    committed_.clear();
     if (step_ < 0) return;
     std::vector<at::Tensor> now;
     for (size_t i = 0; i < ps.size(); ++i) {
@@ -137,7 +163,7 @@ class LateApply {
   }
 
  private:
-  std::vector<at::Tensor> pending_;
+  std::vector<at::Tensor> pending_, committed_;
   int step_ = -1;
 };
 
@@ -152,7 +178,9 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
   // Timing re-plans differ between runs; with a lossy codec the plan
   // decides the sums, so the runs must keep one plan to compare bit for bit.
   if (r.codec != "none") so.replan(false);
-  if (r.overlap != Overlap::None) so.staleness(r.staleness).stale_warmup(r.warmup);
+  if (r.overlap != Overlap::None) {
+    so.staleness(r.staleness).stale_warmup(r.warmup).stale_lookahead(r.lookahead);
+  }
   LateApply late;  // the reference's, with staleness
   torch::manual_seed(7);
   Gated m;
@@ -185,6 +213,8 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
     }
     set_lr(*opt, step);
     if (r.overlap == Overlap::None) opt->zero_grad();
+    const bool stale_ref = r.overlap == Overlap::None && r.staleness > 0 && step >= r.warmup;
+    std::vector<at::Tensor> local;  // the reference's look-ahead: this rank's own gradients
     for (int k = 0; k < r.micro; ++k) {
       auto x = shard(global_batch(6, 1000 * step + k), rank);
       if (k + 1 < r.micro) {
@@ -193,12 +223,22 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
       } else {
         auto loss = m->forward(x, step);
         if (r.unused == Unused::Exact) sync->prepare_for_backward({loss});
+        if (stale_ref && r.lookahead) {
+          // (autograd::grad runs no AccumulateGrad node: GradSync sees nothing.)
+          const auto ps = m->parameters();
+          local = torch::autograd::grad({loss}, ps, {}, /*retain_graph=*/true,
+                                        /*create_graph=*/false, /*allow_unused=*/true);
+          for (size_t i = 0; i < ps.size(); ++i) {
+            if (ps[i].grad().defined() && local[i].defined()) local[i] = ps[i].grad() + local[i];
+          }
+        }
         loss.backward();
       }
     }
     if (r.overlap == Overlap::None && (r.staleness == 0 || step < r.warmup)) opt->step();
-    if (r.overlap == Overlap::None && r.staleness > 0 && step >= r.warmup) {
-      late.after_backward(*opt, m->parameters(), step);
+    if (stale_ref) {
+      late.after_backward(*opt, m->parameters(), step, local,
+                          [&] { return make_optimizer(m, r.opt); });
     }
   }
   late.apply(*opt, m->parameters());

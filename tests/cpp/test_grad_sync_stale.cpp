@@ -5,7 +5,10 @@
 // Overlap::None) one step late itself, for SGD with Nesterov momentum and
 // AdamW, with a warm-up, a schedule, unused parameters, no_sync, a lossy
 // codec and a checkpoint resumed in the middle; the update must really be
-// late (not the synchronous result), and the misuses fail by name.
+// late (not the synchronous result), and the misuses fail by name. With
+// stale_lookahead the reference also steps a copy of its optimizer on the
+// rank's own gradients after each late update, and starts the next update
+// from the values before that step.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -22,6 +25,11 @@ TrainRun stale(Opt opt, int warmup, int micro = 1, std::string codec = "none",
   TrainRun r = with(Overlap::Optimizer, opt, Unused::Predict, micro, std::move(codec), resume_at);
   r.staleness = 1;
   r.warmup = warmup;
+  return r;
+}
+
+TrainRun ahead(TrainRun r) {
+  r.lookahead = true;
   return r;
 }
 
@@ -47,6 +55,15 @@ TEST_P(GradSyncStale, BitwiseEqualToApplyingEachAverageOneStepLate) {
   bool differs = false;
   for (size_t i = 0; i < sync.size(); ++i) differs = differs || !at::equal(sync[i], want[i]);
   EXPECT_TRUE(differs) << "one step stale equals synchronous";
+  // The look-ahead really moved the forward's parameters (and not moving
+  // them really changes the result).
+  TrainRun other = ours;
+  other.lookahead = !ours.lookahead;
+  other.replans = nullptr;
+  const auto flavour = train(other);
+  differs = false;
+  for (size_t i = 0; i < sync.size(); ++i) differs = differs || !at::equal(flavour[i], want[i]);
+  EXPECT_TRUE(differs) << "stale_lookahead(" << ours.lookahead << ") made no difference";
 }
 
 const Case kCases[] = {
@@ -55,6 +72,12 @@ const Case kCases[] = {
     {"NoSync", stale(Opt::SgdNesterov, 3, 2)},
     {"CodecTopk", stale(Opt::AdamW, 2, 1, "topk:0.3")},
     {"Resumed", stale(Opt::AdamW, 0, 1, "none", 77)},
+    {"LookaheadSgdNesterovWarmup", ahead(stale(Opt::SgdNesterov, 5))},
+    {"LookaheadAdamW", ahead(stale(Opt::AdamW, 0))},
+    {"LookaheadAdam", ahead(stale(Opt::Adam, 4))},
+    {"LookaheadNoSync", ahead(stale(Opt::SgdNesterov, 3, 2))},
+    {"LookaheadCodecTopk", ahead(stale(Opt::AdamW, 2, 1, "topk:0.3"))},
+    {"LookaheadResumed", ahead(stale(Opt::SgdNesterov, 0, 1, "none", 77))},
 };
 
 INSTANTIATE_TEST_SUITE_P(Modes, GradSyncStale, ::testing::ValuesIn(kCases),
@@ -66,7 +89,11 @@ TEST(GradSyncStaleSteps, TheUpdateLandsAtTheNextBackwardOrSynchronize) {
   Gated m;
   torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.1));
   GradSync sync(m->named_parameters(), pg,
-                GradSyncOptions().overlap(Overlap::Optimizer).staleness(1).stale_warmup(1));
+                GradSyncOptions()
+                    .overlap(Overlap::Optimizer)
+                    .staleness(1)
+                    .stale_warmup(1)
+                    .stale_lookahead(false));
   sync.set_optimizer(sgd);
   auto x = shard(global_batch(6, 5), pg->getRank());
   auto w = [&] { return m->trunk->weight.detach().clone(); };
@@ -87,6 +114,44 @@ TEST(GradSyncStaleSteps, TheUpdateLandsAtTheNextBackwardOrSynchronize) {
   const auto w3 = w();
   sync.synchronize();  // nothing pending
   EXPECT_TRUE(at::equal(w3, w()));
+}
+
+// With the look-ahead, a stale step's backward moves the parameters at
+// once, by a step on this rank's own gradients that leaves the optimizer's
+// state alone; synchronize() puts back the committed values and lands the
+// average's update there, as without it.
+TEST(GradSyncStaleSteps, TheLookaheadMovesTheForwardNotTheState) {
+  auto& pg = world();
+  auto x = shard(global_batch(6, 5), pg->getRank());
+  auto run = [&](bool lookahead, std::vector<at::Tensor>* during) {
+    torch::manual_seed(5);
+    Gated m;
+    torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    GradSync sync(m->named_parameters(), pg,
+                  GradSyncOptions()
+                      .overlap(Overlap::Optimizer)
+                      .staleness(1)
+                      .stale_warmup(1)
+                      .stale_lookahead(lookahead));
+    sync.set_optimizer(sgd);
+    m->forward(x, 0).backward();  // the warm-up step: synchronous
+    const auto w1 = m->trunk->weight.detach().clone();
+    auto momentum = [&] {
+      auto& st = sgd.state().at(m->trunk->weight.unsafeGetTensorImpl());
+      return static_cast<torch::optim::SGDParamState&>(*st).momentum_buffer().clone();
+    };
+    const auto buf1 = momentum();
+    m->forward(x, 2).backward();  // stale
+    during->push_back(m->trunk->weight.detach().clone());
+    EXPECT_TRUE(at::equal(buf1, momentum())) << "the look-ahead moved the optimizer's state";
+    EXPECT_EQ(at::equal(w1, during->back()), !lookahead);
+    sync.synchronize();
+    return m->trunk->weight.detach().clone();
+  };
+  std::vector<at::Tensor> with, without;
+  const auto a = run(true, &with), b = run(false, &without);
+  EXPECT_TRUE(at::equal(a, b)) << "synchronize() did not leave the committed parameters";
+  EXPECT_FALSE(at::equal(a, with.back()));
 }
 
 using ddpx::test::error_of;

@@ -83,18 +83,22 @@ def test_next_forward_resumes_bitwise(tmp_path, data_cache):
     assert_same(ckpt, want)
 
 
-@pytest.mark.parametrize("name", ["lenet", "han"])
-def test_staleness_one_trains_one_step_late(tmp_path, data_cache, name):
-    """--staleness 1: each update lands at the end of the next backward. Not
-    the synchronous parameters (the updates really came late), yet it
-    trains: the loss falls as it does synchronously. (Bit for bit against
-    a late apply: test_grad_sync_stale.cpp.)"""
+@pytest.mark.parametrize("name,lookahead", [("lenet", "true"), ("lenet", "false"),
+                                            ("han", "true")])
+def test_staleness_one_trains_one_step_late(tmp_path, data_cache, name, lookahead):
+    """--staleness 1: each update lands at the end of the next backward (with
+    the look-ahead, the default, each rank's next forward runs one step
+    ahead on its own gradients). Not the synchronous parameters (the updates
+    really came late), yet it trains: the loss falls as it does
+    synchronously. (Bit for bit against a late apply, with and without the
+    look-ahead: test_grad_sync_stale.cpp.)"""
     steps = CASES[name][1]
     want, want_metrics, _ = train(tmp_path, data_cache, name, "none", steps)
     got, metrics, r = train(tmp_path, data_cache, name, "none", steps, "--staleness", 1,
-                            "--stale-warmup", 5, tag="-stale")
+                            "--stale-warmup", 5, "--stale-lookahead", lookahead, tag="-stale")
     records = read_metrics(metrics)
     assert records[-1]["staleness"] == 1
+    assert records[-1]["stale_lookahead"] == (lookahead == "true")
     assert "test accuracy" in r.stdout
     a, _ = checkpoint_tensors(got)
     b, _ = checkpoint_tensors(want)

@@ -156,12 +156,26 @@ struct GradSyncOptions {
   // gradients are computed on parameters that lack step t's update. The
   // first stale_warmup synced steps of this GradSync are synchronous (a
   // resumed run, with a new GradSync, warms up again). Delayed gradients
-  // make momentum much less stable: see the README. synchronize() (and
+  // make momentum much less stable unless stale_lookahead is on (below):
+  // see the README. synchronize() (and
   // state(), load_state(), set_optimizer(), the destructor) applies the
   // update still pending, so a checkpoint after it has nothing in flight.
   // Not with Unused::Exact, declare_unused or sparse gradients (refused).
   DDPX_OPT(int, staleness, 0)
   DDPX_OPT(int, stale_warmup, 10)
+  // With staleness(1): at the end of each backward, after the last step's
+  // exact update, every rank takes one look-ahead step of the optimizer on
+  // its own gradients of this step (on a copy of the optimizer's state,
+  // which is then dropped) and runs the next forward there; the average's
+  // update replaces it a step later. The delay then applies to the
+  // gradient noise only, not to the curvature, so momentum stays as
+  // stable as synchronous SGD. The ranks' parameters differ by their
+  // look-ahead between steps; the committed ones, on which every exact
+  // update lands, are the same on every rank, and synchronize() (a
+  // checkpoint, state()) leaves the parameters there. Off: the next
+  // forward runs on the committed parameters (each average applied
+  // exactly one step late).
+  DDPX_OPT(bool, stale_lookahead, true)
 #undef DDPX_OPT
   // Extra process groups: buckets go round-robin over {pg, channels...}.
   std::vector<comm::ProcessGroupPtr> channels;
