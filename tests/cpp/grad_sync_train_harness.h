@@ -111,6 +111,7 @@ struct TrainRun {
   // GradSyncOptions::stale_lookahead; the reference steps a copy of its
   // optimizer on the rank's own gradients after each late update.
   bool lookahead = false;
+  bool same_data = false;      // every rank trains on rank 0's shard
   int64_t* replans = nullptr;  // if set: the last GradSync's re-plans
 };
 
@@ -216,7 +217,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
     const bool stale_ref = r.overlap == Overlap::None && r.staleness > 0 && step >= r.warmup;
     std::vector<at::Tensor> local;  // the reference's look-ahead: this rank's own gradients
     for (int k = 0; k < r.micro; ++k) {
-      auto x = shard(global_batch(6, 1000 * step + k), rank);
+      auto x = shard(global_batch(6, 1000 * step + k), r.same_data ? 0 : rank);
       if (k + 1 < r.micro) {
         auto guard = sync->no_sync();
         m->forward(x, step).backward();

@@ -116,6 +116,31 @@ TEST(GradSyncStaleSteps, TheUpdateLandsAtTheNextBackwardOrSynchronize) {
   EXPECT_TRUE(at::equal(w3, w()));
 }
 
+// When every rank's gradient is the average (the same data everywhere, on
+// 2 ranks, where (g + g) / 2 is g to the bit), the look-ahead predicts the
+// next update exactly: the stale run is the synchronous one, bit for bit.
+// (Without it, not.) What separates the two otherwise is only how far a
+// rank's gradient is from the average.
+TEST(GradSyncStaleSteps, TheLookaheadIsExactWhenEveryGradientIsTheAverage) {
+  if (world()->getSize() != 2) GTEST_SKIP() << "(g + g + g) / 3 need not be g";
+  for (Opt opt : {Opt::SgdNesterov, Opt::AdamW, Opt::Adam}) {
+    TrainRun sync = with(Overlap::Optimizer, opt);
+    sync.same_data = true;
+    sync.steps = 60;
+    TrainRun ours = sync;
+    ours.staleness = 1;
+    ours.warmup = 3;
+    ours.lookahead = true;
+    const auto want = train(sync);
+    expect_bitwise(train(ours), want, "same data, look-ahead");
+    ours.lookahead = false;
+    const auto plain = train(ours);
+    bool differs = false;
+    for (size_t i = 0; i < want.size(); ++i) differs = differs || !at::equal(plain[i], want[i]);
+    EXPECT_TRUE(differs) << "without the look-ahead the stale run equals synchronous";
+  }
+}
+
 // With the look-ahead, a stale step's backward moves the parameters at
 // once, by a step on this rank's own gradients that leaves the optimizer's
 // state alone; synchronize() puts back the committed values and lands the
