@@ -94,31 +94,29 @@ void BucketOptimizer::snapshot() {
 
 namespace {
 
+at::Tensor own(const at::Tensor& t) { return t.defined() ? t.clone() : t; }
+
+// Adam's and AdamW's entries have the same fields.
+template <class State>
+std::unique_ptr<optim::OptimizerParamState> copy_adam(const State& s) {
+  auto c = std::make_unique<State>();
+  c->step(s.step());
+  c->exp_avg(own(s.exp_avg()));
+  c->exp_avg_sq(own(s.exp_avg_sq()));
+  c->max_exp_avg_sq(own(s.max_exp_avg_sq()));
+  return c;
+}
+
 // A state entry with its own tensors (OptimizerParamState::clone() shares
 // them, and step() updates them in place).
 std::unique_ptr<optim::OptimizerParamState> deep_copy(const optim::OptimizerParamState& st) {
-  auto own = [](const at::Tensor& t) { return t.defined() ? t.clone() : t; };
   if (const auto* s = dynamic_cast<const optim::SGDParamState*>(&st)) {
     auto c = std::make_unique<optim::SGDParamState>();
     c->momentum_buffer(own(s->momentum_buffer()));
     return c;
   }
-  if (const auto* s = dynamic_cast<const optim::AdamParamState*>(&st)) {
-    auto c = std::make_unique<optim::AdamParamState>();
-    c->step(s->step());
-    c->exp_avg(own(s->exp_avg()));
-    c->exp_avg_sq(own(s->exp_avg_sq()));
-    c->max_exp_avg_sq(own(s->max_exp_avg_sq()));
-    return c;
-  }
-  if (const auto* s = dynamic_cast<const optim::AdamWParamState*>(&st)) {
-    auto c = std::make_unique<optim::AdamWParamState>();
-    c->step(s->step());
-    c->exp_avg(own(s->exp_avg()));
-    c->exp_avg_sq(own(s->exp_avg_sq()));
-    c->max_exp_avg_sq(own(s->max_exp_avg_sq()));
-    return c;
-  }
+  if (const auto* s = dynamic_cast<const optim::AdamParamState*>(&st)) return copy_adam(*s);
+  if (const auto* s = dynamic_cast<const optim::AdamWParamState*>(&st)) return copy_adam(*s);
   TORCH_CHECK(false, "GradSync: unexpected optimizer state entry");
 }
 
