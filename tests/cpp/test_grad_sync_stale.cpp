@@ -33,6 +33,14 @@ TrainRun ahead(TrainRun r) {
   return r;
 }
 
+// Some parameter of run a is not bitwise that of run b.
+bool differ(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!at::equal(a[i], b[i])) return true;
+  }
+  return false;
+}
+
 class GradSyncStale : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GradSyncStale, BitwiseEqualToApplyingEachAverageOneStepLate) {
@@ -52,18 +60,15 @@ TEST_P(GradSyncStale, BitwiseEqualToApplyingEachAverageOneStepLate) {
   exact.staleness = 0;
   exact.resume_at = -1;
   const auto sync = train(exact);
-  bool differs = false;
-  for (size_t i = 0; i < sync.size(); ++i) differs = differs || !at::equal(sync[i], want[i]);
-  EXPECT_TRUE(differs) << "one step stale equals synchronous";
+  EXPECT_TRUE(differ(sync, want)) << "one step stale equals synchronous";
   // The look-ahead really moved the forward's parameters (and not moving
   // them really changes the result).
   TrainRun other = ours;
   other.lookahead = !ours.lookahead;
   other.replans = nullptr;
   const auto flavour = train(other);
-  differs = false;
-  for (size_t i = 0; i < sync.size(); ++i) differs = differs || !at::equal(flavour[i], want[i]);
-  EXPECT_TRUE(differs) << "stale_lookahead(" << ours.lookahead << ") made no difference";
+  EXPECT_TRUE(differ(flavour, want))
+      << "stale_lookahead(" << ours.lookahead << ") made no difference";
 }
 
 const Case kCases[] = {
@@ -135,9 +140,7 @@ TEST(GradSyncStaleSteps, TheLookaheadIsExactWhenEveryGradientIsTheAverage) {
     expect_bitwise(train(ours), want, "same data, look-ahead");
     ours.lookahead = false;
     const auto plain = train(ours);
-    bool differs = false;
-    for (size_t i = 0; i < want.size(); ++i) differs = differs || !at::equal(plain[i], want[i]);
-    EXPECT_TRUE(differs) << "without the look-ahead the stale run equals synchronous";
+    EXPECT_TRUE(differ(plain, want)) << "without the look-ahead the stale run equals synchronous";
   }
 }
 
