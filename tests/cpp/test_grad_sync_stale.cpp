@@ -41,6 +41,15 @@ bool differ(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) 
   return false;
 }
 
+// Stale after one synchronous step, with or without the look-ahead.
+GradSyncOptions one_warmup_step(bool lookahead) {
+  return GradSyncOptions()
+      .overlap(Overlap::Optimizer)
+      .staleness(1)
+      .stale_warmup(1)
+      .stale_lookahead(lookahead);
+}
+
 class GradSyncStale : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GradSyncStale, BitwiseEqualToApplyingEachAverageOneStepLate) {
@@ -93,12 +102,7 @@ TEST(GradSyncStaleSteps, TheUpdateLandsAtTheNextBackwardOrSynchronize) {
   torch::manual_seed(5);
   Gated m;
   torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.1));
-  GradSync sync(m->named_parameters(), pg,
-                GradSyncOptions()
-                    .overlap(Overlap::Optimizer)
-                    .staleness(1)
-                    .stale_warmup(1)
-                    .stale_lookahead(false));
+  GradSync sync(m->named_parameters(), pg, one_warmup_step(false));
   sync.set_optimizer(sgd);
   auto x = shard(global_batch(6, 5), pg->getRank());
   auto w = [&] { return m->trunk->weight.detach().clone(); };
@@ -155,12 +159,7 @@ TEST(GradSyncStaleSteps, TheLookaheadMovesTheForwardNotTheState) {
     torch::manual_seed(5);
     Gated m;
     torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    GradSync sync(m->named_parameters(), pg,
-                  GradSyncOptions()
-                      .overlap(Overlap::Optimizer)
-                      .staleness(1)
-                      .stale_warmup(1)
-                      .stale_lookahead(lookahead));
+    GradSync sync(m->named_parameters(), pg, one_warmup_step(lookahead));
     sync.set_optimizer(sgd);
     m->forward(x, 0).backward();  // the warm-up step: synchronous
     const auto w1 = m->trunk->weight.detach().clone();
