@@ -55,7 +55,8 @@ struct Args {
   std::vector<std::string> variants{"compute",       "comm_gloo",     "comm_mpi",
                                     "naive",         "gradsync_gloo", "gradsync_mpi",
                                     "gradsync_copy", "gradsync_solo", "gradsync_opt",
-                                    "gradsync_gated", "gradsync_stale"};
+                                    "gradsync_gated", "gradsync_stale",
+                                    "gradsync_stale_plain"};
   int warmup = 3, steps = 5, threads = 1;
   double bucket_cap_mb = 25.0;
   bool zero_in_place = false;  // zero_grad(set_to_none=false)
@@ -138,7 +139,8 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   for (const auto& p : params) numel += p.numel();
 
   std::optional<ddpx::GradSync> sync;
-  const bool stale = variant == "gradsync_stale";
+  // gradsync_stale_plain: the same without the look-ahead (what it costs).
+  const bool stale = variant == "gradsync_stale" || variant == "gradsync_stale_plain";
   // staleness(1) takes Unused::Predict only (its step is exact about unused
   // parameters anyway, at its end); the other variants follow --exact.
   const bool exact =
@@ -164,6 +166,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
                               : stale ? ddpx::Overlap::Optimizer
                                       : ddpx::Overlap::None)
                      .staleness(stale ? 1 : 0)
+                     .stale_lookahead(variant != "gradsync_stale_plain")
                      .stale_warmup(0));  // (the untimed warm-up steps are stale too)
     if (by_sync) sync->set_optimizer(*sgd);
   }
