@@ -120,6 +120,51 @@ std::unique_ptr<optim::OptimizerParamState> deep_copy(const optim::OptimizerPara
   TORCH_CHECK(false, "GradSync: unexpected optimizer state entry");
 }
 
+// Whether `from` can be copied into `to` in place.
+bool fits(const at::Tensor& to, const at::Tensor& from) {
+  if (to.defined() != from.defined()) return false;
+  return !from.defined() ||
+         (to.sizes() == from.sizes() && to.dtype() == from.dtype() && to.device() == from.device());
+}
+
+void copy_defined(const at::Tensor& to, const at::Tensor& from) {
+  if (from.defined()) to.copy_(from);
+}
+
+template <class State>
+bool refill_adam(State& to, const State& from) {
+  if (!fits(to.exp_avg(), from.exp_avg()) || !fits(to.exp_avg_sq(), from.exp_avg_sq()) ||
+      !fits(to.max_exp_avg_sq(), from.max_exp_avg_sq())) {
+    return false;
+  }
+  to.step(from.step());
+  copy_defined(to.exp_avg(), from.exp_avg());
+  copy_defined(to.exp_avg_sq(), from.exp_avg_sq());
+  copy_defined(to.max_exp_avg_sq(), from.max_exp_avg_sq());
+  return true;
+}
+
+// deep_copy into the tensors of an earlier copy (`to`), when they match: the
+// look-ahead's state then costs a copy per step, not an allocation whose
+// fresh pages (the size of the optimizer's state) fault in every step.
+bool refill(optim::OptimizerParamState& to, const optim::OptimizerParamState& from) {
+  if (const auto* s = dynamic_cast<const optim::SGDParamState*>(&from)) {
+    auto* t = dynamic_cast<optim::SGDParamState*>(&to);
+    if (!t || !fits(t->momentum_buffer(), s->momentum_buffer())) return false;
+    copy_defined(t->momentum_buffer(), s->momentum_buffer());
+    return true;
+  }
+  if (const auto* s = dynamic_cast<const optim::AdamParamState*>(&from)) {
+    auto* t = dynamic_cast<optim::AdamParamState*>(&to);
+    return t && refill_adam(*t, *s);
+  }
+  if (const auto* s = dynamic_cast<const optim::AdamWParamState*>(&from)) {
+    auto* t = dynamic_cast<optim::AdamWParamState*>(&to);
+    return t && refill_adam(*t, *s);
+  }
+  return false;
+}
+
 }  // namespace
 
 void BucketOptimizer::step(int b, const std::vector<int>& ps, bool lookahead) {
@@ -147,7 +192,12 @@ void BucketOptimizer::step(int b, const std::vector<int>& ps, bool lookahead) {
     auto it = theirs.find(key);
     if (it == theirs.end()) continue;
     if (lookahead) {
-      mine[key] = deep_copy(*it->second);
+      auto kept = scratch_.find(key);
+      if (kept != scratch_.end() && refill(*kept->second, *it->second)) {
+        mine[key] = std::move(kept->second);
+      } else {
+        mine[key] = deep_copy(*it->second);
+      }
     } else {
       mine[key] = std::move(it->second);
       theirs.erase(it);
@@ -155,15 +205,12 @@ void BucketOptimizer::step(int b, const std::vector<int>& ps, bool lookahead) {
   }
   struct GiveBack {
     decltype(mine)& from;
-    decltype(theirs)& to;
-    bool drop;
+    decltype(theirs)& to;  // the trainer's optimizer, or the look-ahead's copies
     ~GiveBack() {
-      if (!drop) {
-        for (auto& [key, st] : from) to[key] = std::move(st);
-      }
+      for (auto& [key, st] : from) to[key] = std::move(st);
       from.clear();
     }
-  } give_back{mine, theirs, lookahead};
+  } give_back{mine, lookahead ? scratch_ : theirs};
   s.opt->step();
 }
 

@@ -36,7 +36,7 @@ class BucketOptimizer {
   // The same step on copies of their state, which are dropped after: the
   // parameters move, the trainer's optimizer keeps its state as it was
   // (GradSyncOptions::stale_lookahead; their .grad holds the rank's own
-  // gradients).
+  // gradients). The copies' tensors are kept and refilled at the next one.
   void lookahead(int b, const std::vector<int>& ps) { step(b, ps, /*lookahead=*/true); }
   bool steps(int p) const { return group_of_[p] >= 0; }
   const char* kind() const;
@@ -56,6 +56,9 @@ class BucketOptimizer {
     std::vector<int> groups;                       // the trainer's group of each sub group
   };
   std::vector<Sub> subs_;  // per bucket
+  // The look-ahead's state copies, kept between steps so that the next one
+  // copies into them (the trainer's optimizer's map type, keyed the same).
+  ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>> scratch_;
 };
 
 }  // namespace ddpx::hooks
