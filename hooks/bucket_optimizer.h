@@ -33,10 +33,10 @@ class BucketOptimizer {
   // Steps parameters `ps` of bucket `b` (their .grad holds the average);
   // parameters the optimizer does not hold are skipped.
   void apply(int b, const std::vector<int>& ps) { step(b, ps, /*lookahead=*/false); }
-  // The same step on copies of their state, which are dropped after: the
+  // The same step on copies of their state, never given back: the
   // parameters move, the trainer's optimizer keeps its state as it was
   // (GradSyncOptions::stale_lookahead; their .grad holds the rank's own
-  // gradients). The copies' tensors are kept and refilled at the next one.
+  // gradients). The copies are kept for the next look-ahead to copy into.
   void lookahead(int b, const std::vector<int>& ps) { step(b, ps, /*lookahead=*/true); }
   bool steps(int p) const { return group_of_[p] >= 0; }
   const char* kind() const;
