@@ -94,75 +94,46 @@ void BucketOptimizer::snapshot() {
 
 namespace {
 
-at::Tensor own(const at::Tensor& t) { return t.defined() ? t.clone() : t; }
+// `from` copied into `old`'s tensor when that matches, else into a new one.
+// The look-ahead copies the state every step: allocating afresh each time,
+// pages the size of the optimizer's state fault in every step.
+at::Tensor copy_of(const at::Tensor& from, const at::Tensor* old) {
+  if (!from.defined()) return from;
+  if (old && old->defined() && old->sizes() == from.sizes() && old->dtype() == from.dtype() &&
+      old->device() == from.device()) {
+    old->copy_(from);
+    return *old;
+  }
+  return from.clone();
+}
 
 // Adam's and AdamW's entries have the same fields.
 template <class State>
-std::unique_ptr<optim::OptimizerParamState> copy_adam(const State& s) {
+std::unique_ptr<optim::OptimizerParamState> copy_adam(const State& s,
+                                                      const optim::OptimizerParamState* old) {
+  const auto* o = dynamic_cast<const State*>(old);
   auto c = std::make_unique<State>();
   c->step(s.step());
-  c->exp_avg(own(s.exp_avg()));
-  c->exp_avg_sq(own(s.exp_avg_sq()));
-  c->max_exp_avg_sq(own(s.max_exp_avg_sq()));
+  c->exp_avg(copy_of(s.exp_avg(), o ? &o->exp_avg() : nullptr));
+  c->exp_avg_sq(copy_of(s.exp_avg_sq(), o ? &o->exp_avg_sq() : nullptr));
+  c->max_exp_avg_sq(copy_of(s.max_exp_avg_sq(), o ? &o->max_exp_avg_sq() : nullptr));
   return c;
 }
 
 // A state entry with its own tensors (OptimizerParamState::clone() shares
-// them, and step() updates them in place).
-std::unique_ptr<optim::OptimizerParamState> deep_copy(const optim::OptimizerParamState& st) {
+// them, and step() updates them in place), reusing those of `old` (an
+// earlier copy of the same parameter's entry, or null) where they match.
+std::unique_ptr<optim::OptimizerParamState> deep_copy(const optim::OptimizerParamState& st,
+                                                      const optim::OptimizerParamState* old) {
   if (const auto* s = dynamic_cast<const optim::SGDParamState*>(&st)) {
+    const auto* o = dynamic_cast<const optim::SGDParamState*>(old);
     auto c = std::make_unique<optim::SGDParamState>();
-    c->momentum_buffer(own(s->momentum_buffer()));
+    c->momentum_buffer(copy_of(s->momentum_buffer(), o ? &o->momentum_buffer() : nullptr));
     return c;
   }
-  if (const auto* s = dynamic_cast<const optim::AdamParamState*>(&st)) return copy_adam(*s);
-  if (const auto* s = dynamic_cast<const optim::AdamWParamState*>(&st)) return copy_adam(*s);
+  if (const auto* s = dynamic_cast<const optim::AdamParamState*>(&st)) return copy_adam(*s, old);
+  if (const auto* s = dynamic_cast<const optim::AdamWParamState*>(&st)) return copy_adam(*s, old);
   TORCH_CHECK(false, "GradSync: unexpected optimizer state entry");
-}
-
-// Whether `from` can be copied into `to` in place.
-bool fits(const at::Tensor& to, const at::Tensor& from) {
-  if (to.defined() != from.defined()) return false;
-  return !from.defined() ||
-         (to.sizes() == from.sizes() && to.dtype() == from.dtype() && to.device() == from.device());
-}
-
-void copy_defined(const at::Tensor& to, const at::Tensor& from) {
-  if (from.defined()) to.copy_(from);
-}
-
-template <class State>
-bool refill_adam(State& to, const State& from) {
-  if (!fits(to.exp_avg(), from.exp_avg()) || !fits(to.exp_avg_sq(), from.exp_avg_sq()) ||
-      !fits(to.max_exp_avg_sq(), from.max_exp_avg_sq())) {
-    return false;
-  }
-  to.step(from.step());
-  copy_defined(to.exp_avg(), from.exp_avg());
-  copy_defined(to.exp_avg_sq(), from.exp_avg_sq());
-  copy_defined(to.max_exp_avg_sq(), from.max_exp_avg_sq());
-  return true;
-}
-
-// deep_copy into the tensors of an earlier copy (`to`), when they match: the
-// look-ahead's state then costs a copy per step, not an allocation whose
-// fresh pages (the size of the optimizer's state) fault in every step.
-bool refill(optim::OptimizerParamState& to, const optim::OptimizerParamState& from) {
-  if (const auto* s = dynamic_cast<const optim::SGDParamState*>(&from)) {
-    auto* t = dynamic_cast<optim::SGDParamState*>(&to);
-    if (!t || !fits(t->momentum_buffer(), s->momentum_buffer())) return false;
-    copy_defined(t->momentum_buffer(), s->momentum_buffer());
-    return true;
-  }
-  if (const auto* s = dynamic_cast<const optim::AdamParamState*>(&from)) {
-    auto* t = dynamic_cast<optim::AdamParamState*>(&to);
-    return t && refill_adam(*t, *s);
-  }
-  if (const auto* s = dynamic_cast<const optim::AdamWParamState*>(&from)) {
-    auto* t = dynamic_cast<optim::AdamWParamState*>(&to);
-    return t && refill_adam(*t, *s);
-  }
-  return false;
 }
 
 }  // namespace
@@ -192,12 +163,8 @@ void BucketOptimizer::step(int b, const std::vector<int>& ps, bool lookahead) {
     auto it = theirs.find(key);
     if (it == theirs.end()) continue;
     if (lookahead) {
-      auto kept = scratch_.find(key);
-      if (kept != scratch_.end() && refill(*kept->second, *it->second)) {
-        mine[key] = std::move(kept->second);
-      } else {
-        mine[key] = deep_copy(*it->second);
-      }
+      const auto kept = scratch_.find(key);
+      mine[key] = deep_copy(*it->second, kept == scratch_.end() ? nullptr : kept->second.get());
     } else {
       mine[key] = std::move(it->second);
       theirs.erase(it);
