@@ -57,7 +57,7 @@ std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> GradSync::Impl::make
 
 std::optional<hooks::PlanTiming> GradSync::Impl::timing_of(const hooks::OrderPredictor& p) const {
   const auto& t = p.predicted_arrival_us();
-  if (t.empty() || p.timed_steps() < 2) return std::nullopt;
+  if (!opts.timed_plans_ || t.empty() || p.timed_steps() < 2) return std::nullopt;
   const double backward = *std::max_element(t.begin(), t.end());
   const double gap = std::max({1000.0, 0.02 * backward, 2 * link.launch_us()});
   std::vector<double> late_bytes(params.size());

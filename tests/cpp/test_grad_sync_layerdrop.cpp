@@ -128,7 +128,11 @@ void run_shared(GradSyncOptions opts, bool zero_in_place, bool check_bytes) {
 }
 
 GradSyncOptions unit_buckets() {
-  return GradSyncOptions().bucket_cap_mb(0.0004).first_bucket_mb(0.0002).drop_units(all_units());
+  return GradSyncOptions()
+      .bucket_cap_mb(0.0004)
+      .first_bucket_mb(0.0002)
+      .drop_units(all_units())
+      .timed_plans(false);
 }
 
 TEST(GradSyncLayerDrop, SharedPatternMatchesOneProcessAndSendsOnlyKeptBlocks) {

@@ -54,7 +54,7 @@ TEST(GradSync, RankDependentBranchesShareOneLatePlan) {
   if (pg->getSize() < 2) GTEST_SKIP();
   torch::manual_seed(25);
   Branchy m;
-  GradSync sync(m->named_parameters(), pg);
+  GradSync sync(m->named_parameters(), pg, GradSyncOptions().timed_plans(false));
   auto x = at::randn({kB, 6}, at::kDouble);
   for (int step = 0; step < 4; ++step) {
     m->zero_grad(/*set_to_none=*/false);
@@ -153,7 +153,7 @@ TEST(GradSync, AlternatingExpertsSkipTheIdleOneAndStayExact) {
   for (const auto& [u, in_place] : kExpertModes) {
     SCOPED_TRACE(mode_name(u, in_place));
     auto [ref, m] = twin_experts(21);
-    GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(u));
+    GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(u).timed_plans(false));
     int64_t all_bytes = 0;
     for (const auto& p : m->parameters()) all_bytes += p.numel() * 8;
     const int64_t expert_bytes = (6 * 6 + 6) * 8;
@@ -246,7 +246,7 @@ TEST(GradSync, ExactRejectsAGradientItWasNotToldAbout) {
   auto& pg = world();
   torch::manual_seed(22);
   Experts m;
-  GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(Unused::Exact));
+  GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(Unused::Exact).timed_plans(false));
   auto x = at::randn({kB, 6}, at::kDouble);
   for (int step = 0; step < 3; ++step) {  // settles the late set: both experts late
     m->step = step;

@@ -107,6 +107,14 @@ struct GradSyncOptions {
   DDPX_OPT(std::string, codec, "none")
   DDPX_OPT(Unused, unused, Unused::Predict)
   DDPX_OPT(bool, replan, true)            // learn the order and re-plan buckets
+  // Plan by the learnt arrival times and the link's measured rate as well
+  // (cuts where backward pauses, re-plans that finish earlier, priority's
+  // held buckets). Off: a plan depends only on the order and on which
+  // parameters go unused, so it is the same on every run of the same model.
+  // That makes a lossy codec's results reproducible run to run (int8's
+  // scale, top-k's selection and PowerSGD's factors are per bucket, so they
+  // change with the buckets' members) at the cost of the overlap timing buys.
+  DDPX_OPT(bool, timed_plans, true)
   DDPX_OPT(bool, broadcast_on_init, true)
   // After every synced backward, rank 0's buffers (BatchNorm's running
   // statistics, ...) are broadcast, so the next forward sees the same buffers
