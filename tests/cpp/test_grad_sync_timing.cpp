@@ -79,11 +79,7 @@ void expect_exact_step(Paused& ref, Paused& m, int step) {
   backward_global(ref, g, pg->getSize());
   m->zero_grad();
   m(shard(g, pg->getRank())).backward();
-  auto rp = ref->named_parameters();
-  for (const auto& item : m->named_parameters()) {
-    EXPECT_TRUE(at::allclose(item.value().grad(), rp[item.key()].grad(), 1e-5, 1e-8))
-        << item.key() << " step " << step;
-  }
+  expect_grads_match(m, ref, 1e-5, 1e-8, "step " + std::to_string(step));
 }
 
 // One 200 MB bucket cap would hold wide.weight and narrow's parameters
