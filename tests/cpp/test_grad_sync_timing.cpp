@@ -51,14 +51,14 @@ void pause_for_this_machine() {
   pg->allreduce(t)->wait();  // warm-up
   const auto t0 = std::chrono::steady_clock::now();
   pg->allreduce(t)->wait();
-  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(
-      std::chrono::steady_clock::now() - t0);
+  const auto took =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
   std::vector<at::Tensor> ms{at::full({1}, static_cast<int64_t>(took.count()), at::kLong)};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
   pg->allreduce(ms, o)->wait();
-  g_pause = std::max(std::chrono::milliseconds(40),
-                     std::chrono::milliseconds(ms[0].item<int64_t>()));
+  g_pause =
+      std::max(std::chrono::milliseconds(40), std::chrono::milliseconds(ms[0].item<int64_t>()));
 }
 
 // Does the bucket holding wide.weight hold narrow.weight too?
@@ -99,21 +99,23 @@ TEST(GradSync, BackwardPauseCutsTheBucketOnceAndStaysExact) {
   ASSERT_TRUE(together(sync)) << "the size-only plan should share the bucket";
   int step = 0;
   for (; step < 20 && sync.replans() == 0; ++step) expect_exact_step(ref, m, step);
-  ASSERT_EQ(sync.replans(), 1) << "no cut after " << step << " steps (pause "
-                               << g_pause.count() << " ms)";
+  ASSERT_EQ(sync.replans(), 1) << "no cut after " << step << " steps (pause " << g_pause.count()
+                               << " ms)";
   EXPECT_FALSE(together(sync)) << "wide.weight should go out before the pause ends";
   for (const int end = step + 4; step < end; ++step) expect_exact_step(ref, m, step);
   EXPECT_EQ(sync.replans(), 1) << "the plan churned after the cut";
   EXPECT_FALSE(together(sync));
 }
 
-// timed_plans(false): the plan is the size-only one whatever the times say,
-// so it is the same on every run (what makes lossy codecs reproducible).
+// timed_plans(false): the plan is the size-only one whatever the times say
+// (the same pause as above, which timed plans cut), so it is the same on
+// every run (what makes lossy codecs reproducible).
 TEST(GradSync, UntimedPlansIgnoreTheBackwardPause) {
   torch::manual_seed(11);
   Paused ref;
   torch::manual_seed(11);
   Paused m;
+  pause_for_this_machine();
   GradSync sync(m->named_parameters(), world(),
                 GradSyncOptions().bucket_cap_mb(200).timed_plans(false));
   const auto plan = sync.bucket_plan();

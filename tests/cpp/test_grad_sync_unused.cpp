@@ -246,7 +246,8 @@ TEST(GradSync, ExactRejectsAGradientItWasNotToldAbout) {
   auto& pg = world();
   torch::manual_seed(22);
   Experts m;
-  GradSync sync(m->named_parameters(), pg, GradSyncOptions().unused(Unused::Exact).timed_plans(false));
+  GradSync sync(m->named_parameters(), pg,
+                GradSyncOptions().unused(Unused::Exact).timed_plans(false));
   auto x = at::randn({kB, 6}, at::kDouble);
   for (int step = 0; step < 3; ++step) {  // settles the late set: both experts late
     m->step = step;
