@@ -13,7 +13,7 @@ namespace ddpx::hooks {
 namespace {
 
 // One int64 per rank: [size] gathered from every rank.
-at::Tensor allgather(c10d::ProcessGroup& pg, const at::Tensor& mine) {
+at::Tensor allgather_stacked(c10d::ProcessGroup& pg, const at::Tensor& mine) {
   std::vector<std::vector<at::Tensor>> out(1);
   for (int i = 0; i < pg.getSize(); ++i) out[0].push_back(at::empty_like(mine));
   std::vector<at::Tensor> in{mine};
@@ -63,7 +63,7 @@ void verify_same_tensors(c10d::ProcessGroup& pg, const std::vector<std::string>&
                          const std::vector<at::Tensor>& params, const TensorKind& kind) {
   const int n = pg.getSize();
   const int64_t count = static_cast<int64_t>(params.size());
-  auto counts = allgather(pg, at::full({1}, count, at::kLong));
+  auto counts = allgather_stacked(pg, at::full({1}, count, at::kLong));
   for (int r = 0; r < n; ++r) {
     const int64_t c = counts[r][0].item<int64_t>();
     TORCH_CHECK(c == counts[0][0].item<int64_t>(), "GradSync: rank 0 has ",
@@ -80,7 +80,7 @@ void verify_same_tensors(c10d::ProcessGroup& pg, const std::vector<std::string>&
     f[i] = static_cast<int64_t>(h);
     f[count + i] = params[i].requires_grad() ? 1 : 0;
   }
-  const auto all = allgather(pg, fp).contiguous();  // [ranks, 2 * count]
+  const auto all = allgather_stacked(pg, fp).contiguous();  // [ranks, 2 * count]
   const int64_t* a = all.data_ptr<int64_t>();
   auto at_rank = [&](int r, int64_t j) { return a[r * 2 * count + j]; };
   for (int64_t i = 0; i < count; ++i) {

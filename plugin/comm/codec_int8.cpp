@@ -85,7 +85,7 @@ class Int8Codec final : public LossyCodec {
   int64_t chunk_;
 };
 
-const bool registered = register_codec(
+const bool registered_int8 = register_codec(
     {"int8",
      "int8[:<chunk>]     int8 codes + a float32 scale per <chunk> elements (default 256), "
      "all-gathered",

@@ -25,7 +25,7 @@ class NoneCodec final : public Codec {
   }
 };
 
-const bool registered = register_codec(
+const bool registered_none = register_codec(
     {"none", "none               plain allreduce in the input's dtype",
      [](const std::optional<std::string>& arg) -> std::unique_ptr<Codec> {
        TORCH_CHECK(!arg.has_value(), "ddpx codec 'none' takes no argument, got 'none:", *arg, "'\n",

@@ -180,7 +180,7 @@ class PowerSgdCodec final : public LossyCodec {
   int64_t rank_;
 };
 
-const bool registered = register_codec(
+const bool registered_powersgd = register_codec(
     {"powersgd",
      "powersgd:<rank>    rank-<rank> P/Q power iteration with warm start (rank >= 1), per "
      "matrix; 1-D tensors and those that would not shrink go uncompressed",

@@ -93,7 +93,7 @@ class TopKCodec final : public LossyCodec {
   std::string text_;
 };
 
-const bool registered = register_codec(
+const bool registered_topk = register_codec(
     {"topk",
      "topk:<ratio>       the ceil(ratio * numel) largest |x| per rank, 0 < ratio <= 1, "
      "all-gathered as (int32 index, float32 value)",

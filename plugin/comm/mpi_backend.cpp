@@ -33,8 +33,6 @@ int comm_size(MPI_Comm comm) {
   return s;
 }
 
-int64_t dtype_id(const at::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); }
-
 // "ddpx_mpi:ALLREDUCE" and so on: the range name torch.profiler shows. The
 // RecordFunction keeps the pointer, so the strings live in a node-stable map.
 const char* profiling_title(c10d::OpType type) {

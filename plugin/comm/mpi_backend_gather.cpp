@@ -11,8 +11,6 @@
 namespace ddpx::comm::detail {
 namespace {
 
-int64_t dtype_id(const at::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); }
-
 // Copies the rows of `flat` ([size * numel]) into `outputs` (one per rank).
 void unflatten_into(const at::Tensor& flat, const std::vector<at::Tensor>& outputs) {
   int64_t offset = 0;

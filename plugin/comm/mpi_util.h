@@ -28,6 +28,9 @@ class HostView {
   at::Tensor host_;
 };
 
+// A tensor's dtype as one field of check_agreement's fingerprint.
+inline int64_t dtype_id(const at::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); }
+
 // Every rank must call a collective with matching sizes, dtypes, op and root.
 // MPI would read or write out of bounds otherwise, so one tiny allreduce of a
 // fingerprint (and its negation, with MAX) detects any disagreement first.
