@@ -2,7 +2,14 @@
 # One-time (idempotent) set-up: system packages, the pinned PyTorch venv
 # outside the checkout, then configure + build. A second run only rebuilds
 # what changed, so it finishes in seconds.
+#   scripts/setup.sh         what the main job needs: libddpx.so (and its CUDA
+#                            kernels where a GPU is present), ddpx-train, the
+#                            Python glue and the scripted models
+#   scripts/setup.sh --all   everything (tests, benchmark drivers, the CUDA
+#                            kernels wherever nvcc is), then installs
 set -euo pipefail
+all=0
+[ "${1:-}" = --all ] && all=1
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
 source scripts/versions.sh
@@ -37,9 +44,9 @@ fi
 # --- configure + build --------------------------------------------------------
 torch_prefix=$("$DDPX_VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 # ccache keyed relative to the checkout (base_dir), so every clone and
-# worktree on this machine reuses the same objects: a fresh clone builds in
-# minutes instead of a quarter hour on two cores.
-launcher="${CMAKE_COMMAND:-cmake};-E;env;CCACHE_BASEDIR=$here;ccache"
+# worktree on this machine reuses the same objects. The sloppiness lets it
+# cache the translation units that use the precompiled headers (DDPX_PCH).
+launcher="${CMAKE_COMMAND:-cmake};-E;env;CCACHE_BASEDIR=$here;CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime;ccache"
 if [ ! -f "$DDPX_BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$DDPX_BUILD_DIR" -G Ninja \
     -DCMAKE_CXX_COMPILER_LAUNCHER="$launcher" \
@@ -50,6 +57,18 @@ if [ ! -f "$DDPX_BUILD_DIR/build.ninja" ]; then
     -DCMAKE_INSTALL_PREFIX="$here/$DDPX_BUILD_DIR/install" \
     ${DDPX_CMAKE_ARGS:-}
 fi
-cmake --build "$DDPX_BUILD_DIR" -j "${DDPX_JOBS:-$(nproc)}"
-cmake --install "$DDPX_BUILD_DIR" >/dev/null
+jobs=${DDPX_JOBS:-$(nproc)}
+if [ "$all" = 1 ]; then
+  cmake --build "$DDPX_BUILD_DIR" -j "$jobs"
+  cmake --install "$DDPX_BUILD_DIR" >/dev/null
+else
+  # The main job's targets only: the tests and benchmark drivers are most of
+  # a fresh build. The CUDA kernels only where a GPU can run them.
+  targets=(ddpx ddpx-train ddpx_models)
+  grep -q '^build ddpx_python:' "$DDPX_BUILD_DIR/build.ninja" && targets+=(ddpx_python)
+  if grep -q '^build ddpx_cuda:' "$DDPX_BUILD_DIR/build.ninja" && nvidia-smi -L >/dev/null 2>&1; then
+    targets+=(ddpx_cuda)
+  fi
+  cmake --build "$DDPX_BUILD_DIR" -j "$jobs" --target "${targets[@]}"
+fi
 echo "[setup] done: source scripts/env.sh to use the build"
