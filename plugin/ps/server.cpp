@@ -333,10 +333,13 @@ class ServerImpl {
       if (!gate_.live(w) || now - last_heard_[w] <= timeout) continue;
       gate_.gone(w);
       lose(w);
+      // Workers that said BYE are not live either: count them apart.
+      const int live = gate_.live_count();
+      const int dropped = static_cast<int>(stats_.workers_lost);
       std::fprintf(stderr,
-                   "[ddpx ps] server %d: worker %d (rank %d) sent nothing for %.0f s: dropped, "
-                   "training goes on with %d worker(s)\n",
-                   k_, w, rank_of(w), timeout.count(), gate_.live_count());
+                   "[ddpx ps] server %d: worker %d (rank %d) sent nothing for %.0f s: dropped "
+                   "(workers: %d still training, %d finished, %d dropped)\n",
+                   k_, w, rank_of(w), timeout.count(), live, workers_ - live - dropped, dropped);
     }
   }
 

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <ddpx/ps.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -34,8 +35,20 @@ int64_t stable_hash(const std::string& s) {
   return static_cast<int64_t>(h >> 2);
 }
 
+// A string every rank gets from `root` (collective).
+std::string bcast_string(MPI_Comm comm, const std::string& s, int root) {
+  int64_t n = static_cast<int64_t>(s.size());
+  DDPX_MPI_CHECK(MPI_Bcast(&n, 1, MPI_INT64_T, root, comm));
+  std::string out = s;
+  out.resize(static_cast<size_t>(n));
+  DDPX_MPI_CHECK(MPI_Bcast(out.data(), static_cast<int>(n), MPI_CHAR, root, comm));
+  return out;
+}
+
 // Every rank must pass the same values: a MAX-allreduce of [x, -x] shows any
-// difference on every rank at once; the error names the fields that differ.
+// difference on every rank at once. Then (the error path only) the first
+// rank whose values differ from rank 0's is found, and the error names the
+// fields that differ and what rank 0 and that rank have.
 void check_same(MPI_Comm comm, const std::vector<std::pair<std::string, int64_t>>& fields,
                 const std::string& mine) {
   const size_t n = fields.size();
@@ -50,8 +63,19 @@ void check_same(MPI_Comm comm, const std::vector<std::pair<std::string, int64_t>
   for (size_t i = 0; i < n; ++i) {
     if (got[i] != -got[n + i]) bad += (bad.empty() ? "" : ", ") + fields[i].first;
   }
-  TORCH_CHECK(bad.empty(), "ddpx ps: the ranks disagree on the ", bad, " (this rank has ", mine,
-              "); every rank must run the same model with the same options");
+  if (bad.empty()) return;
+  int rank = 0, size = 1;
+  DDPX_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  DDPX_MPI_CHECK(MPI_Comm_size(comm, &size));
+  std::vector<int64_t> root(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(n));
+  DDPX_MPI_CHECK(MPI_Bcast(root.data(), static_cast<int>(n), MPI_INT64_T, 0, comm));
+  int mine_first = std::equal(root.begin(), root.end(), v.begin()) ? size : rank;
+  int first = size;
+  DDPX_MPI_CHECK(MPI_Allreduce(&mine_first, &first, 1, MPI_INT, MPI_MIN, comm));
+  const std::string at0 = bcast_string(comm, mine, 0);
+  const std::string other = bcast_string(comm, mine, first);
+  TORCH_CHECK(false, "ddpx ps: the ranks disagree on the ", bad, ": rank 0 has ", at0, "; rank ",
+              first, " has ", other, ". Every rank must run the same model with the same options");
 }
 
 double env_timeout() {
@@ -119,7 +143,7 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
         p.defined() && p.scalar_type() == at::kFloat && p.is_contiguous() && p.device().is_cpu(),
         "ddpx ps: parameter ", i, " must be a contiguous float32 CPU tensor, got ",
         p.defined() ? p.toString() : "undefined");
-    shapes << p.sizes() << ";";
+    shapes << (shapes.tellp() > 0 ? " " : "") << p.sizes();
     numels.push_back(p.numel());
   }
   std::ostringstream mine;

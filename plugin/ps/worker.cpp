@@ -189,6 +189,10 @@ class WorkerImpl {
       stats_.bytes_sent += msg.numel();
       out_.send(msg, k, kPush);
     }
+    // The gradient is the servers' now: leave .grad unset, as
+    // optimizer.zero_grad(set_to_none=true) would, so the next backward
+    // starts from nothing instead of adding to what was pushed.
+    for (const auto& p : params) p.mutable_grad().reset();
     ++seq_;
     ++stats_.pushes;
     if (s_.options().pull == PullMode::AfterPush) post_receives();

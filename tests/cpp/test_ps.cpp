@@ -23,6 +23,7 @@
 
 #include <cctype>
 #include <random>
+#include <sstream>
 #include <thread>
 
 #include "plugin/comm/codec_message.h"
@@ -590,6 +591,14 @@ TEST(PsErrors, ModelMismatchAcrossRanks) {
   const auto err = error_of([&] { ps::Session(params, options(1, "async")); });
   EXPECT_NE(err.find("disagree on the parameter count, parameter shapes"), std::string::npos)
       << err;
+  // It names the first rank that differs and what it and rank 0 have.
+  const auto p = make_params();
+  std::ostringstream all, less;
+  all << p.size() << " parameters ";
+  less << (p.size() - 1) << " parameters ";
+  EXPECT_NE(err.find("rank 0 has " + all.str()), std::string::npos) << err;
+  EXPECT_NE(err.find("; rank 1 has " + less.str()), std::string::npos) << err;
+  EXPECT_EQ(err.find(";,"), std::string::npos) << err;
 }
 
 // A worker sends a push whose segment length is wrong, then one computed on

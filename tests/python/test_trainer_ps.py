@@ -24,6 +24,7 @@ Stated targets (CPU, generated data):
   the same logged losses and test accuracy, exactly.
 """
 import os
+import re
 import signal
 import time
 
@@ -227,6 +228,9 @@ def test_lost_worker_the_others_finish(tmp_path, data_cache, sig):
     out, status, _, marker = signal_rank_mid_run(tmp_path, data_cache, 300, 2, sig)
     assert status == 0, out
     assert "worker 1 (rank 2) sent nothing for 5 s: dropped" in out, out
+    # Worker 0 is still training or has finished, never "0 workers".
+    m = re.search(r"dropped \(workers: (\d+) still training, (\d+) finished, (\d+) dropped\)", out)
+    assert m and int(m[1]) + int(m[2]) == 1 and m[3] == "1", out
     assert "finishing without the worker(s) the servers dropped (rank 2)" in out, out
     assert "1 worker(s) lost" in out, out
     done = [ln for ln in out.splitlines() if "test accuracy" in ln]

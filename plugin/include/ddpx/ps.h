@@ -1,13 +1,48 @@
 #pragma once
 // ddpx::ps — an asynchronous parameter server over MPI.
 //
-// A worker in five lines (every rank builds the Session, the first K serve):
-//   ddpx::ps::Session ps(params, opts);           // collective over MPI_COMM_WORLD
-//   if (ps.is_server()) { ddpx::ps::Server(ps).serve(); } else {
-//     ddpx::ps::Worker w(ps);
-//     for (...) { w.pull(); loss = f(x); loss.backward(); w.push(); }
-//     w.finish(); }
-//   ps.share_final(params);                       // collective: server values everywhere
+// Every rank of the MPI job runs this; the first opts.servers ranks serve,
+// the others train. (tests/cpp/test_example_ps.cpp runs this text as it
+// stands: with one worker it equals local SGD bit for bit.)
+// [example ps_train]
+//   template <class Model>
+//   void train(Model& model, const at::Tensor& x, const at::Tensor& y, int steps) {
+//     ddpx::ps::Options opts;  // 1 server, async, pulls after each push
+//     opts.make_optimizer = [](std::vector<at::Tensor> shard) {
+//       return std::make_unique<torch::optim::SGD>(shard, torch::optim::SGDOptions(0.1));
+//     };
+//     ddpx::ps::Session ps(model->parameters(), opts);  // collective over MPI_COMM_WORLD
+//     if (ps.is_server()) {
+//       ddpx::ps::Server(ps).serve();  // until every worker has finished
+//     } else {
+//       ddpx::ps::Worker w(ps);
+//       for (int step = 0; step < steps; ++step) {
+//         w.pull();  // the servers' newest parameters
+//         auto loss = torch::mse_loss(model->forward(x), y);
+//         loss.backward();
+//         w.push(loss.item().toDouble());  // sends .grad, then unsets it
+//       }
+//       w.finish();
+//     }
+//     ps.share_final(model->parameters());  // the servers' values on every rank
+//   }
+// [end example]
+//
+// MPI. The Session initialises MPI if nothing has (MPI_Init_thread at
+// MPI_THREAD_MULTIPLE: servers receive on a progress thread while their
+// main thread serves) and finalises it at process exit. A program that
+// initialised MPI itself keeps it: ddpx uses MPI_COMM_WORLD, duplicated,
+// never finalises it, and needs MPI_THREAD_MULTIPLE from it (a lower level
+// is a c10::Error at Session construction); that program calls
+// MPI_Finalize after the Session is gone.
+//
+// What one worker trains. With one worker and AfterPush pulls, every
+// consistency equals local training with the servers' optimizer bit for bit
+// (each step's push is applied before the reply the next step starts from).
+// Prefetch pulls ask for the next parameters while the step computes, so a
+// step starts from the values before the previous push was applied: one step
+// stale, even alone. Inconsistent pulls may install each server's shard at a
+// different version.
 //
 // Roles. One MPI job of W ranks: ranks 0..K-1 are servers, K..W-1 workers
 // (N = W - K; worker w is rank K + w). The parameters (float32, contiguous)
@@ -238,6 +273,19 @@ class Session {
   // after serve(), workers after finish().
   void share_final(const std::vector<at::Tensor>& params);
   // Collective, the same ranks: the servers' stats merged (each gets them).
+  // Servers pass what serve() returned, workers a default ServerStats.
+  // Merged, field by field:
+  //   version                   server 0's (each server counts its own
+  //                             shard's updates; they are not added)
+  //   applied, dropped, updates, bytes_received, bytes_raw, staleness
+  //                             summed over the servers: every push reaches
+  //                             every server, so with K servers `applied` is
+  //                             K times the pushes applied (2 servers that
+  //                             each applied 40 pushes: applied 80)
+  //   workers_lost              summed over the servers (lost_ranks() has
+  //                             the distinct workers)
+  //   loss_sum, correct, samples  one server's worth (the sum divided by K):
+  //                             every server hears every worker's report
   ServerStats gather_stats(const ServerStats& mine);
   // Collective, the same ranks: the element-wise sum of a float64 tensor.
   at::Tensor sum_final(const at::Tensor& t);
