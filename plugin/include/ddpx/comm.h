@@ -1,10 +1,19 @@
 #pragma once
 // ddpx's communication layer: process groups for C++ trainers.
 //
-//   auto pg = ddpx::comm::init_from_env();         // mpirun -> ddpx_mpi,
-//                                                  // torchrun -> Gloo (+NCCL for CUDA)
-//   auto pg = ddpx::comm::make("gloo");            // explicit choice
-//   auto be = ddpx::comm::make_mpi_backend({0, 2}); // ddpx_mpi over world ranks 0 and 2
+// (tests/cpp/test_header_examples.cpp runs this text as it stands and checks
+// the sums):
+// [example comm]
+//   auto pg = ddpx::comm::init_from_env();   // mpirun -> ddpx_mpi,
+//                                            // torchrun -> Gloo (+NCCL for CUDA)
+//   auto gloo = ddpx::comm::make("gloo");    // an explicit choice; every rank calls it
+//   std::vector<at::Tensor> t{at::ones({4})};
+//   gloo->allreduce(t)->wait();              // t[0]: the world size, everywhere
+//   if (pg->getRank() < 2) {                 // only the members call it
+//     auto pair = ddpx::comm::make_mpi_backend({0, 1});  // ddpx_mpi over world ranks 0, 1
+//     pair->allreduce(t)->wait();            // t[0]: twice the world size on ranks 0, 1
+//   }
+// [end example]
 //
 // Timeouts: every collective's Work::wait() throws c10::DistBackendError after
 // the group's timeout; the default is DDPX_TIMEOUT_S seconds when that is set,

@@ -2,10 +2,21 @@
 // GradSync: DDP-style gradient averaging for C++ trainers (LibTorch has no
 // DistributedDataParallel).
 //
-//   auto pg = ddpx::comm::init_from_env();
+// A training loop (tests/cpp/test_header_examples.cpp runs this text as it
+// stands, with `model` a torch::nn module and x, y this rank's part of the
+// batch, and checks it against one process on the whole batch):
+// [example grad_sync]
+//   auto pg = ddpx::comm::init_from_env();  // mpirun -> ddpx_mpi, torchrun -> Gloo
 //   ddpx::GradSync sync(model->named_parameters(), pg,
 //                       ddpx::GradSyncOptions().bucket_cap_mb(25).unused(ddpx::Unused::Predict));
-//   loss.backward();   // gradients are averaged across ranks when backward returns
+//   torch::optim::SGD opt(model->parameters(), 0.1);
+//   for (int step = 0; step < 10; ++step) {
+//     opt.zero_grad();
+//     auto loss = torch::mse_loss(model->forward(x), y);
+//     loss.backward();  // gradients are averaged across ranks when backward returns
+//     opt.step();
+//   }
+// [end example]
 //
 // Protocol, one step (every rank runs the same steps in the same order):
 //  1. Construction: parameter (and buffer) counts, shapes and dtypes are
