@@ -34,7 +34,7 @@ ddpx_instrumented_tree() {
     # would otherwise compile a GPU probe (and fail) even with our CUDA off.
     cmake -S "$here" -B "$DDPX_ITREE" -G Ninja -DTORCH_CUDA_ARCH_LIST=8.0 \
       -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 \
-      -DCMAKE_CXX_COMPILER_LAUNCHER="cmake;-E;env;CCACHE_BASEDIR=$here;ccache" \
+      -DCMAKE_CXX_COMPILER_LAUNCHER="cmake;-E;env;CCACHE_BASEDIR=$here;CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime;ccache" \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo \
       -DCMAKE_PREFIX_PATH="$torch_prefix" \
       -DPython3_EXECUTABLE="$DDPX_VENV/bin/python" \

@@ -10,6 +10,10 @@
 set -euo pipefail
 all=0
 [ "${1:-}" = --all ] && all=1
+# Each phase that did something says how long it took (the README's
+# first-run figures come from these lines).
+t0=$SECONDS
+phase() { echo "[setup] $1: $((SECONDS - t0)) s"; t0=$SECONDS; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
 source scripts/versions.sh
@@ -27,6 +31,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  phase "Debian packages"
 fi
 
 # --- Python venv with the pinned CUDA-enabled torch wheel ---------------------
@@ -39,6 +44,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$DDPX_TORCH_VERSION $DDPX_PY_PAC
   # shellcheck disable=SC2086
   "$DDPX_VENV/bin/python" -m pip install -q "torch==$DDPX_TORCH_VERSION" $DDPX_PY_PACKAGES
   echo "$DDPX_TORCH_VERSION $DDPX_PY_PACKAGES" >"$stamp"
+  phase "virtual environment (torch wheel)"
 fi
 
 # --- configure + build --------------------------------------------------------
@@ -56,6 +62,7 @@ if [ ! -f "$DDPX_BUILD_DIR/build.ninja" ]; then
     -DPython3_EXECUTABLE="$DDPX_VENV/bin/python" \
     -DCMAKE_INSTALL_PREFIX="$here/$DDPX_BUILD_DIR/install" \
     ${DDPX_CMAKE_ARGS:-}
+  phase "configure"
 fi
 jobs=${DDPX_JOBS:-$(nproc)}
 if [ "$all" = 1 ]; then
@@ -71,4 +78,5 @@ else
   fi
   cmake --build "$DDPX_BUILD_DIR" -j "$jobs" --target "${targets[@]}"
 fi
+phase "build"
 echo "[setup] done: source scripts/env.sh to use the build"

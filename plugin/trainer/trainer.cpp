@@ -4,7 +4,7 @@
 #include <ddpx/grad_sync.h>
 #include <ddpx/layer_drop.h>
 #include <torch/nn/functional/loss.h>
-#include <torch/torch.h>
+#include <torch/utils.h>  // torch::manual_seed
 
 #include <chrono>
 #include <cstdio>

@@ -6,7 +6,7 @@
 #include <ddpx/comm.h>
 #include <ddpx/ps.h>
 #include <torch/nn/functional/loss.h>
-#include <torch/torch.h>
+#include <torch/utils.h>  // torch::manual_seed
 
 #include <chrono>
 #include <cstdio>
