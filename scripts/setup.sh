@@ -48,12 +48,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$DDPX_TORCH_VERSION $DDPX_PY_PAC
 fi
 
 # --- configure + build --------------------------------------------------------
-torch_prefix=$("$DDPX_VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 # ccache keyed relative to the checkout (base_dir), so every clone and
 # worktree on this machine reuses the same objects. The sloppiness lets it
 # cache the translation units that use the precompiled headers (DDPX_PCH).
 launcher="${CMAKE_COMMAND:-cmake};-E;env;CCACHE_BASEDIR=$here;CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime;ccache"
 if [ ! -f "$DDPX_BUILD_DIR/build.ninja" ]; then
+  # (Importing torch takes seconds: only when configuring.)
+  torch_prefix=$("$DDPX_VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
   cmake -S . -B "$DDPX_BUILD_DIR" -G Ninja \
     -DCMAKE_CXX_COMPILER_LAUNCHER="$launcher" \
     -DCMAKE_CUDA_COMPILER_LAUNCHER="$launcher" \
