@@ -7,10 +7,11 @@
 //
 // The CUDA kernels are a companion too (libddpx_cuda.so, built where nvcc is
 // found): they register the ops' CUDA kernels when it is loaded, here, if it
-// sits next to this library. Compiling them is most of a fresh build's time
-// on a machine without a GPU, so scripts/run.sh builds them only where a GPU
-// is present (scripts/test.sh always does); without them a CUDA tensor
-// reaching a ddpx op is the dispatcher's error naming the CUDA backend.
+// sits next to this library. Compiling them takes 250 compile-seconds on our
+// 2-core machine (everything else the main job needs: 689), so
+// scripts/run.sh builds them only where a GPU is present (scripts/test.sh
+// always does); without them a CUDA tensor reaching a ddpx op is the
+// dispatcher's error naming the CUDA backend.
 #include <dlfcn.h>
 #include <unistd.h>
 
