@@ -31,15 +31,12 @@ set(DDPX_PCH_LIBRARY_HEADERS
   <torch/csrc/distributed/c10d/Store.hpp>)
 set(DDPX_PCH_EXE_HEADERS ${DDPX_PCH_LIBRARY_HEADERS} <torch/torch.h>)
 
-# The library's own PCH. Sources whose macros change what LibTorch's headers
-# mean (CPU_CAPABILITY, USE_C10D_*) opt out with ddpx_no_pch().
+# The library's own PCH, and its sources in unity batches. Sources whose
+# macros change what LibTorch's headers mean (CPU_CAPABILITY, USE_C10D_*)
+# opt out of both with ddpx_no_pch().
 function(ddpx_library_pch target)
   if(DDPX_PCH)
-    # C++ only.
-    set(_headers ${DDPX_PCH_LIBRARY_HEADERS})
-    list(TRANSFORM _headers PREPEND "$<$<COMPILE_LANGUAGE:CXX>:")
-    list(TRANSFORM _headers APPEND ">")
-    target_precompile_headers(${target} PRIVATE ${_headers})
+    target_precompile_headers(${target} PRIVATE ${DDPX_PCH_LIBRARY_HEADERS})
     _ddpx_pch_for_ccache(${target})
   endif()
   if(DDPX_UNITY)
