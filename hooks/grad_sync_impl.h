@@ -26,6 +26,7 @@
 #include "hooks/priority_trial.h"
 #include "hooks/profiler.h"
 #include "plugin/comm/work_wait.h"
+#include "plugin/torch_compat.h"
 #include "hooks/reduce_fn.h"
 #include "hooks/stream_handoff.h"
 
@@ -46,7 +47,7 @@ struct GradSync::Impl {
   std::vector<at::Tensor> params;   // requires_grad parameters only
   std::vector<at::Tensor> buffers;  // broadcast from rank 0 (broadcast_buffers)
   std::vector<hooks::ParamInfo> info;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;  // keep hooks alive
+  std::vector<GradAccumulatorPtr> accumulators;  // keep hooks alive
   std::vector<uintptr_t> hook_keys;  // per accumulator: our post hook, removed at destruction
   std::shared_ptr<std::atomic<Impl*>> alive;  // what the hooks call; null once destroyed
   GradSyncOptions opts;

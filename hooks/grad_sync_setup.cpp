@@ -30,7 +30,11 @@ std::string describe(const at::Tensor& t) {
 // Does `pg` take tensors of device type `d`? (NCCL is registered for CPU
 // tensors by a spec such as "nccl", and rejects them at the first call.)
 bool takes(c10d::ProcessGroup& pg, c10::DeviceType d) {
-  if (!pg.hasBackendForDeviceType(d)) return false;
+  // (getDeviceTypes, not hasBackendForDeviceType: 2.11 lacks the latter.)
+  const auto types = pg.getDeviceTypes();
+  if (std::none_of(types.begin(), types.end(), [d](const c10::Device& t) { return t.type() == d; })) {
+    return false;
+  }
   return d != c10::DeviceType::CPU || pg.getBackend(d)->getBackendName() != "nccl";
 }
 

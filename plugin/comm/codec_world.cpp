@@ -9,6 +9,20 @@
 #include "plugin/comm/backend_registry.h"
 
 namespace ddpx::comm {
+namespace {
+
+// The group registered under `name`, or null. (resolve_process_group throws
+// for an unknown name in every torch version; is_process_group_registered
+// is 2.15's only.)
+c10::intrusive_ptr<c10d::ProcessGroup> registered(const std::string& name) {
+  try {
+    return c10d::resolve_process_group(name);
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+
+}  // namespace
 
 c10::intrusive_ptr<c10d::ProcessGroup> world() {
   if (detect_launcher() == Launcher::Mpi && detail::find_backend("ddpx_mpi") != nullptr) {
@@ -26,19 +40,21 @@ c10::intrusive_ptr<c10d::ProcessGroup> world() {
   }
   // torch.distributed names its default group "0" (_process_group_name with a
   // fresh group count) and registers it with c10d.
-  TORCH_CHECK(c10d::is_process_group_registered("0"),
+  auto group = registered("0");
+  TORCH_CHECK(group,
               "ddpx: group \"\" means the world group, but this process was not started by "
               "mpirun and torch.distributed has no default group; call "
               "torch.distributed.init_process_group() first or pass a registered group name");
-  return c10d::resolve_process_group("0");
+  return group;
 }
 
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const std::string& name) {
   if (name.empty()) return world();
-  TORCH_CHECK(c10d::is_process_group_registered(name), "ddpx: group '", name,
+  auto group = registered(name);
+  TORCH_CHECK(group, "ddpx: group '", name,
               "' is not a registered process group (torch.distributed registers each group "
               "under its group_name)");
-  return c10d::resolve_process_group(name);
+  return group;
 }
 
 }  // namespace ddpx::comm

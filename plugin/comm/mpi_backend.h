@@ -66,9 +66,12 @@ class MpiBackend final : public c10d::Backend {
   // handles (get_reconfigure_handle: "job:world_rank") are given, in the
   // list's order (a set: world-rank order); calls posted before it finish on
   // the old communicator. Members only: torch's fault-tolerance flow.
+  // (Only where torch's Backend has it: 2.15, not 2.11.)
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
   bool supportsReconfigure() const override { return true; }
   c10d::ReconfigureHandle get_reconfigure_handle() const override;
   c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
+#endif
   c10d::ErrorType getError() override;
   void enableCollectivesTiming() override { timing_ = true; }
 
@@ -115,10 +118,12 @@ class MpiBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
       std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& input_list,
       const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> all_gather_single_coalesced(
+  // 2.15's names; before, allgather_into_tensor_coalesced and
+  // reduce_scatter_tensor_coalesced (2.15 keeps those as aliases).
+  c10::intrusive_ptr<c10d::Work> DDPX_ALL_GATHER_SINGLE_COALESCED(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_single_coalesced(
+  c10::intrusive_ptr<c10d::Work> DDPX_REDUCE_SCATTER_SINGLE_COALESCED(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;

@@ -164,7 +164,7 @@ void check_pairs(const std::vector<at::Tensor>& outputs, const std::vector<at::T
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> MpiBackend::all_gather_single_coalesced(
+c10::intrusive_ptr<c10d::Work> MpiBackend::DDPX_ALL_GATHER_SINGLE_COALESCED(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions&) {
   check_inputs(inputs, "inputs");
@@ -172,7 +172,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::all_gather_single_coalesced(
   const int64_t id = fingerprint(inputs, 21);
   const std::vector<at::Tensor> ins = inputs;
   const std::vector<at::Tensor> outs = outputs;
-  return post(c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED, outs, ins,
+  return post(DDPX_OPTYPE_ALL_GATHER_SINGLE_COALESCED, outs, ins,
               [=, this](MpiWorker::Progress&) {
                 check_agreement(comm_, {21, id}, "all_gather_single_coalesced",
                                 std::to_string(ins.size()) + " tensors");
@@ -230,7 +230,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allgather_coalesced(
   });
 }
 
-c10::intrusive_ptr<c10d::Work> MpiBackend::reduce_scatter_single_coalesced(
+c10::intrusive_ptr<c10d::Work> MpiBackend::DDPX_REDUCE_SCATTER_SINGLE_COALESCED(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   check_inputs(inputs, "inputs");
@@ -245,7 +245,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reduce_scatter_single_coalesced(
   const std::vector<at::Tensor> ins = inputs;
   const std::vector<at::Tensor> outs = outputs;
   return post(
-      c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED, outs, ins, [=, this](MpiWorker::Progress&) {
+      DDPX_OPTYPE_REDUCE_SCATTER_SINGLE_COALESCED, outs, ins, [=, this](MpiWorker::Progress&) {
         check_agreement(comm_, {23, id}, "reduce_scatter_single_coalesced",
                         std::to_string(ins.size()) + " tensors");
         if (go_direct(ins)) {

@@ -142,6 +142,7 @@ c10::intrusive_ptr<c10d::Backend> MpiBackend::split(const c10::intrusive_ptr<c10
   return child;
 }
 
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
 c10d::ReconfigureHandle MpiBackend::get_reconfigure_handle() const { return member_id(); }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::reconfigure(const c10d::ReconfigureOptions& opts) {
@@ -195,6 +196,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reconfigure(const c10d::ReconfigureOp
       },
       opts.timeout);
 }
+#endif  // C10D_BACKEND_HAS_RECONFIGURE
 
 c10d::ErrorType MpiBackend::getError() {
   if (!MpiEnv::get().broken()) return c10d::ErrorType::SUCCESS;

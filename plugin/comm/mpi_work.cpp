@@ -274,7 +274,7 @@ void MpiWorker::loop() {
     if (entry.task) {
       if (entry.work) {
         entry.work->mark_started();
-        watch(entry.work.get(), entry.work->getTimeout());
+        watch(entry.work.get(), entry.work->timeout());
       }
       Progress progress;
       progress.work = entry.work.get();

@@ -43,6 +43,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
+#include "plugin/torch_compat.h"
+
 namespace ddpx::comm::detail {
 
 class MpiWork : public c10d::Work {
@@ -63,7 +65,10 @@ class MpiWork : public c10d::Work {
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   int sourceRank() const override;
+#if DDPX_TORCH_AT_LEAST(2, 15)
   std::chrono::milliseconds getTimeout() const override { return timeout_; }
+#endif
+  std::chrono::milliseconds timeout() const { return timeout_; }
   // Milliseconds from the worker starting the call to its completion; only
   // for Works posted after the group's enableCollectivesTiming() (as Gloo).
   float getDuration() const override;

@@ -33,6 +33,7 @@
 #include <ddpx/grad_sync.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/cuda.h>
 #include <torch/script.h>
 #include <torch/torch.h>
 
@@ -61,6 +62,7 @@ struct Args {
   double bucket_cap_mb = 25.0;
   bool zero_in_place = false;  // zero_grad(set_to_none=false)
   std::vector<std::string> exact;  // models run with Unused::Exact
+  std::string device = "cpu";      // cuda: model and inputs on GPU 0, each step synchronized
 };
 
 double median(std::vector<double> v) {
@@ -102,10 +104,10 @@ double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-void forward_backward(torch::jit::Module& m, int64_t step, int64_t rank,
+void forward_backward(torch::jit::Module& m, const at::Device& dev, int64_t step, int64_t rank,
                       ddpx::GradSync* exact = nullptr, Phases* phases = nullptr) {
   const auto t0 = Clock::now();
-  at::Tensor x = m.run_method("inputs", step, rank).toTensor();
+  at::Tensor x = m.run_method("inputs", step, rank).toTensor().to(dev);
   at::Tensor loss = m.forward({x, step}).toTensor();
   if (phases) phases->forward = ms_since(t0);
   if (exact) exact->prepare_for_backward({loss});
@@ -116,12 +118,13 @@ void forward_backward(torch::jit::Module& m, int64_t step, int64_t rank,
 }
 
 // The flat buffers comm-only reduces: the model's bytes in bucket-sized parts.
-std::vector<at::Tensor> comm_buffers(const std::vector<at::Tensor>& params, double cap_mb) {
+std::vector<at::Tensor> comm_buffers(const std::vector<at::Tensor>& params, double cap_mb,
+                                     const at::Device& dev) {
   int64_t total = 0;
   for (const auto& p : params) total += p.numel();
   const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(cap_mb * (1 << 20)) / 4);
   std::vector<at::Tensor> out;
-  for (int64_t off = 0; off < total; off += cap) out.push_back(at::ones({std::min(cap, total - off)}));
+  for (int64_t off = 0; off < total; off += cap) out.push_back(at::ones({std::min(cap, total - off)}, at::TensorOptions(dev)));
   return out;
 }
 
@@ -133,6 +136,8 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
                            const Groups& g) {
   const int rank = g.mpi->getRank(), world = g.mpi->getSize();
   torch::jit::Module m = torch::jit::load(a.dir + "/" + model + ".pt");
+  const at::Device dev(a.device);
+  m.to(dev);
   m.train();
   const auto params = params_of(m);
   int64_t numel = 0;
@@ -172,7 +177,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   }
   ddpx::GradSync* exact_sync = sync && exact ? &*sync : nullptr;
   std::vector<at::Tensor> bufs;
-  if (variant == "comm_gloo" || variant == "comm_mpi") bufs = comm_buffers(params, a.bucket_cap_mb);
+  if (variant == "comm_gloo" || variant == "comm_mpi") bufs = comm_buffers(params, a.bucket_cap_mb, dev);
 
   std::function<void(int64_t)> step_fn;
   Phases phases;  // of the last step
@@ -185,7 +190,8 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   // seems; the same hooks writing a double each left it at 71).
   std::vector<double> arrived(params.size(), -1.0);
   std::vector<std::vector<double>> arrivals;  // per timed step
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators;
+  // (shared_ptr<Node> in torch 2.11, intrusive_ptr<Node> in 2.15)
+  std::vector<decltype(torch::autograd::impl::grad_accumulator(params[0]))> accumulators;
   if (variant == "compute") {
     arrivals.assign(a.steps, std::vector<double>(params.size(), -1.0));
     for (size_t i = 0; i < params.size(); ++i) {
@@ -201,12 +207,12 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   }
   if (variant == "compute" || sync) {
     step_fn = [&](int64_t s) {
-      forward_backward(m, s, rank, exact_sync, &phases);
+      forward_backward(m, dev, s, rank, exact_sync, &phases);
       if (sgd && !by_sync) sgd->step();
     };
   } else if (variant == "naive") {
     step_fn = [&](int64_t s) {
-      forward_backward(m, s, rank);
+      forward_backward(m, dev, s, rank);
       torch::NoGradGuard no_grad;
       for (const auto& p : params) {
         if (!p.grad().defined()) continue;  // unused here: skipped on every rank alike
@@ -241,6 +247,7 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     const auto t0 = Clock::now();
     step_fn(s);
     if (!by_sync) zero_grad(params, a.zero_in_place);  // (else GradSync's updates consume them)
+    if (dev.is_cuda()) torch::cuda::synchronize();  // the step's kernels, as DDP's side times them
     const double dt = ms_since(t0);
     if (s < warmup) continue;
     ms.push_back(dt);
@@ -332,6 +339,8 @@ int main(int argc, char** argv) {
   app.add_option("--bucket-cap-mb", a.bucket_cap_mb, "GradSync bucket cap and comm-only part size");
   app.add_flag("--zero-in-place", a.zero_in_place, "zero_grad(set_to_none=false)");
   app.add_option("--exact", a.exact, "models whose GradSync uses Unused::Exact")->delimiter(',');
+  app.add_option("--device", a.device, "cpu, or cuda (both ranks on GPU 0)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
   TORCH_CHECK(a.steps > 0, "--steps must be positive, got ", a.steps);
 

@@ -12,6 +12,22 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.distributed_c10d import _coalescing_manager
 
+# torch 2.11 (the lent GPU machine's) names these all_gather_tensor,
+# reduce_scatter_tensor and *_tensor_coalesced; 2.15 keeps those as aliases of
+# the *_single names. The tests run on both through whichever the torch has.
+all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+reduce_scatter_single = (getattr(funcol, "reduce_scatter_single", None)
+                         or funcol.reduce_scatter_tensor)
+all_gather_single_coalesced = (getattr(funcol, "all_gather_single_coalesced", None)
+                               or funcol.all_gather_into_tensor_coalesced)
+reduce_scatter_single_coalesced = (getattr(funcol, "reduce_scatter_single_coalesced", None)
+                                   or funcol.reduce_scatter_tensor_coalesced)
+
+
+def pg_method(pg, name, old_name):
+    return getattr(pg, name, None) or getattr(pg, old_name)
+
+
 # Odd sizes and an empty one (DESIGN.md, tests).
 SIZES = [1, 17, 97, 0]
 
@@ -68,7 +84,7 @@ def test_functional_all_gather_into_tensor(rows, contiguous):
     r, n = rank_size()
     t = data(r, (rows, 5), torch.int64)
     inp = t if contiguous else noncontig(t)
-    out = funcol.wait_tensor(funcol.all_gather_single(inp, 0, WORLD()))
+    out = funcol.wait_tensor(all_gather_single(inp, 0, WORLD()))
     assert torch.equal(out, torch.cat([data(k, (rows, 5), torch.int64) for k in range(n)]))
 
 
@@ -78,7 +94,7 @@ def test_functional_reduce_scatter_tensor(rows, scatter_dim):
     r, n = rank_size()
     shape = (rows * n, 4) if scatter_dim == 0 else (4, rows * n)
     inp = noncontig(data(r, shape))
-    out = funcol.wait_tensor(funcol.reduce_scatter_single(inp, "sum", scatter_dim, WORLD()))
+    out = funcol.wait_tensor(reduce_scatter_single(inp, "sum", scatter_dim, WORLD()))
     want = sum(data(k, shape) for k in range(n)).chunk(n, dim=scatter_dim)[r]
     assert torch.equal(out, want)
 
@@ -104,7 +120,7 @@ def coalesced_inputs(r):
 
 def test_functional_all_gather_coalesced():
     r, n = rank_size()
-    outs = funcol.wait_tensors(funcol.all_gather_single_coalesced(coalesced_inputs(r), WORLD()))
+    outs = funcol.wait_tensors(all_gather_single_coalesced(coalesced_inputs(r), WORLD()))
     for i, out in enumerate(outs):
         assert torch.equal(out, torch.cat([coalesced_inputs(k)[i] for k in range(n)])), i
     with warnings.catch_warnings():
@@ -122,7 +138,7 @@ def test_functional_reduce_scatter_coalesced():
     inputs = [noncontig(data(r, s, d)) if i == 0 else data(r, s, d)
               for i, (s, d) in enumerate(zip(shapes, dtypes))]
     outs = funcol.wait_tensors(
-        funcol.reduce_scatter_single_coalesced(inputs, "sum", dims, WORLD()))
+        reduce_scatter_single_coalesced(inputs, "sum", dims, WORLD()))
     for s, d, dim, out in zip(shapes, dtypes, dims, outs):
         want = sum(data(k, s, d) for k in range(n)).chunk(n, dim=dim)[r] if s[0] else data(0, s, d)
         assert torch.equal(out, want), (s, d)
@@ -159,9 +175,11 @@ def test_coalesced_errors_name_the_argument():
             warnings.simplefilter("ignore", FutureWarning)
             dist.all_gather_coalesced([[torch.zeros(2)]] * (n + 1), [torch.zeros(2)])
     with pytest.raises(RuntimeError, match=r"outputs\[0\]"):
-        pg.all_gather_single_coalesced([torch.zeros(3 * n)], [torch.zeros(2)]).wait()
+        pg_method(pg, "all_gather_single_coalesced", "allgather_into_tensor_coalesced")(
+            [torch.zeros(3 * n)], [torch.zeros(2)]).wait()
     with pytest.raises(RuntimeError, match="same number of"):
-        pg.reduce_scatter_single_coalesced([torch.zeros(2)], [torch.zeros(2 * n)] * 2).wait()
+        pg_method(pg, "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")(
+            [torch.zeros(2)], [torch.zeros(2 * n)] * 2).wait()
     t = torch.ones(2)
     dist.all_reduce(t)  # the group is still usable
     assert torch.equal(t, torch.full((2,), float(n)))
