@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "plugin/archive_check.h"
+#include "plugin/trainer/optim.h"
 
 namespace ddpx::trainer {
 namespace {
@@ -77,6 +78,7 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
   torch::serialize::InputArchive opt;
   ar.read("optimizer", opt);
   t.optimizer.load(opt);
+  if (t.device != at::kCPU) optimizer_state_to(t.optimizer, t.device);
   at::Tensor order, predictor, rng, where;
   ar.read("gradsync.plan_order", order);
   ar.read("gradsync.predictor", predictor);
@@ -141,11 +143,11 @@ void save_checkpoint(const std::string& path, TrainObjects& t, const Position& p
   c10::List<at::Tensor> tensors;
   for (const auto& p : t.model.named_parameters()) {
     names.push_back(p.name);
-    tensors.push_back(p.value.detach());
+    tensors.push_back(p.value.detach().cpu());
   }
   for (const auto& b : t.model.named_buffers()) {
     names.push_back(b.name);
-    tensors.push_back(b.value);
+    tensors.push_back(b.value.cpu());
   }
   ar.write("model_names", c10::IValue(names));
   ar.write("model_tensors", c10::IValue(tensors));
@@ -197,7 +199,7 @@ void restore_checkpoint(const char* data, size_t size, const std::string& name, 
   try {
     ddpx::detail::check_torch_archive(data, size, "its archive");
     torch::serialize::InputArchive ar;
-    ar.load_from(data, size);
+    ar.load_from(data, size, at::Device(at::kCPU));  // (restore() moves what trains elsewhere)
     restore(ar, t, pos);
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "ddpx-train: checkpoint ", name,

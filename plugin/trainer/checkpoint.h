@@ -33,6 +33,9 @@ struct TrainObjects {
   // LayerDrop::describe() of the run: its pattern is a function of the step,
   // so a resumed run continues it only under the same schedule and seed.
   std::string layer_drop = "none";
+  // Where the model trains (--device). The file holds CPU tensors, so a run
+  // resumes on another device or GPU number than the one that wrote it.
+  at::Device device = at::kCPU;
 };
 
 void save_checkpoint(const std::string& path, TrainObjects& t, const Position& pos);

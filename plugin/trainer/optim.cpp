@@ -29,6 +29,22 @@ double lr_at(int64_t step, int64_t total, const Options& o) {
   return o.lr;
 }
 
+void optimizer_state_to(torch::optim::Optimizer& opt, at::Device device) {
+  using namespace torch::optim;
+  auto move = [&](const at::Tensor& t) { return t.defined() ? t.to(device) : t; };
+  for (auto& [key, state] : opt.state()) {
+    if (auto* s = dynamic_cast<SGDParamState*>(state.get())) {
+      s->momentum_buffer(move(s->momentum_buffer()));
+    } else if (auto* a = dynamic_cast<AdamParamState*>(state.get())) {
+      a->exp_avg(move(a->exp_avg()));
+      a->exp_avg_sq(move(a->exp_avg_sq()));
+      a->max_exp_avg_sq(move(a->max_exp_avg_sq()));
+    } else {
+      TORCH_CHECK(false, "ddpx-train: cannot move the state of this optimizer to ", device);
+    }
+  }
+}
+
 void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& group : opt.param_groups()) group.options().set_lr(lr);
 }

@@ -19,4 +19,8 @@ double lr_at(int64_t step, int64_t total, const Options& o);
 
 void set_lr(torch::optim::Optimizer& opt, double lr);
 
+// Moves SGD's or Adam's per-parameter state to `device` (a checkpoint is read
+// on the CPU, whatever device wrote it).
+void optimizer_state_to(torch::optim::Optimizer& opt, at::Device device);
+
 }  // namespace ddpx::trainer

@@ -61,6 +61,16 @@ Options parse_options(int argc, char** argv) {
       ->capture_default_str();
   run->add_option("--threads", o.threads, "intra-op threads per rank (default: cores / ranks)")
       ->check(CLI::NonNegativeNumber);
+  run->add_option("--device", o.device,
+                  "cpu, or cuda: each rank trains on its host's GPU number (local rank mod GPUs), "
+                  "the launcher's local rank (OMPI_COMM_WORLD_LOCAL_RANK, LOCAL_RANK)")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  run->add_option("--amp", o.amp,
+                  "off, or bf16: forward and loss under CUDA autocast to bfloat16 (parameters, "
+                  "gradients and the optimizer stay float32; --device cuda)")
+      ->check(CLI::IsMember({"off", "bf16"}))
+      ->capture_default_str();
 
   auto* sync = app.add_option_group("GradSync");
   sync->add_option("--bucket-cap-mb", o.bucket_cap_mb)
@@ -203,6 +213,13 @@ Options parse_options(int argc, char** argv) {
   }
   if (!straggler.empty()) {
     std::sscanf(straggler.c_str(), "%d:%lf", &o.straggler_rank, &o.straggler_ms);
+  }
+  if (o.amp != "off" && o.device != "cuda") {
+    std::exit(app.exit(CLI::ValidationError("--amp", "bf16 autocast needs --device cuda")));
+  }
+  if (o.device != "cpu" && o.mode == "ps") {
+    std::exit(app.exit(CLI::ValidationError(
+        "--device", "the parameter server (--mode ps) trains on the CPU only; drop --device cuda")));
   }
   if (o.resume && o.checkpoint.empty()) {
     std::exit(app.exit(CLI::ValidationError("--resume", "needs --checkpoint PATH")));

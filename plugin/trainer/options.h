@@ -25,6 +25,8 @@ struct Options {
   int64_t warmup_steps = 0;
   uint64_t seed = 1;
   int threads = 0;  // intra-op threads; 0: cores / local ranks
+  std::string device = "cpu";  // cpu | cuda (each rank its local GPU)
+  std::string amp = "off";     // off | bf16 (CUDA autocast around forward and loss)
 
   // GradSync.
   double bucket_cap_mb = 25.0;

@@ -1,5 +1,8 @@
 #include "plugin/trainer/run_common.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/cuda.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +31,25 @@ int local_ranks() {
     if (const char* s = std::getenv(v)) return std::max(1, std::atoi(s));
   }
   return 1;
+}
+
+at::Device select_device(const Options& o) {
+  if (o.device == "cpu") return at::kCPU;
+  const auto gpus = static_cast<int>(torch::cuda::device_count());
+  TORCH_CHECK(gpus > 0, "ddpx-train: --device cuda, but no CUDA device is visible to this "
+              "process (torch::cuda::device_count() is 0; CUDA_VISIBLE_DEVICES=",
+              std::getenv("CUDA_VISIBLE_DEVICES") ? std::getenv("CUDA_VISIBLE_DEVICES") : "(unset)",
+              ")");
+  int local = 0;
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_RANK"}) {
+    if (const char* s = std::getenv(v)) {
+      local = std::max(0, std::atoi(s));
+      break;
+    }
+  }
+  const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(local % gpus));
+  c10::impl::VirtualGuardImpl(at::kCUDA).setDevice(dev);
+  return dev;
 }
 
 DataSplit load_data(const Options& o, const ScriptedModel& m) {
@@ -59,12 +81,17 @@ double evaluate(torch::jit::Module& m, const Dataset& test, int rank, int size,
                 const std::function<at::Tensor(const at::Tensor&)>& sum, int64_t batch) {
   at::NoGradGuard no_grad;
   m.eval();
+  at::Device dev = at::kCPU;
+  for (const auto& p : m.parameters()) {
+    dev = p.device();
+    break;
+  }
   const at::Tensor idx = shard_indices(test.size(), rank, size, 0, 0);
   double correct = 0;
   for (int64_t b = 0; b < idx.numel(); b += batch) {
     const at::Tensor rows = idx.narrow(0, b, std::min(batch, idx.numel() - b));
-    const at::Tensor out = m.forward({test.inputs.index_select(0, rows)}).toTensor();
-    correct += out.argmax(1).eq(test.targets.index_select(0, rows)).sum().item<double>();
+    const at::Tensor out = m.forward({test.inputs.index_select(0, rows).to(dev)}).toTensor();
+    correct += out.argmax(1).eq(test.targets.index_select(0, rows).to(dev)).sum().item<double>();
   }
   m.train();
   const at::Tensor t = sum(at::tensor({correct, double(idx.numel())}, at::kDouble));

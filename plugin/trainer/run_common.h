@@ -17,6 +17,11 @@ namespace ddpx::trainer {
 // Processes of this job on this host (for the intra-op thread count).
 int local_ranks();
 
+// --device: the CPU, or this process's GPU (local rank mod the host's GPUs),
+// made the current CUDA device (NCCL and the caching allocator use it). A
+// clear error when CUDA was asked for and none is visible.
+at::Device select_device(const Options& o);
+
 // --data, or the generated set the model takes.
 DataSplit load_data(const Options& o, const ScriptedModel& m);
 
@@ -28,7 +33,8 @@ void straggle(const Options& o, int rank);
 
 at::Tensor allreduce_sum(c10d::ProcessGroup& pg, at::Tensor t);
 
-// Accuracy of the model on the test set, each rank of pg scoring its share.
+// Accuracy of the model on the test set, each rank of pg scoring its share
+// (on the device the model's parameters are on).
 double evaluate(torch::jit::Module& m, const Dataset& test, c10d::ProcessGroup& pg, int64_t batch);
 // The same for a group that is not a ProcessGroup (the parameter server's
 // final ranks): this rank's shard of the test set, summed with `sum` (float64).

@@ -3,6 +3,7 @@
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
 #include <ddpx/layer_drop.h>
+#include <ATen/autocast_mode.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/utils.h>  // torch::manual_seed
 
@@ -69,6 +70,29 @@ void set_block_scale(torch::jit::Module& m, const std::vector<double>& scales) {
   m.setattr("block_scale", c10::List<double>(c10::ArrayRef<double>(scales)));
 }
 
+// --amp bf16: CUDA autocast to bfloat16 for the forward and the loss (the
+// ops run under the Autocast dispatch key, as Python's torch.autocast);
+// parameters, gradients and the optimizer stay float32.
+class Autocast {
+ public:
+  explicit Autocast(bool on) : on_(on) {
+    if (!on_) return;
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    at::autocast::increment_nesting();
+  }
+  ~Autocast() {
+    if (!on_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+  }
+  Autocast(const Autocast&) = delete;
+  Autocast& operator=(const Autocast&) = delete;
+
+ private:
+  bool on_;
+};
+
 }  // namespace
 
 void run(const Options& o) {
@@ -76,6 +100,8 @@ void run(const Options& o) {
   const auto timeout = o.timeout_s > 0
                            ? std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000))
                            : comm::default_timeout();
+  // The GPU first: NCCL binds each rank to the current device.
+  const at::Device device = select_device(o);
   auto pg = comm::init_from_env(timeout);
   const int rank = pg->getRank(), world = pg->getSize();
   const bool lead = rank == 0;
@@ -85,6 +111,7 @@ void run(const Options& o) {
 
   ScriptedModel sm = load_model(o.model);
   torch::jit::Module& model = sm.module;
+  model.to(device);
   model.train();
   const LayerDrop drop = parse_layer_drop(o.layer_drop, o.pld_gamma, o.layer_drop_pattern,
                                           o.layer_drop_scale, o.seed);
@@ -123,7 +150,10 @@ void run(const Options& o) {
   // A shared pattern is declared to GradSync each step: each block gets
   // buckets of its own, which a dropped block skips whole.
   if (drop.active() && !drop.per_rank) so.drop_units(units);
-  const std::string backend = comm::detect_launcher() == comm::Launcher::Mpi ? "ddpx_mpi" : "gloo";
+  // (the channels: what init_from_env made; torchrun with CUDA: NCCL for CUDA tensors)
+  const std::string backend = comm::detect_launcher() == comm::Launcher::Mpi ? "ddpx_mpi"
+                              : device.is_cuda()                             ? "cpu:gloo,cuda:nccl"
+                                                                             : "gloo";
   for (int c = 1; c < o.channels; ++c) {
     comm::MakeOptions mo;
     mo.timeout = timeout;
@@ -133,7 +163,7 @@ void run(const Options& o) {
   GradSync sync(model, pg, so);  // (next-forward: gates the model's reads of its parameters)
   if (stepped_by_sync) sync.set_optimizer(*opt);
 
-  TrainObjects objs{model, *opt, o.optimizer, sync, drop.describe()};
+  TrainObjects objs{model, *opt, o.optimizer, sync, drop.describe(), device};
   Position pos;
   if (!o.checkpoint.empty()) {
     if (o.resume) {
@@ -155,7 +185,10 @@ void run(const Options& o) {
   }
   if (lead && !o.quiet) {
     std::cout << "[ddpx-train] " << o.model << ": " << params.size() << " parameter tensors, "
-              << world << " rank(s) over " << (world > 1 ? backend : "one process") << ", " << total
+              << world << " rank(s) over " << (world > 1 ? backend : "one process") << " on "
+              << (device.is_cuda() ? "cuda" + (o.amp != "off" ? " (autocast " + o.amp + ")" : "")
+                                   : "cpu")
+              << ", " << total
               << " steps of " << o.batch_size << " x " << world << " samples, codec " << o.codec
               << std::endl;
     if (drop.active()) {
@@ -167,7 +200,10 @@ void run(const Options& o) {
   const auto t_start = Clock::now();
   auto t_window = t_start;
   const int64_t first_step = pos.step;
-  double w_loss = 0, w_correct = 0, w_count = 0, last_loss = 0, last_acc = 0;
+  // Loss and correct predictions summed on the device (no host sync per step).
+  const auto zero_stats = [&] { return at::zeros({2}, at::dtype(at::kDouble).device(device)); };
+  at::Tensor w_stats = zero_stats();
+  double w_count = 0, last_loss = 0, last_acc = 0;
   double w_kept = 0, w_steps = 0, last_kept = 1;
   at::Tensor idx;
   int64_t idx_epoch = -1;
@@ -181,8 +217,8 @@ void run(const Options& o) {
       idx_epoch = pos.epoch;
     }
     const at::Tensor rows = idx.narrow(0, pos.batch * o.batch_size, o.batch_size);
-    const at::Tensor x = data.train.inputs.index_select(0, rows);
-    const at::Tensor y = data.train.targets.index_select(0, rows);
+    const at::Tensor x = data.train.inputs.index_select(0, rows).to(device);
+    const at::Tensor y = data.train.targets.index_select(0, rows).to(device);
     set_lr(*opt, lr_at(pos.step, total, o));  // (GradSync takes it when backward begins)
     if (!stepped_by_sync) opt->zero_grad();  // (else each update consumes its gradients)
     if (drop.active()) {
@@ -196,8 +232,12 @@ void run(const Options& o) {
       w_kept += 1.0 - static_cast<double>(dropped.size()) / depth;
     }
     w_steps += 1;
-    const at::Tensor logits = model.forward({x}).toTensor();
-    const at::Tensor loss = torch::nn::functional::cross_entropy(logits, y);
+    at::Tensor logits, loss;
+    {
+      Autocast amp(o.amp == "bf16");
+      logits = model.forward({x}).toTensor();
+      loss = torch::nn::functional::cross_entropy(logits, y);
+    }
     straggle(o, rank);
     if (so.unused_ == Unused::Exact) sync.prepare_for_backward({loss});
     loss.backward();
@@ -207,8 +247,8 @@ void run(const Options& o) {
     }
     ++pos.step;
     ++pos.batch;
-    w_loss += loss.item<double>() * double(o.batch_size);
-    w_correct += logits.argmax(1).eq(y).sum().item<double>();
+    w_stats += at::stack({loss.detach().to(at::kDouble) * double(o.batch_size),
+                          logits.argmax(1).eq(y).sum().to(at::kDouble)});
     w_count += double(o.batch_size);
 
     const bool log_now = pos.step % o.log_every == 0 || pos.step == total;
@@ -218,7 +258,7 @@ void run(const Options& o) {
     const bool save_now = o.checkpoint_every > 0 && pos.step % o.checkpoint_every == 0;
     if (log_now || save_now || pos.step == total) sync.synchronize();
     if (log_now) {
-      auto w = allreduce_sum(*pg, at::tensor({w_loss, w_correct, w_count}, at::kDouble));
+      auto w = allreduce_sum(*pg, at::cat({w_stats.cpu(), at::tensor({w_count}, at::kDouble)}));
       const auto now = Clock::now();
       const double dt = std::chrono::duration<double>(now - t_window).count();
       const double elapsed = std::chrono::duration<double>(now - t_start).count();
@@ -258,7 +298,8 @@ void run(const Options& o) {
                 << std::endl;
       }
       t_window = now;
-      w_loss = w_correct = w_count = w_kept = w_steps = 0;
+      w_stats = zero_stats();
+      w_count = w_kept = w_steps = 0;
     }
     if (lead && !o.checkpoint.empty() && (save_now || pos.step == total)) {
       save_checkpoint(o.checkpoint, objs, pos);

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from trainer_util import TRAIN, model, mpirun_cmd, read_metrics, run
+from trainer_util import TRAIN, env, model, mpirun_cmd, read_metrics, run
 
 
 @pytest.fixture(scope="module")
@@ -165,3 +165,21 @@ def test_straggler_sleeps_every_step(tmp_path, data_dir):
         out[name] = [x for x in read_metrics(m) if x.get("event") == "end"][0]
     assert out["slow"]["elapsed_s"] >= 8 * 0.150
     assert out["slow"]["loss"] == out["other"]["loss"]
+
+
+def test_amp_needs_cuda(data_dir):
+    fails_with(["--model", model("mlp"), "--data", data_dir, "--steps", 1, "--amp", "bf16"],
+               "--amp", "needs --device cuda")
+
+
+def test_parameter_server_refuses_cuda(data_dir):
+    fails_with(["--model", model("mlp"), "--data", data_dir, "--steps", 1, "--mode", "ps",
+                "--device", "cuda"], "--device", "CPU only")
+
+
+def test_cuda_without_a_visible_gpu_is_named(data_dir):
+    # CUDA_VISIBLE_DEVICES="" hides any GPU, on a machine with one too.
+    r = run([TRAIN, "--model", model("mlp"), "--data", data_dir, "--steps", 1, "--device", "cuda"],
+            timeout=120, env=env(CUDA_VISIBLE_DEVICES=""))
+    assert r.returncode != 0, r.stdout
+    assert "--device cuda, but no CUDA device is visible" in r.stderr, r.stderr
