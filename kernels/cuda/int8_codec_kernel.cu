@@ -54,7 +54,9 @@ __global__ void pack_kernel(PackParams p) {
   auto* codes = reinterpret_cast<int8_t*>(p.out);
   for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) {
     codes[i] = ic::encode(m[i], scale);
-    if (p.e) p.e[i] -= ic::decode(codes[i], scale);
+    // __fsub_rn / __fadd_rn: never contracted into an FMA, so the result is
+    // the CPU kernel's bit for bit (tests/python/test_int8_codec_cuda.py).
+    if (p.e) p.e[i] = __fsub_rn(p.e[i], ic::decode(codes[i], scale));
   }
   if (threadIdx.x == 0) {
     reinterpret_cast<float*>(p.out + ic::scales_offset(p.numel))[c] = scale;
@@ -83,8 +85,8 @@ __global__ void unpack_sum_kernel(UnpackParams p) {
     float acc = 0.0f;
     for (int64_t r = 0; r < p.rows; ++r) {
       const uint8_t* row = p.packed + r * p.len;
-      const float s = reinterpret_cast<const float*>(row + off)[c] * p.alpha;
-      acc += ic::decode(reinterpret_cast<const int8_t*>(row)[i], s);
+      const float s = __fmul_rn(reinterpret_cast<const float*>(row + off)[c], p.alpha);
+      acc = __fadd_rn(acc, ic::decode(reinterpret_cast<const int8_t*>(row)[i], s));
     }
     p.y[i] = acc;
   }

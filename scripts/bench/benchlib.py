@@ -2,13 +2,15 @@
 
 Every benchmark times ours and the peer in the same process, prints one table
 with a `ratio` column (ours / peer time; < 1 means ours is faster), ends with a
-line `geomean ratio: X`, and writes bench_results/<name>.json (git-ignored).
+line `geomean ratio: X`, and writes bench_results/<name>.json (git-ignored; or
+$DDPX_BENCH_OUT/<name>.json) with the command, date, torch, CUDA and card.
 """
 import argparse
 import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -77,6 +79,49 @@ def interleaved(fn_ours, fn_peer, repeat, warmup=2):
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def cuda_interleaved(fn_ours, fn_peer, calls, rounds=7, warmup=2):
+    """CUDA: median per-call times (s) of two functions, each round timed with
+    device events around `calls` back-to-back calls (no host sync between
+    them: a sync per call would add its own ~10 us to kernels that short),
+    the two alternating which goes first, as interleaved()."""
+    import torch
+
+    for _ in range(warmup):
+        fn_ours()
+        fn_peer()
+    torch.cuda.synchronize()
+    fns, times = (fn_ours, fn_peer), ([], [])
+    for i in range(rounds):
+        for k in ((0, 1) if i % 2 == 0 else (1, 0)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fns[k]()
+            end.record()
+            end.synchronize()
+            times[k].append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def cuda_copy_bandwidth(nbytes=1 << 30):
+    """Bytes read plus written per second of a large device-to-device copy
+    (METHOD.md's memory-bandwidth ceiling), median of 5."""
+    import torch
+
+    a = torch.empty(nbytes // 4, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        t.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(t)
+
+
 def geomean(values):
     values = [v for v in values if v > 0]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
@@ -104,13 +149,28 @@ def report(name, columns, rows, ratio_key="ratio", extra=None, also=()):
         if worst:  # the case a user loses most on, named (the first column)
             print(f"worst {label}: {worst[key]:.3f} ({_fmt(worst.get(columns[0]))})")
         print(f"geomean {label}: {g:.3f}")
-    out = ROOT / "bench_results"
-    out.mkdir(exist_ok=True)
+    # DDPX_BENCH_OUT: another folder (scripts/device/check.sh: its OUT_DIR).
+    out = Path(os.environ.get("DDPX_BENCH_OUT", ROOT / "bench_results"))
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / f"{name}.json", "w") as f:
         json.dump({"name": name, "rows": rows, "geomean_ratio": summary[ratio_key]["geomean"],
                    "worst_ratio": summary[ratio_key]["worst"], "summary": summary,
-                   **(extra or {})}, f, indent=1)
+                   **_provenance(), **(extra or {})}, f, indent=1)
     return summary[ratio_key]["geomean"]
+
+
+def _provenance():
+    """What a result file must say of where it came from."""
+    import datetime
+    import platform
+
+    import torch
+    gpu = torch.cuda.is_available()
+    return {"command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "card": torch.cuda.get_device_name() if gpu else None,
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
 
 
 def _fmt(v):

@@ -113,6 +113,10 @@ struct TrainRun {
   bool lookahead = false;
   bool same_data = false;      // every rank trains on rank 0's shard
   int64_t* replans = nullptr;  // if set: the last GradSync's re-plans
+  // Where the model and its batches live (test_grad_sync_cuda_modes.cpp: CUDA),
+  // and the group (null: world(), ddpx_mpi under mpirun).
+  at::Device device = at::kCPU;
+  ddpx::comm::ProcessGroupPtr group = nullptr;
 };
 
 // The reference of staleness(1), in the trainer: the average of step t is
@@ -172,7 +176,7 @@ class LateApply {
 // and returns its parameters. Overlap::None steps LibTorch's optimizer after
 // backward (the reference); the others give it to GradSync.
 inline std::vector<at::Tensor> train(const TrainRun& r) {
-  auto& pg = world();
+  const auto pg = r.group ? r.group : world();
   const int rank = pg->getRank();
   GradSyncOptions so;
   so.overlap(r.overlap).unused(r.unused).codec(r.codec).bucket_cap_mb(0.001).first_bucket_mb(0.0005);
@@ -185,6 +189,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
   LateApply late;  // the reference's, with staleness
   torch::manual_seed(7);
   Gated m;
+  m->to(r.device);
   auto opt = make_optimizer(m, r.opt);
   auto sync = std::make_unique<GradSync>(m->named_parameters(), pg, so);
   if (r.overlap != Overlap::None) sync->set_optimizer(*opt);
@@ -203,7 +208,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
       sync.reset();
       torch::manual_seed(99);  // other initial values: the load must restore them
       m = Gated();
-      torch::load(m, model_bytes);
+      torch::load(m, model_bytes, r.device);
       opt = make_optimizer(m, r.opt);
       torch::load(*opt, opt_bytes);
       sync = std::make_unique<GradSync>(m->named_parameters(), pg, so);
@@ -217,7 +222,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
     const bool stale_ref = r.overlap == Overlap::None && r.staleness > 0 && step >= r.warmup;
     std::vector<at::Tensor> local;  // the reference's look-ahead: this rank's own gradients
     for (int k = 0; k < r.micro; ++k) {
-      auto x = shard(global_batch(6, 1000 * step + k), r.same_data ? 0 : rank);
+      auto x = shard(global_batch(6, 1000 * step + k), r.same_data ? 0 : rank).to(r.device);
       if (k + 1 < r.micro) {
         auto guard = sync->no_sync();
         m->forward(x, step).backward();
@@ -246,7 +251,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
   sync->synchronize();
   if (r.replans) *r.replans = sync->replans();
   std::vector<at::Tensor> out;
-  for (const auto& p : m->parameters()) out.push_back(p.detach().clone());
+  for (const auto& p : m->parameters()) out.push_back(p.detach().cpu().clone());
   return out;
 }
 
@@ -277,6 +282,20 @@ inline void expect_bitwise(const std::vector<at::Tensor>& got, const std::vector
         << what << ": parameter " << i << " differs by up to "
         << (got[i] - want[i]).abs().max().item<double>();
   }
+}
+
+// `ours` leaves the parameters bit for bit where the synchronous path
+// (Overlap::None, no resume) leaves them, and that reference moved from the
+// initial model.
+inline void expect_same_as_synchronous(const TrainRun& ours, const std::string& what) {
+  TrainRun ref = ours;
+  ref.overlap = Overlap::None;
+  ref.resume_at = -1;
+  const auto want = train(ref);
+  expect_bitwise(train(ours), want, what);
+  TrainRun none = ref;
+  none.steps = 0;
+  EXPECT_FALSE(at::equal(want[0], train(none)[0])) << what << ": the reference did not train";
 }
 
 }  // namespace ddpx_overlap_test

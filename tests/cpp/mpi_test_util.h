@@ -4,9 +4,25 @@
 // the text of an expected error.
 #include <ATen/ATen.h>
 #include <ddpx/comm.h>
+#include <torch/cuda.h>
 
+#include <cstdlib>
 #include <functional>
 #include <string>
+
+// In a test body: skips without a visible GPU, or fails under
+// DDPX_REQUIRE_GPU=1 (scripts/device/check.sh: there nothing may pass by
+// skipping).
+#define DDPX_SKIP_WITHOUT_GPU()                                                         \
+  do {                                                                                  \
+    if (!torch::cuda::is_available()) {                                                 \
+      const char* require = std::getenv("DDPX_REQUIRE_GPU");                            \
+      if (require != nullptr && std::string(require) == "1") {                          \
+        FAIL() << "no CUDA device visible (DDPX_REQUIRE_GPU=1)";                        \
+      }                                                                                 \
+      GTEST_SKIP() << "no CUDA device visible";                                         \
+    }                                                                                   \
+  } while (0)
 
 namespace ddpx::test {
 

@@ -41,7 +41,7 @@ TORCH_MODULE(SlowMLP);
 // (NextForward), which orders `side` after the update.
 void expect_matches_one_process(const std::string& backend, bool zero_in_place,
                                 ddpx::Overlap overlap = ddpx::Overlap::None) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device visible";
+  DDPX_SKIP_WITHOUT_GPU();
   auto pg = ddpx::comm::make(backend);
   const int r = pg->getRank(), n = pg->getSize();
   const at::Device dev(at::kCUDA, 0);

@@ -14,3 +14,26 @@ def _lib_path():
 
 
 torch.ops.load_library(_lib_path())
+
+
+# scripts/device/check.sh sets DDPX_REQUIRE_GPU=1: there a CUDA test runs and
+# passes or fails, never skips (a check that "passes" by skipping proves nothing).
+REQUIRE_GPU = os.environ.get("DDPX_REQUIRE_GPU") == "1"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() and not REQUIRE_GPU,
+                                reason="no CUDA GPU on this machine: CUDA tests skipped")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "sanitizer: the few cases scripts/device/check.sh runs "
+                            "under compute-sanitizer (every launch instrumented: slow)")
+    config.addinivalue_line("markers", "auto_path: runs with the op's own path rule (the CUDA "
+                            "tests otherwise force our kernels with DDPX_CONV_PATH=tiled)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if REQUIRE_GPU and report.skipped:
+        report.outcome = "failed"
+        report.longrepr = f"skipped under DDPX_REQUIRE_GPU=1: {report.longrepr}"

@@ -172,12 +172,20 @@ def test_empty_batch_like_nn_gru():
     assert x.grad.shape == x.shape
 
 
-@pytest.mark.parametrize("layers,bidirectional,batch_first,bias,unbatched", [
+GRADCHECK = [
     (2, True, False, True, False),
     (1, False, True, False, False),
     (2, False, False, True, True),
-])
+]
+
+
+@pytest.mark.parametrize("layers,bidirectional,batch_first,bias,unbatched", GRADCHECK)
 def test_gradcheck(layers, bidirectional, batch_first, bias, unbatched):
+    gradcheck_case(layers, bidirectional, batch_first, bias, unbatched, "cpu")
+
+
+def gradcheck_case(layers, bidirectional, batch_first, bias, unbatched, device):
+    """gradcheck in double of one case (also run on CUDA)."""
     torch.manual_seed(0)
     gru = make_gru(3, 2, layers, bias, bidirectional, batch_first)
     D = 2 if bidirectional else 1
@@ -186,8 +194,8 @@ def test_gradcheck(layers, bidirectional, batch_first, bias, unbatched):
     else:
         x = torch.randn((2, 3, 3) if batch_first else (3, 2, 3))
         hx = torch.randn(layers * D, 2, 2)
-    x, hx = x.double().requires_grad_(), hx.double().requires_grad_()
-    params = copy_params(gru)
+    x, hx = x.double().to(device).requires_grad_(), hx.double().to(device).requires_grad_()
+    params = [p.detach().to(device).requires_grad_() for p in copy_params(gru)]
 
     def f(x, hx, *params):
         return OP(x, hx, list(params), bias, layers, 0.0, False, bidirectional, batch_first)

@@ -10,17 +10,21 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from test_fused_gru import CONFIGS, _cfg_id, copy_params, make_gru, run_ours
+from conftest import needs_cuda
+from test_fused_gru import (CONFIGS, GRADCHECK, _cfg_id, copy_params, gradcheck_case, make_gru,
+                            run_ours)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA GPU here: the fused_gru CUDA kernels are built "
-                                       "but cannot run")
+pytestmark = needs_cuda
 
 
 @pytest.fixture(autouse=True)
-def _no_tf32():
+def _no_tf32(request, monkeypatch):
     """cuDNN's GRU would use TF32 by default; ours (cuBLAS via ATen) follows
-    torch.backends.cuda.matmul.allow_tf32, off by default."""
+    torch.backends.cuda.matmul.allow_tf32, off by default. Our CUDA kernels
+    on every test (the path rule sends CUDA calls to cuDNN, which would then
+    be compared with itself) except those marked auto_path."""
+    if "auto_path" not in request.keywords:
+        monkeypatch.setenv("DDPX_GRU_PATH", "fused")
     saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
@@ -28,7 +32,7 @@ def _no_tf32():
 
 
 TOL = {torch.float64: dict(rtol=1e-7, atol=1e-8), torch.float32: dict(rtol=1e-3, atol=1e-4)}
-CUDA_CONFIGS = CONFIGS[:24]
+CUDA_CONFIGS = CONFIGS  # the CPU suite, every case
 
 
 def _inputs(cfg, device):
@@ -47,12 +51,15 @@ def _grads(y, h, wrt, gy, gh):
     return torch.autograd.grad((y * gy).sum() + (h * gh).sum(), wrt)
 
 
-@pytest.mark.parametrize("cfg", CUDA_CONFIGS, ids=[_cfg_id(c) for c in CUDA_CONFIGS])
-def test_cuda_matches_cudnn_gru(cfg):
+def _check_against_cudnn_gru(cfg, path=None):
+    """Outputs and every gradient of ddpx::fused_gru against torch.nn.GRU's
+    (cuDNN) on the GPU; `path`: what fused_gru_path must report."""
     torch.manual_seed(0)
     L, bi, bf, bias, T, B, I, H, *_ , dtype = cfg
     gru = make_gru(I, H, L, bias, bi, bf, dtype).cuda()
     x, hx = _inputs(cfg, "cuda")
+    if path is not None:
+        assert torch.ops.ddpx.fused_gru_path(x, H, bf) == path
     params = copy_params(gru)
     y_ref, h_ref = gru(x, hx)
     y, h = run_ours(gru, x, hx, params)
@@ -66,6 +73,12 @@ def test_cuda_matches_cudnn_gru(cfg):
         assert_close(a, b, **TOL[dtype])
 
 
+@pytest.mark.parametrize("cfg", CUDA_CONFIGS, ids=[_cfg_id(c) for c in CUDA_CONFIGS])
+def test_cuda_matches_cudnn_gru(cfg):
+    _check_against_cudnn_gru(cfg, "fused")
+
+
+@pytest.mark.sanitizer
 def test_cuda_matches_our_cpu_kernel_in_double():
     torch.manual_seed(0)
     gru = make_gru(5, 17, 3, bidirectional=True, batch_first=True)
@@ -83,6 +96,7 @@ def test_cuda_matches_our_cpu_kernel_in_double():
         assert_close(a.cpu(), b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("dtype,atol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)])
 def test_cuda_half_precision_close_to_float32(dtype, atol):
     torch.manual_seed(0)
@@ -119,3 +133,26 @@ def test_cuda_dropout_rate():
         masks = torch.ops.ddpx._fused_gru_forward(x, None, copy_params(gru), True, 3, 0.3, True,
                                                   True, False)[4]
     assert abs((masks == 0).double().mean().item() - 0.3) < 0.03
+
+
+@pytest.mark.parametrize("layers,bidirectional,batch_first,bias,unbatched", GRADCHECK)
+def test_cuda_gradcheck(layers, bidirectional, batch_first, bias, unbatched):
+    gradcheck_case(layers, bidirectional, batch_first, bias, unbatched, "cuda")
+
+
+# ---- the path rule (ops/fused_gru_cuda_path.h): cuDNN on CUDA -------------------------------
+
+@pytest.mark.auto_path
+@pytest.mark.parametrize("cfg", CONFIGS[:12], ids=[_cfg_id(c) for c in CONFIGS[:12]])
+def test_cuda_auto_path_is_cudnn_with_our_contract(cfg):
+    _check_against_cudnn_gru(cfg, "cudnn")
+
+
+@pytest.mark.auto_path
+def test_cuda_path_override(monkeypatch):
+    x = torch.randn(5, 2, 3, device="cuda")
+    monkeypatch.setenv("DDPX_GRU_PATH", "fused")
+    assert torch.ops.ddpx.fused_gru_path(x, 4, False) == "fused"
+    monkeypatch.setenv("DDPX_GRU_PATH", "sideways")
+    with pytest.raises(RuntimeError, match="DDPX_GRU_PATH must be one of"):
+        torch.ops.ddpx.fused_gru_path(x, 4, False)

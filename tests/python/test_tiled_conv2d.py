@@ -194,21 +194,29 @@ def test_scalar_build_matches():
 # ---- autograd checks ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", [
+GRADCHECK = [
     dict(shape=(2, 2, 7, 6), w=(3, 2, 3, 2), s=(1, 1), p=(1, 0), d=(1, 1), g=1, bias=True),
     dict(shape=(1, 4, 8, 9), w=(4, 1, 3, 3), s=(2, 1), p=(1, 2), d=(2, 1), g=4, bias=False),
     dict(shape=(2, 6, 6, 7), w=(4, 3, 2, 3), s=(1, 2), p=(0, 1), d=(1, 2), g=2, bias=True),
     dict(shape=(3, 5, 5), w=(2, 3, 1, 2), s=(3, 1), p=(2, 0), d=(1, 1), g=1, bias=True),
     dict(shape=(1, 8, 5, 5), w=(2, 8, 3, 3), s=(1, 1), p=(1, 1), d=(1, 1), g=1, bias=True),
-])
-def test_gradcheck(cfg):
+]
+
+
+def gradcheck_case(cfg, device):
+    """gradcheck in double of one GRADCHECK case (also run on CUDA)."""
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(cfg["shape"], dtype=torch.float64, generator=gen, requires_grad=True)
-    w = torch.randn(cfg["w"], dtype=torch.float64, generator=gen, requires_grad=True)
-    b = (torch.randn(cfg["w"][0], dtype=torch.float64, generator=gen, requires_grad=True)
+    x = torch.randn(cfg["shape"], dtype=torch.float64, generator=gen).to(device).requires_grad_()
+    w = torch.randn(cfg["w"], dtype=torch.float64, generator=gen).to(device).requires_grad_()
+    b = (torch.randn(cfg["w"][0], dtype=torch.float64, generator=gen).to(device).requires_grad_()
          if cfg["bias"] else None)
     fn = lambda x, w, b: op(x, w, b, cfg["s"], cfg["p"], cfg["d"], cfg["g"])  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, w, b))
+
+
+@pytest.mark.parametrize("cfg", GRADCHECK)
+def test_gradcheck(cfg):
+    gradcheck_case(cfg, "cpu")
 
 
 def test_only_requested_gradients():
@@ -251,15 +259,20 @@ OPCHECK = [
 ]
 
 
-@pytest.mark.parametrize("case", OPCHECK, ids=[str(i) for i in range(len(OPCHECK))])
-def test_opcheck(case):
+def opcheck_case(case, device):
+    """torch.library.opcheck of one OPCHECK case (also run on CUDA)."""
     xs, ws, has_b, s, p, d, g = case
-    x = torch.randn(xs, requires_grad=True)
+    x = torch.randn(xs, device=device, requires_grad=True)
     if x.dim() == 4 and case is OPCHECK[0]:
         x = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
-    w = torch.randn(ws, requires_grad=True)
-    b = torch.randn(ws[0], requires_grad=True) if has_b else None
+    w = torch.randn(ws, device=device, requires_grad=True)
+    b = torch.randn(ws[0], device=device, requires_grad=True) if has_b else None
     torch.library.opcheck(op, (x, w, b, s, p, d, g))
+
+
+@pytest.mark.parametrize("case", OPCHECK, ids=[str(i) for i in range(len(OPCHECK))])
+def test_opcheck(case):
+    opcheck_case(case, "cpu")
 
 
 def test_opcheck_backward_op():

@@ -1,6 +1,10 @@
 """ddpx::tiled_conv2d on CUDA against torch.nn.functional.conv2d (cuDNN, TF32 off).
 
-Skips (with a message) where no GPU exists; registered with label `gpu`.
+Skips (with a message) where no GPU exists, fails under DDPX_REQUIRE_GPU=1
+(scripts/device/check.sh); registered with label `gpu`. The whole CPU
+reference suite (CONFIGS: every argument, non-contiguous, channels-last, empty
+and odd sizes) in float64 and float32, every third case in the halves;
+gradcheck and opcheck on the CPU suite's cases.
 Tolerances, relative to max(1, max|ref|): float64 1e-9, float32 1e-4,
 float16 1e-2, bfloat16 5e-2 (both sides accumulate in float32 for the halves).
 """
@@ -8,18 +12,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_tiled_conv2d import CONFIGS, _cfg_id, _make_input
+from conftest import needs_cuda
+from test_tiled_conv2d import (CONFIGS, GRADCHECK, OPCHECK, _cfg_id, _make_input, gradcheck_case,
+                               opcheck_case)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA GPU on this machine: CUDA tests skipped")
+pytestmark = needs_cuda
 op = torch.ops.ddpx.tiled_conv2d
 TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 @pytest.fixture(autouse=True)
-def _exact_reference():
+def _exact_reference(request, monkeypatch):
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
+    # Our CUDA kernels on every shape (the path rule sends most shapes to
+    # cuDNN, which would then be compared with itself); the tests of the rule
+    # itself are marked auto_path.
+    if "auto_path" not in request.keywords:
+        monkeypatch.setenv("DDPX_CONV_PATH", "tiled")
     yield
     torch.backends.cudnn.allow_tf32 = tf32
 
@@ -34,11 +44,12 @@ def _close(got, ref, dtype, what):
 
 
 SUBSET = CONFIGS[::3]
+CASES = ([(c, d) for d in (torch.float64, torch.float32) for c in CONFIGS]
+         + [(c, d) for d in (torch.float16, torch.bfloat16) for c in SUBSET])
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16],
-                         ids=["f64", "f32", "f16", "bf16"])
-@pytest.mark.parametrize("c", SUBSET, ids=[_cfg_id(c) for c in SUBSET])
+@pytest.mark.parametrize("c,dtype", CASES,
+                         ids=[f"{str(d)[6:]}-{_cfg_id(c)}" for c, d in CASES])
 def test_cuda_matches_cudnn(c, dtype):
     gen = torch.Generator().manual_seed(1)
     x = _make_input(c, torch.float64, gen).detach().to("cuda", dtype).requires_grad_()
@@ -63,6 +74,7 @@ def test_cuda_matches_cudnn(c, dtype):
         _close(g, gr, dtype, name)
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("shape", [(1, 1, 512, 512, 1, 3), (1, 1, 300, 301, 1, 5),
                                    (4, 64, 28, 28, 64, 3), (2, 32, 40, 40, 32, 3)])
 def test_cuda_paths(shape):
@@ -80,6 +92,7 @@ def test_cuda_paths(shape):
         _close(g, gr, torch.float32, name)
 
 
+@pytest.mark.sanitizer
 def test_constant_filter_across_streams():
     """Launches with different filters on two streams must not see each other's."""
     x = torch.randn(1, 1, 1024, 1024, device="cuda")
@@ -106,3 +119,55 @@ def test_cuda_channels_last_and_unbatched():
 def test_cuda_device_mismatch_is_named():
     with pytest.raises(RuntimeError, match="weight must be on the same device as input"):
         op(torch.randn(1, 1, 5, 5, device="cuda"), torch.randn(1, 1, 3, 3))
+
+
+@pytest.mark.parametrize("cfg", GRADCHECK)
+def test_cuda_gradcheck(cfg):
+    gradcheck_case(cfg, "cuda")
+
+
+@pytest.mark.parametrize("case", OPCHECK, ids=[str(i) for i in range(len(OPCHECK))])
+def test_cuda_opcheck(case):
+    opcheck_case(case, "cuda")
+
+
+# ---- the path rule (kernels/common/tiled_conv2d_cuda_path.h) --------------------------------
+
+RULE = [  # (N, Cin, H=W, Cout, k, groups) -> forward/backward path
+    ((1, 1, 512, 1, 3, 1), "tiled/aten"),
+    ((1, 1, 300, 1, 5, 1), "tiled"),
+    ((1, 1, 64, 2, 7, 1), "tiled"),
+    ((2, 1, 28, 6, 5, 1), "aten"),
+    ((2, 32, 20, 32, 3, 32), "aten"),
+    ((2, 16, 14, 16, 3, 1), "aten"),
+]
+
+
+@pytest.mark.auto_path
+@pytest.mark.parametrize("shape,path", RULE, ids=[p + str(s) for s, p in RULE])
+def test_cuda_auto_path_rule_and_results(shape, path):
+    n, c, hw, oc, k, g = shape
+    x = torch.randn(n, c, hw, hw, device="cuda", requires_grad=True)
+    w = torch.randn(oc, c // g, k, k, device="cuda", requires_grad=True)
+    b = torch.randn(oc, device="cuda", requires_grad=True)
+    args = ([1, 1], [k // 2, k // 2], [1, 1], g)
+    assert torch.ops.ddpx.tiled_conv2d_path(x, w, *args) == path
+    y, r = op(x, w, b, *args), F.conv2d(x, w, b, 1, k // 2, 1, g)
+    _close(y, r, torch.float32, "output")
+    go = torch.randn_like(r)
+    for name, got, ref in zip(["grad_input", "grad_weight", "grad_bias"],
+                              torch.autograd.grad(y, (x, w, b), go),
+                              torch.autograd.grad(r, (x, w, b), go)):
+        _close(got, ref, torch.float32, name)
+
+
+@pytest.mark.auto_path
+def test_cuda_path_override(monkeypatch):
+    x, w = torch.randn(2, 16, 14, 14, device="cuda"), torch.randn(16, 16, 3, 3, device="cuda")
+    monkeypatch.setenv("DDPX_CONV_PATH", "tiled")
+    assert torch.ops.ddpx.tiled_conv2d_path(x, w, [1, 1], [1, 1], [1, 1], 1) == "tiled"
+    monkeypatch.setenv("DDPX_CONV_PATH", "aten")
+    assert torch.ops.ddpx.tiled_conv2d_path(x, w, [1, 1], [1, 1], [1, 1], 1) == "aten"
+    monkeypatch.setenv("DDPX_CONV_PATH", "sideways")
+    with pytest.raises(RuntimeError, match="DDPX_CONV_PATH must be one of"):
+        op(x, w, None, [1, 1], [1, 1])

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# The device check: one command on the lent GPU machine (see
+# ../../README.md, "GPU"). Unpacks device_deps/ (scripts/device/prepare.sh),
+# configures against the machine's python3 torch with CUDA on (sm_90 only),
+# builds what the checks need with every core, then runs the tests labelled
+# gpu, the GPU benchmarks and compute-sanitizer over the op kernels' tests,
+# each within its share of the time. Writes OUT_DIR/check.log, one JSON per
+# benchmark and OUT_DIR/check.json (each step: status, seconds; the card,
+# torch, CUDA). Fails loudly when no GPU is visible: nothing passes by skipping.
+#   scripts/device/check.sh OUT_DIR              on the GPU machine
+#   scripts/device/check.sh OUT_DIR --rehearse   here: same steps, GPU steps
+#                                                report "no GPU", deps not unpacked
+# DDPX_CHECK_BUDGET_S (default 540): a step that cannot start with its
+# minimum time left is recorded as "not run: out of time" instead of being cut.
+set -uo pipefail
+out=${1:?usage: check.sh OUT_DIR [--rehearse]}
+rehearse=0; [ "${2:-}" = --rehearse ] && rehearse=1
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+mkdir -p "$out"; out=$(cd "$out" && pwd)
+exec > >(tee -a "$out/check.log") 2>&1
+budget=${DDPX_CHECK_BUDGET_S:-540}
+start=$SECONDS
+build=${DDPX_CHECK_BUILD:-$here/build-gpu}
+export here build out  # (read by the functions step() runs in a child bash)
+# (At most 8 files come back from the device call: the log, check.json and
+# the benchmarks' JSON go to OUT_DIR, the rest stays in /tmp.)
+steps=/tmp/ddpx-check-steps.tsv; : >"$steps"
+export PYTHONUNBUFFERED=1 DDPX_BENCH_OUT="$out"
+
+left() { echo $((budget - (SECONDS - start))); }
+# step NAME MIN_S MAX_S CMD...: runs CMD under `timeout` (at most MAX_S, and
+# never past the budget), logs it, records status and seconds.
+step() {
+  local name=$1 min=$2 max=$3; shift 3
+  local l; l=$(left)
+  if [ "$l" -lt "$min" ]; then
+    echo "=== $name: not run: out of time (${l} s left, needs ${min})"
+    printf '%s\tnot run: out of time\t0\n' "$name" >>"$steps"; return 1
+  fi
+  [ "$max" -gt "$l" ] && max=$l
+  echo "=== $name (at $((SECONDS - start)) s, limit ${max} s): $*"
+  local t0=$SECONDS rc=0
+  if declare -F "$1" >/dev/null; then  # a function of this script: `timeout` runs programs
+    timeout --kill-after=10 "$max" bash -c "$(declare -f "$1"); $1" || rc=$?
+  else
+    timeout --kill-after=10 "$max" "$@" || rc=$?
+  fi
+  local st=ok
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && st="timed out after ${max} s"
+  [ $rc -ne 0 ] && [ "$st" = ok ] && st="failed (exit $rc)"
+  echo "=== $name: $st, $((SECONDS - t0)) s"
+  printf '%s\t%s\t%s\n' "$name" "$st" "$((SECONDS - t0))" >>"$steps"
+  return $rc
+}
+# A GPU step in a rehearsal: says so, runs nothing.
+gpu_step() {
+  if [ "$has_gpu" = 1 ]; then step "$@"; return; fi
+  echo "=== $1: no GPU (rehearsal): not run"
+  printf '%s\tno GPU (rehearsal)\t0\n' "$1" >>"$steps"
+}
+
+# --- the machine ----------------------------------------------------------------
+{
+  date -u +%FT%TZ; uname -a; nproc; free -g | head -2
+  nvidia-smi || echo "nvidia-smi: none"
+  nvcc --version | tail -2 || echo "nvcc: none"
+  g++ --version | head -1; cmake --version | head -1; ninja --version
+  echo "CC=${CC:-} CXX=${CXX:-} CUDAHOSTCXX=${CUDAHOSTCXX:-}"; command -v gcc g++ c++
+  python3 -c 'import sys, torch; print(sys.executable, torch.__version__, torch.version.cuda, torch.cuda.is_available())'
+  command -v compute-sanitizer || echo "compute-sanitizer: none"
+} 2>&1
+has_gpu=0
+python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' && has_gpu=1
+if [ "$has_gpu" = 0 ] && [ "$rehearse" = 0 ]; then
+  echo "check.sh: FAILED: no CUDA device visible to python3's torch (see the machine above)" >&2
+  printf 'gpu visible\tfailed: no CUDA device\t0\n' >>"$steps"
+  python3 "$here/scripts/device/summarize.py" "$out" "$steps" || true
+  exit 2
+fi
+
+# --- what the image lacks (device_deps/) -------------------------------------------
+unpack_deps() {
+  local d=$here/device_deps
+  [ -d "$d/debs" ] || { echo "no $d: run scripts/device/prepare.sh and carry device_deps"; return 1; }
+  for deb in "$d"/debs/*.deb; do
+    # Never over a file the image has (its own libudev, zlib, ...), and keep
+    # merged /usr's lib -> usr/lib links (plain dpkg -x replaces them).
+    dpkg-deb --fsys-tarfile "$deb" | tar -x -C / --keep-directory-symlink --skip-old-files
+  done
+  while read -r link target; do
+    [ -e "$link" ] || { mkdir -p "$(dirname "$link")"; ln -s "$target" "$link"; }
+  done <"$d/links.txt"
+  ldconfig
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ddpx-site "$d"/wheels/*.whl
+}
+# (DDPX_CHECK_DEPS=0: a machine that has them; scripts/gpu_check.sh.)
+if [ "$rehearse" = 0 ] && [ "${DDPX_CHECK_DEPS:-1}" = 1 ]; then
+  step deps 10 60 unpack_deps
+  export PYTHONPATH=/tmp/ddpx-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# No ssh there: Open MPI's launcher must not look for it (one host only).
+export OMPI_MCA_plm_rsh_agent=/bin/false OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+# --- configure + build ----------------------------------------------------------------
+configure() {
+  local prefix; prefix=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+  local cudacxx; cudacxx=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$(command -v python3)" \
+    -DCMAKE_CUDA_COMPILER="$cudacxx" -DDDPX_WITH_CUDA=ON -DDDPX_CUDA_ARCH_LIST=9.0 \
+    ${DDPX_CHECK_CMAKE_ARGS:-}
+}
+# What the checks need: the library and its CUDA kernels, the Python glue
+# (where the image has Python's headers), the trainer and its models, the
+# gpu-labelled C++ test, the DDP benchmark's driver.
+build_targets() {
+  local t targets=()
+  for t in ddpx ddpx_cuda ddpx_python ddpx-train ddpx_models test_grad_sync_cuda ddpx-bench-ddp; do
+    grep -q "^build $t:" "$build/build.ninja" && targets+=("$t")
+  done
+  echo "targets: ${targets[*]}"
+  cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" || return
+  # What the compiler linked in: no libstdc++ symbol may be exported (a
+  # copy's facets crashed another library's error message on 2026-11-27).
+  grep -m3 "CMAKE_CXX_COMPILER:\|CMAKE_CUDA_HOST_COMPILER:" "$build/CMakeCache.txt"
+  local lib
+  for lib in "$build"/libddpx.so "$build"/libddpx_cuda.so; do
+    echo "$(basename "$lib"): $(nm -DC --defined-only "$lib" | grep -c 'ostream::_M_insert') ostream::_M_insert symbols exported (0 expected); $(readelf -d "$lib" | grep -c NEEDED) needed"
+  done
+}
+bail() { python3 "$here/scripts/device/summarize.py" "$out" "$steps"; exit 1; }
+# DDPX_CHECK_GROUPS: which groups run (a rerun on the warm machine names the
+# ones the first call did not reach; the build is still there).
+groups=",${DDPX_CHECK_GROUPS:-build,tests,bench,sanitize,ddp},"
+want() { [[ "$groups" == *",$1,"* ]]; }
+if want build; then
+  [ -f "$build/build.ninja" ] || step configure 30 120 configure || bail
+  step build 60 420 build_targets || bail
+fi
+export DDPX_LIB=$build/libddpx.so DDPX_REQUIRE_GPU=1 DDPX_BUILD=$build
+
+# --- correctness: the tests labelled gpu, four at a time (the trainer's, the
+# longest, among them) ---------------------------------------------------------------------
+if want tests; then
+  gpu_step "ctest -L gpu" 30 240 ctest --test-dir "$build" -L gpu -j 4 --output-on-failure
+fi
+# --- speed: ours vs cuDNN on the same card, ratios per case -------------------------------
+if want bench; then
+  gpu_step "bench conv2d --device cuda" 30 150 python3 "$here/scripts/bench/conv2d" --device cuda
+  gpu_step "bench gru --cuda" 30 120 python3 "$here/scripts/bench/gru" --cuda
+fi
+# --- compute-sanitizer over the op kernels' tests (the cases marked `sanitizer`:
+# under the sanitizer every launch is instrumented) -------------------------------------------
+if want sanitize; then
+  py_tests=(tests/python/test_tiled_conv2d_cuda.py tests/python/test_fused_gru_cuda.py
+            tests/python/test_int8_codec_cuda.py)
+  for tool in memcheck racecheck; do
+    gpu_step "compute-sanitizer $tool" 30 120 compute-sanitizer --tool "$tool" --error-exitcode 99 --report-api-errors no \
+      python3 -m pytest -q -x -p no:cacheprovider -m sanitizer "${py_tests[@]/#/$here/}"
+  done
+fi
+if want ddp; then
+  gpu_step "bench ddp --device cuda --quick" 60 200 python3 "$here/scripts/bench/ddp" --quick \
+    --device cuda
+fi
+
+python3 "$here/scripts/device/summarize.py" "$out" "$steps"

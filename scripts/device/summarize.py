@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""The device check's summary: OUT_DIR/check.json from the steps check.sh
+recorded (steps.tsv: name, status, seconds) and the benchmarks' JSON files
+beside it, plus the card, torch and CUDA versions; prints a short table last
+(the device call returns the end of the output). Exit status 1 when a step
+did not pass (a rehearsal's "no GPU" steps excepted).
+
+    scripts/device/summarize.py OUT_DIR STEPS_TSV
+"""
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+
+def machine():
+    try:
+        import torch
+    except ImportError:
+        return {"torch": None}
+    gpu = torch.cuda.is_available()
+    return {"torch": torch.__version__, "cuda": torch.version.cuda,
+            "card": torch.cuda.get_device_name() if gpu else None,
+            "cudnn": torch.backends.cudnn.version() if gpu else None,
+            "host": platform.node()}
+
+
+def main():
+    out, steps_file = Path(sys.argv[1]), Path(sys.argv[2])
+    steps = []
+    for line in steps_file.read_text().splitlines():
+        name, status, seconds = line.split("\t")
+        steps.append({"name": name, "status": status, "seconds": int(seconds)})
+    benches = {}
+    for f in sorted(out.glob("*.json")):
+        if f.name == "check.json":
+            continue
+        b = json.loads(f.read_text())
+        if "rows" in b:
+            benches[b.get("name", f.stem)] = {"geomean_ratio": b.get("geomean_ratio"),
+                                              "worst_ratio": b.get("worst_ratio"),
+                                              "cases": len(b["rows"]), "file": f.name}
+    summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "command": "scripts/device/check.sh " + " ".join(sys.argv[1:2]),
+               **machine(), "steps": steps, "benches": benches}
+    (out / "check.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"\n# device check: {summary.get('card')}, torch {summary.get('torch')}, "
+          f"CUDA {summary.get('cuda')}")
+    for s in steps:
+        print(f"{s['name']:<32} {s['status']:<34} {s['seconds']:>5} s")
+    for name, b in benches.items():
+        print(f"bench {name:<26} geomean {b['geomean_ratio']:.3f}  worst {b['worst_ratio']:.3f}"
+              f"  ({b['cases']} cases)")
+    bad = [s for s in steps if s["status"] != "ok" and "rehearsal" not in s["status"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
