@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/common/tiled_conv2d_aten.h"
 #include "kernels/cpu/tiled_conv2d_cpu.h"
 #include "kernels/cpu/tiled_conv2d_path.h"
 
@@ -236,21 +237,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_cpu(
   const CpuConv p = make_cpu_conv(s);
   const ConvPath path = choose_conv_path(p, input.scalar_type(), ConvPass::kBackward);
   if (path == ConvPath::kAten) {
-    auto batched = [&](const at::Tensor& t) { return s.unbatched ? t.unsqueeze(0) : t; };
-    auto [gx, gw, gb] = at::convolution_backward(
-        batched(grad_output), batched(input), weight,
-        /*bias_sizes=*/
-        output_mask[2] ? at::OptionalIntArrayRef(weight.sizes().slice(0, 1))
-                       : at::OptionalIntArrayRef(),
-        stride, padding, dilation, /*transposed=*/false, /*output_padding=*/{0, 0}, groups,
-        output_mask);
-    // ATen may hand back gradients nobody asked for (oneDNN computes grad_bias
-    // with grad_weight); our contract is undefined for every unset mask entry.
-    if (!output_mask[0]) gx = at::Tensor();
-    if (!output_mask[1]) gw = at::Tensor();
-    if (!output_mask[2]) gb = at::Tensor();
-    if (gx.defined() && s.unbatched) gx = gx.squeeze(0);
-    return {gx, gw, gb};
+    return aten_conv2d_backward(s, grad_output, input, weight, stride, padding, dilation, groups,
+                                output_mask);
   }
   const auto fmt = conv2d_output_memory_format(input, weight);
   const at::Tensor x = (s.unbatched ? input.unsqueeze(0) : input).contiguous();

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "kernels/common/tiled_conv2d_aten.h"
 #include "kernels/cpu/tiled_conv2d_cpu.h"
 #include "kernels/cpu/tiled_conv2d_path.h"
 
@@ -160,12 +161,7 @@ at::Tensor tiled_conv2d_cpu(const at::Tensor& input, const at::Tensor& weight,
   const CpuConv p = make_cpu_conv(s);
   const ConvPath path = choose_conv_path(p, input.scalar_type(), ConvPass::kForward);
   if (path == ConvPath::kAten) {
-    // ATen's output layout is the one we promise anyway. Called below
-    // autograd (our Autograd kernel set the guard), so nothing is recorded.
-    const at::Tensor out =
-        at::convolution(s.unbatched ? input.unsqueeze(0) : input, weight, bias, stride, padding,
-                        dilation, /*transposed=*/false, /*output_padding=*/{0, 0}, groups);
-    return s.unbatched ? out.squeeze(0) : out;
+    return aten_conv2d_forward(s, input, weight, bias, stride, padding, dilation, groups);
   }
   const auto out_format = conv2d_output_memory_format(input, weight);
 

@@ -22,6 +22,8 @@
 
 #include "kernels/common/conv_tile.h"
 #include "kernels/common/tiled_conv2d_args.h"
+#include "kernels/common/tiled_conv2d_aten.h"
+#include "kernels/common/tiled_conv2d_cuda_path.h"
 
 namespace ddpx::detail::cuda {
 namespace {
@@ -246,6 +248,10 @@ at::Tensor tiled_conv2d_cuda(const at::Tensor& input, const at::Tensor& weight,
                              at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
   const Conv2dShape s =
       check_tiled_conv2d_args(input, weight, bias, stride, padding, dilation, groups);
+  // Where cuDNN wins (kernels/common/tiled_conv2d_cuda_path.h).
+  if (aten_serves(s, input.scalar_type(), Pass::kForward)) {
+    return aten_conv2d_forward(s, input, weight, bias, stride, padding, dilation, groups);
+  }
   const c10::cuda::CUDAGuard device_guard(input.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const ConvGeom g = make_geom(s);
@@ -271,6 +277,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_cuda(
     std::array<bool, 3> output_mask) {
   const Conv2dShape s = check_tiled_conv2d_backward_args(grad_output, input, weight, stride,
                                                          padding, dilation, groups);
+  if (aten_serves(s, input.scalar_type(), Pass::kBackward)) {
+    return aten_conv2d_backward(s, grad_output, input, weight, stride, padding, dilation, groups,
+                                output_mask);
+  }
   const c10::cuda::CUDAGuard device_guard(input.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const ConvGeom g = make_geom(s);

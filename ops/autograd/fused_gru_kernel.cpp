@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "ops/fused_gru.h"
+#include "ops/fused_gru_cuda_path.h"
 
 namespace ddpx {
 namespace {
@@ -103,6 +104,12 @@ std::tuple<at::Tensor, at::Tensor> fused_gru_autograd(const at::Tensor& input,
                                                       int64_t num_layers, double dropout,
                                                       bool train, bool bidirectional,
                                                       bool batch_first) {
+  // On CUDA, cuDNN's GRU where it wins (ops/fused_gru_cuda_path.h), with
+  // autograd on: ATen records its own backward.
+  if (detail::gru_cudnn_serves(input)) {
+    return detail::gru_through_cudnn(input, hx, params, has_biases, num_layers, dropout, train,
+                                     bidirectional, batch_first);
+  }
   if (!needs_grad(input, hx, params)) {
     // Inference: the backend's fused_gru keeps no workspace.
     at::AutoDispatchBelowADInplaceOrView guard;

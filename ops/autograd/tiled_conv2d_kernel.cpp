@@ -12,6 +12,8 @@
 #include <vector>
 
 #include "kernels/common/tiled_conv2d_args.h"
+#include "kernels/common/tiled_conv2d_aten.h"
+#include "kernels/common/tiled_conv2d_cuda_path.h"
 #include "kernels/cpu/tiled_conv2d_path.h"
 
 namespace ddpx::detail {
@@ -111,16 +113,20 @@ at::Tensor tiled_conv2d_autograd(const at::Tensor& input, const at::Tensor& weig
   // (torch.compile with dynamic shapes) keep the registered path.
   const bool concrete = !input.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
                         !weight.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
-  if (concrete && input.device().is_cpu()) {
+  // The same on CUDA, where cuDNN serves (kernels/common/tiled_conv2d_cuda_path.h).
+  if (concrete && (input.device().is_cpu() || input.device().is_cuda())) {
     const Conv2dShape s =
         check_tiled_conv2d_args(input, weight, bias, stride, padding, dilation, groups);
     const auto dtype = input.scalar_type();
-    if (cpu::aten_serves(s, dtype, cpu::ConvPass::kForward) &&
-        (!records || cpu::aten_serves(s, dtype, cpu::ConvPass::kBackward))) {
-      const at::Tensor out =
-          at::convolution(s.unbatched ? input.unsqueeze(0) : input, weight, bias, stride, padding,
-                          dilation, /*transposed=*/false, /*output_padding=*/{0, 0}, groups);
-      return s.unbatched ? out.squeeze(0) : out;
+    const auto aten = [&](bool backward) {
+      return input.device().is_cpu()
+                 ? cpu::aten_serves(s, dtype,
+                                    backward ? cpu::ConvPass::kBackward : cpu::ConvPass::kForward)
+                 : cuda::aten_serves(s, dtype,
+                                     backward ? cuda::Pass::kBackward : cuda::Pass::kForward);
+    };
+    if (aten(false) && (!records || aten(true))) {
+      return aten_conv2d_forward(s, input, weight, bias, stride, padding, dilation, groups);
     }
   }
   // Inference otherwise: nothing to record, so no Function (its node and

@@ -1,0 +1,49 @@
+#pragma once
+// Which implementation serves a ddpx::tiled_conv2d pass on CUDA: our kernels
+// (kernels/cuda/tiled_conv2d_kernel.cu, `tiled`) or cuDNN through
+// at::convolution / at::convolution_backward (`aten`), per shape, so that
+// the op is not slower than F.conv2d where cuDNN wins (the CPU's rule is
+// kernels/cpu/tiled_conv2d_path.h). C++ only: libddpx.so decides, the CUDA
+// kernels and the Autograd kernel ask.
+//
+// Measured on a lent H100 (bench_results/gpu/2026-11-27-h100/conv2d-cuda.json:
+// torch 2.11 + cuDNN 9, float32, stride 1, "same" padding; cuDNN with torch's
+// defaults, TF32 allowed), ours / F.conv2d, forward; backward (the difference
+// of the forward+backward and forward times), device events around
+// back-to-back calls:
+//
+//   case (N x Cin x H=W -> Cout, k, groups)   forward     backward
+//   seed 1x1x512..2048 -> 1, k3               0.28-0.99   3.6-28      (cuDNN's 3x3 grad kernels)
+//   seed 1x1x512..2048 -> 1, k5               0.09-0.19   0.55-0.64
+//   lenet conv1 1x1x28 -> 6, k5 (b1, b64)     0.94, 0.95  1.15, 1.02
+//   lenet conv2 1x6x14 -> 16, k5 (b1, b64)    0.92, 1.31  0.80, 1.04
+//   depthwise 8x32..64x56, k3/k5 g=C          1.6-2.4     1.3-2.1
+//   resnet 8x64x56 .. 32x256x14, k3           8-23        13-99
+//
+// So the rule (auto): the forward of a single filter over single-channel
+// images (the seed's case: groups 1, one input and at most two output
+// channels) is ours, every other forward cuDNN's; the backward is ours only
+// for those with filters of 25 taps or more (5x5), where cuDNN's
+// single-channel weight gradient is slow; cuDNN's elsewhere. LeNet's batch-1
+// calls (within 8% either way) go to cuDNN: a rule tuned to noise would not
+// hold on the next card. Other dtypes follow the float32 rule (unmeasured).
+// DDPX_CONV_PATH (read on every call): `aten` forces cuDNN, `tiled` (or the
+// CPU's direct/gemm) forces ours, `auto` or unset is the rule.
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "kernels/common/tiled_conv2d_args.h"
+
+namespace ddpx::detail::cuda {
+
+enum class Pass { kForward, kBackward };
+
+// Whether cuDNN (ATen) serves `pass` of problem `s` on CUDA.
+bool aten_serves(const Conv2dShape& s, at::ScalarType dtype, Pass pass);
+
+// What ddpx::tiled_conv2d_path reports for a CUDA input: "tiled", "aten", or
+// "<forward>/<backward>" when the passes differ.
+std::string conv_paths_name(const Conv2dShape& s, at::ScalarType dtype);
+
+}  // namespace ddpx::detail::cuda

@@ -1,0 +1,61 @@
+#include "ops/fused_gru_cuda_path.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace ddpx::detail {
+
+bool gru_cudnn_serves(const at::Tensor& input) {
+  if (!input.is_cuda()) return false;
+  const char* env = std::getenv("DDPX_GRU_PATH");
+  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0 ||
+      std::strcmp(env, "cudnn") == 0) {
+    return true;
+  }
+  TORCH_CHECK(std::strcmp(env, "fused") == 0,
+              "DDPX_GRU_PATH must be one of auto, cudnn, fused; got '", env, "'");
+  return false;
+}
+
+std::tuple<at::Tensor, at::Tensor> gru_through_cudnn(
+    const at::Tensor& input, const std::optional<at::Tensor>& hx, at::TensorList params,
+    bool has_biases, int64_t num_layers, double dropout, bool train, bool bidirectional,
+    bool batch_first) {
+  TORCH_CHECK(input.dim() == 2 || input.dim() == 3,
+              "input must be 2-D [seq, input_size] (unbatched) or 3-D, got ", input.dim(), "-D");
+  TORCH_CHECK(params.size() >= 2, "params must hold w_ih and w_hh of every layer, got ",
+              params.size(), " tensors");
+  const bool unbatched = input.dim() == 2;
+  const at::Tensor x = unbatched ? input.unsqueeze(batch_first ? 0 : 1) : input;
+  const int64_t batch = x.size(batch_first ? 0 : 1);
+  const int64_t hidden = params[1].size(1);  // w_hh_l0: [3 * hidden, hidden]
+  const int64_t states = num_layers * (bidirectional ? 2 : 1);
+  at::Tensor h0;
+  if (hx.has_value() && hx->defined()) {
+    h0 = unbatched ? hx->unsqueeze(1) : *hx;
+  } else {
+    h0 = at::zeros({states, batch, hidden}, x.options());
+  }
+  auto [y, h_n] = at::gru(x, h0, params, has_biases, num_layers, dropout, train, bidirectional,
+                          batch_first);
+  if (unbatched) return {y.squeeze(batch_first ? 0 : 1), h_n.squeeze(1)};
+  return {y, h_n};
+}
+
+namespace {
+
+std::string fused_gru_path_cuda(const at::Tensor& input, int64_t hidden_size, bool batch_first) {
+  TORCH_CHECK(input.dim() == 2 || input.dim() == 3,
+              "input must be 2-D [seq, input_size] (unbatched) or 3-D, got ", input.dim(), "-D");
+  TORCH_CHECK(hidden_size > 0, "hidden_size must be positive, got ", hidden_size);
+  return gru_cudnn_serves(input) ? "cudnn" : "fused";
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ddpx, CUDA, m) { m.impl("fused_gru_path", &fused_gru_path_cuda); }
+
+}  // namespace ddpx::detail
