@@ -42,5 +42,6 @@ except Exception as e:  # noqa: BLE001
     msg = str(e).replace("\n", " ")
     print(f"RESULT error {time.monotonic() - t0:.1f} {msg}", flush=True)
     backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    print(f"ERROR_TYPE {backend.get_error()}", flush=True)
+    if hasattr(backend, "get_error"):  # (torch 2.15; 2.11 has none)
+        print(f"ERROR_TYPE {backend.get_error()}", flush=True)
 sys.exit(3)

@@ -28,6 +28,16 @@ def pg_method(pg, name, old_name):
     return getattr(pg, name, None) or getattr(pg, old_name)
 
 
+wait_tensors = (getattr(funcol, "wait_tensors", None)
+                or (lambda ts: [funcol.wait_tensor(t) for t in ts]))
+# What torch 2.11 itself refuses before a backend is reached: non-contiguous
+# inputs of the functional all-gather / reduce-scatter, and monitored_barrier
+# on any backend but Gloo.
+OLD_TORCH = torch.torch_version.TorchVersion(torch.__version__) < "2.15"
+old_torch_refuses = pytest.mark.skipif(
+    OLD_TORCH, reason=f"torch {torch.__version__} refuses this before ddpx_mpi is reached")
+
+
 # Odd sizes and an empty one (DESIGN.md, tests).
 SIZES = [1, 17, 97, 0]
 
@@ -79,7 +89,7 @@ def test_functional_all_reduce(rows, contiguous):
 
 
 @pytest.mark.parametrize("rows", SIZES)
-@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("contiguous", [True, pytest.param(False, marks=old_torch_refuses)])
 def test_functional_all_gather_into_tensor(rows, contiguous):
     r, n = rank_size()
     t = data(r, (rows, 5), torch.int64)
@@ -90,10 +100,11 @@ def test_functional_all_gather_into_tensor(rows, contiguous):
 
 @pytest.mark.parametrize("rows", SIZES)
 @pytest.mark.parametrize("scatter_dim", [0, 1])
-def test_functional_reduce_scatter_tensor(rows, scatter_dim):
+@pytest.mark.parametrize("contiguous", [True, pytest.param(False, marks=old_torch_refuses)])
+def test_functional_reduce_scatter_tensor(rows, scatter_dim, contiguous):
     r, n = rank_size()
     shape = (rows * n, 4) if scatter_dim == 0 else (4, rows * n)
-    inp = noncontig(data(r, shape))
+    inp = data(r, shape) if contiguous else noncontig(data(r, shape))
     out = funcol.wait_tensor(reduce_scatter_single(inp, "sum", scatter_dim, WORLD()))
     want = sum(data(k, shape) for k in range(n)).chunk(n, dim=scatter_dim)[r]
     assert torch.equal(out, want)
@@ -120,7 +131,7 @@ def coalesced_inputs(r):
 
 def test_functional_all_gather_coalesced():
     r, n = rank_size()
-    outs = funcol.wait_tensors(all_gather_single_coalesced(coalesced_inputs(r), WORLD()))
+    outs = wait_tensors(all_gather_single_coalesced(coalesced_inputs(r), WORLD()))
     for i, out in enumerate(outs):
         assert torch.equal(out, torch.cat([coalesced_inputs(k)[i] for k in range(n)])), i
     with warnings.catch_warnings():
@@ -135,9 +146,10 @@ def test_functional_reduce_scatter_coalesced():
     shapes = [(17 * n, 3), (n,), (0,), (2, 5 * n)]
     dims = [0, 0, 0, 1]
     dtypes = [torch.float32, torch.int64, torch.float32, torch.float64]
-    inputs = [noncontig(data(r, s, d)) if i == 0 else data(r, s, d)
+    # (torch 2.11 refuses a non-contiguous input here before ddpx_mpi is reached)
+    inputs = [noncontig(data(r, s, d)) if i == 0 and not OLD_TORCH else data(r, s, d)
               for i, (s, d) in enumerate(zip(shapes, dtypes))]
-    outs = funcol.wait_tensors(
+    outs = wait_tensors(
         reduce_scatter_single_coalesced(inputs, "sum", dims, WORLD()))
     for s, d, dim, out in zip(shapes, dtypes, dims, outs):
         want = sum(data(k, s, d) for k in range(n)).chunk(n, dim=dim)[r] if s[0] else data(0, s, d)
@@ -338,12 +350,14 @@ def test_sparse_all_reduce_sums_like_dense():
         dist.all_reduce(dense.to_sparse(), op=dist.ReduceOp.MAX)
 
 
+@old_torch_refuses
 def test_monitored_barrier():
     import datetime
     dist.monitored_barrier()
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
 
 
+@old_torch_refuses
 def test_monitored_barrier_names_the_missing_rank():
     """Gloo's contract: rank 0 names who did not arrive, the ranks that did
     arrive say they were not released, and the group stays usable."""
