@@ -80,9 +80,9 @@ class WorkerImpl {
       : s_(s),
         w_(s.rank() - s.num_servers()),
         codec_(comm::MessageCodec::parse(s.options().codec)),
-        pull_codec_(comm::MessageCodec::parse(s.options().pull_codec)),
         out_(s.state().comm),
-        rng_(static_cast<uint32_t>(1000 + w_)) {
+        rng_(static_cast<uint32_t>(1000 + w_)),
+        pull_codec_(comm::MessageCodec::parse(s.options().pull_codec)) {
     const int K = s.num_servers();
     buffers_.resize(K);
     held_.resize(K);
