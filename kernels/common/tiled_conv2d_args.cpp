@@ -3,6 +3,9 @@
 #include <c10/core/SymBool.h>
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
+#include <string>
+
 namespace ddpx::detail {
 
 namespace {
@@ -136,6 +139,16 @@ at::MemoryFormat conv2d_output_memory_format(const at::Tensor& input, const at::
   const bool cl = input.suggest_memory_format() == at::MemoryFormat::ChannelsLast ||
                   weight.suggest_memory_format() == at::MemoryFormat::ChannelsLast;
   return cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+}
+
+std::string conv_path_override() {
+  const char* env = std::getenv("DDPX_CONV_PATH");
+  if (env == nullptr || *env == '\0') return "auto";
+  const std::string want = env;
+  TORCH_CHECK(want == "auto" || want == "tiled" || want == "direct" || want == "gemm" ||
+                  want == "aten",
+              "DDPX_CONV_PATH must be one of auto, tiled, direct, gemm, aten; got '", want, "'");
+  return want;
 }
 
 }  // namespace ddpx::detail

@@ -12,6 +12,7 @@
 
 #include <array>
 #include <optional>
+#include <string>
 
 namespace ddpx::detail {
 
@@ -48,5 +49,10 @@ at::MemoryFormat conv2d_output_memory_format(const at::Tensor& input, const at::
 
 // Whether `dtype` is computed by the backend on `device_type`.
 bool tiled_conv2d_dtype_supported(c10::DeviceType device_type, at::ScalarType dtype);
+
+// DDPX_CONV_PATH, read on every call (tests switch it): "auto" when unset or
+// empty, else one of tiled, direct, gemm, aten (anything else is an error).
+// The CPU's and CUDA's path rules both take it.
+std::string conv_path_override();
 
 }  // namespace ddpx::detail

@@ -2,7 +2,6 @@
 
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <cstring>
 
 namespace ddpx::detail::cuda {
@@ -20,15 +19,9 @@ bool auto_rule_aten(const Conv2dShape& s, Pass pass) {
 
 bool aten_serves(const Conv2dShape& s, at::ScalarType dtype, Pass pass) {
   (void)dtype;  // (one rule for every dtype until others are measured)
-  const char* env = std::getenv("DDPX_CONV_PATH");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) {
-    return auto_rule_aten(s, pass);
-  }
-  if (std::strcmp(env, "aten") == 0) return true;
-  TORCH_CHECK(std::strcmp(env, "tiled") == 0 || std::strcmp(env, "direct") == 0 ||
-                  std::strcmp(env, "gemm") == 0,
-              "DDPX_CONV_PATH must be one of auto, tiled, direct, gemm, aten; got '", env, "'");
-  return false;
+  const std::string want = conv_path_override();
+  if (want == "auto") return auto_rule_aten(s, pass);
+  return want == "aten";  // (tiled, direct, gemm: our kernels, which pick their own)
 }
 
 std::string conv_paths_name(const Conv2dShape& s, at::ScalarType dtype) {

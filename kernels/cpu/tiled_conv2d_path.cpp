@@ -6,8 +6,6 @@
 
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 namespace ddpx::detail::cpu {
@@ -64,17 +62,12 @@ const char* conv_path_name(ConvPath path) {
 }
 
 ConvPath choose_conv_path(const CpuConv& p, at::ScalarType dtype, ConvPass pass) {
-  const char* env = std::getenv("DDPX_CONV_PATH");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0) {
-    return auto_rule(p, dtype, pass);
-  }
-  const std::string want = env;
+  const std::string want = conv_path_override();
+  if (want == "auto") return auto_rule(p, dtype, pass);
   if (want == "tiled") return seed_rule(p);
   if (want == "direct") return ConvPath::kDirect;
   if (want == "gemm") return ConvPath::kGemm;
-  if (want == "aten") return ConvPath::kAten;
-  TORCH_CHECK(false, "DDPX_CONV_PATH must be one of auto, tiled, direct, gemm, aten; got '", want,
-              "'");
+  return ConvPath::kAten;
 }
 
 bool aten_serves(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass) {
