@@ -2,11 +2,15 @@
 // The int8 codec's message layout and element math, shared by the CPU kernel,
 // the CUDA kernel and the CPU tests.
 //
-// One rank's message, in bytes (packed_bytes(numel, chunk) of them):
+// One rank's message, in bytes (packed_bytes(numel, chunks) of them):
 //   [0, numel)                                int8 codes, one per element
 //   [numel, scales_offset(numel))             zero padding to 4-byte alignment
-//   [scales_offset, + 4 * num_chunks)         float32 scale per chunk of `chunk`
-//                                             elements: absmax / 127
+//   [scales_offset, + 4 * chunks)             float32 scale per chunk: absmax / 127
+// Chunks: `chunk` elements each from the first element, the last one shorter;
+// or, given the numels of consecutive parts (the tensors of a packed bucket),
+// the same rule within each part: every part's chunks start at its first
+// element, so what a tensor's elements become does not depend on which
+// tensors share its message or where it sits in it (ChunkMap).
 // The message length is a multiple of 4, so in a gathered [world, L] buffer
 // every row's scales are float-aligned.
 // Element x of a chunk with scale s has code rint(x / s) clamped to
@@ -26,11 +30,28 @@ DDPX_HD int64_t packed_bytes(int64_t numel, int64_t chunk) {
   return scales_offset(numel) + 4 * num_chunks(numel, chunk);
 }
 
+// The message length for `chunks` chunks over numel elements (any layout).
+DDPX_HD int64_t packed_bytes_for_chunks(int64_t numel, int64_t chunks) {
+  return scales_offset(numel) + 4 * chunks;
+}
+
 DDPX_HD int64_t chunk_begin(int64_t c, int64_t chunk) { return c * chunk; }
 
 DDPX_HD int64_t chunk_end(int64_t c, int64_t chunk, int64_t numel) {
   return (c + 1) * chunk < numel ? (c + 1) * chunk : numel;
 }
+
+// Chunk c spans [begin(c), end(c)): uniform (bounds == nullptr), or read from
+// `bounds` ([chunks + 1] element offsets: int8_codec_parts.h).
+struct ChunkMap {
+  const int64_t* bounds;
+  int64_t chunk;
+  int64_t numel;
+  DDPX_HD int64_t begin(int64_t c) const { return bounds ? bounds[c] : chunk_begin(c, chunk); }
+  DDPX_HD int64_t end(int64_t c) const {
+    return bounds ? bounds[c + 1] : chunk_end(c, chunk, numel);
+  }
+};
 
 DDPX_HD float scale_of(float absmax) { return absmax / 127.0f; }
 

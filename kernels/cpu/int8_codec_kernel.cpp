@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "kernels/common/int8_codec.h"
+#include "kernels/common/int8_codec_parts.h"
 
 namespace ddpx {
 namespace {
@@ -42,11 +43,16 @@ float absmax(const float* v, int64_t len) {
   return a;
 }
 
-// Packs x (+ residual) into `out`. With a residual e, e becomes m = x + e
-// first and then m - decode(code): what this message did not carry.
-void pack(const at::Tensor& input, float* residual, int64_t chunk, at::Tensor& out) {
+// Packs x (+ residual) into `out`, chunked by `bounds` (empty: uniform).
+// With a residual e, e becomes m = x + e first and then m - decode(code):
+// what this message did not carry.
+at::Tensor pack(const at::Tensor& input, float* residual, int64_t chunk,
+                at::OptionalIntArrayRef parts) {
   const int64_t n = input.numel();
-  const int64_t chunks = ic::num_chunks(n, chunk);
+  const std::vector<int64_t> bounds = ic::chunk_bounds(parts, n, chunk);
+  const int64_t chunks = ic::chunk_count(bounds, n, chunk);
+  const ic::ChunkMap map{bounds.empty() ? nullptr : bounds.data(), chunk, n};
+  auto out = at::empty({ic::packed_bytes_for_chunks(n, chunks)}, input.options().dtype(at::kByte));
   const float* x = input.data_ptr<float>();
   uint8_t* base = out.data_ptr<uint8_t>();
   auto* codes = reinterpret_cast<int8_t*>(base);
@@ -55,7 +61,7 @@ void pack(const at::Tensor& input, float* residual, int64_t chunk, at::Tensor& o
   const int64_t grain = std::max<int64_t>(1, kGrainElements / chunk);
   at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t b = ic::chunk_begin(c, chunk), len = ic::chunk_end(c, chunk, n) - b;
+      const int64_t b = map.begin(c), len = map.end(c) - b;
       const float* m = x + b;
       float* e = residual ? residual + b : nullptr;
       if (e) {
@@ -71,37 +77,40 @@ void pack(const at::Tensor& input, float* residual, int64_t chunk, at::Tensor& o
       }
     }
   });
-}
-
-at::Tensor int8_pack_cpu(const at::Tensor& input, int64_t chunk) {
-  check_args(input, at::kFloat, 1, "input", chunk);
-  auto out = at::empty({ic::packed_bytes(input.numel(), chunk)}, input.options().dtype(at::kByte));
-  pack(input, nullptr, chunk, out);
   return out;
 }
 
-at::Tensor int8_pack_ef_cpu(const at::Tensor& input, at::Tensor& residual, int64_t chunk) {
+at::Tensor int8_pack_cpu(const at::Tensor& input, int64_t chunk, at::OptionalIntArrayRef parts) {
+  check_args(input, at::kFloat, 1, "input", chunk);
+  return pack(input, nullptr, chunk, parts);
+}
+
+at::Tensor int8_pack_ef_cpu(const at::Tensor& input, at::Tensor& residual, int64_t chunk,
+                            at::OptionalIntArrayRef parts) {
   check_args(input, at::kFloat, 1, "input", chunk);
   check_args(residual, at::kFloat, 1, "residual", chunk);
   TORCH_CHECK(residual.numel() == input.numel(), "residual must have input's ", input.numel(),
               " elements, got ", residual.numel());
-  auto out = at::empty({ic::packed_bytes(input.numel(), chunk)}, input.options().dtype(at::kByte));
-  pack(input, residual.data_ptr<float>(), chunk, out);
-  return out;
+  return pack(input, residual.data_ptr<float>(), chunk, parts);
 }
 
 at::Tensor& int8_unpack_sum_out_cpu(const at::Tensor& packed, int64_t numel, int64_t chunk,
-                                    double alpha, at::Tensor& out) {
+                                    double alpha, at::OptionalIntArrayRef parts,
+                                    at::Tensor& out) {
   check_args(packed, at::kByte, 2, "packed", chunk);
-  TORCH_CHECK(numel >= 0 && packed.size(1) == ic::packed_bytes(numel, chunk),
-              "packed must have packed_bytes(numel=", numel, ", chunk=", chunk,
-              ") = ", ic::packed_bytes(numel, chunk), " bytes per row, got ", packed.size(1));
+  TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
+  const std::vector<int64_t> bounds = ic::chunk_bounds(parts, numel, chunk);
+  const int64_t chunks = ic::chunk_count(bounds, numel, chunk);
+  TORCH_CHECK(packed.size(1) == ic::packed_bytes_for_chunks(numel, chunks),
+              "packed must have ", ic::packed_bytes_for_chunks(numel, chunks),
+              " bytes per row (numel=", numel, ", chunk=", chunk, ", ", chunks,
+              " chunks), got ", packed.size(1));
   TORCH_CHECK(packed.size(0) >= 1, "packed must hold at least one row");
   check_args(out, at::kFloat, 1, "out", chunk);
   TORCH_CHECK(out.numel() == numel, "out must have numel = ", numel, " elements, got ",
               out.numel());
+  const ic::ChunkMap map{bounds.empty() ? nullptr : bounds.data(), chunk, numel};
   const int64_t rows = packed.size(0), len = packed.size(1);
-  const int64_t chunks = ic::num_chunks(numel, chunk);
   const auto a = static_cast<float>(alpha);
   float* y = out.data_ptr<float>();
   const uint8_t* base = packed.data_ptr<uint8_t>();
@@ -113,7 +122,7 @@ at::Tensor& int8_unpack_sum_out_cpu(const at::Tensor& packed, int64_t numel, int
       const auto* scales = reinterpret_cast<const float*>(row + ic::scales_offset(numel));
       for (int64_t c = c0; c < c1; ++c) {
         const float s = scales[c] * a;
-        const int64_t b = ic::chunk_begin(c, chunk), e = ic::chunk_end(c, chunk, numel);
+        const int64_t b = map.begin(c), e = map.end(c);
         if (r == 0) {
           for (int64_t i = b; i < e; ++i) y[i] = ic::decode(codes[i], s);
         } else {
@@ -126,9 +135,9 @@ at::Tensor& int8_unpack_sum_out_cpu(const at::Tensor& packed, int64_t numel, int
 }
 
 at::Tensor int8_unpack_sum_cpu(const at::Tensor& packed, int64_t numel, int64_t chunk,
-                               double alpha) {
+                               double alpha, at::OptionalIntArrayRef parts) {
   auto out = at::empty({std::max<int64_t>(numel, 0)}, packed.options().dtype(at::kFloat));
-  return int8_unpack_sum_out_cpu(packed, numel, chunk, alpha, out);
+  return int8_unpack_sum_out_cpu(packed, numel, chunk, alpha, parts, out);
 }
 
 TORCH_LIBRARY_IMPL(ddpx, CPU, m) {

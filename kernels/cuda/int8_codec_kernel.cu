@@ -6,7 +6,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "kernels/common/int8_codec.h"
+#include "kernels/common/int8_codec_parts.h"
 
 namespace ddpx {
 namespace {
@@ -16,11 +19,10 @@ namespace ic = kernels::int8_codec;
 constexpr int kThreads = 256;
 
 struct PackParams {
-  const float* x;  // [numel]
-  float* e;        // [numel] residual, or nullptr
-  uint8_t* out;    // [packed_bytes(numel, chunk)]
-  int64_t numel;
-  int64_t chunk;
+  const float* x;    // [numel]
+  float* e;          // [numel] residual, or nullptr
+  uint8_t* out;      // [packed_bytes_for_chunks(numel, chunks)]
+  ic::ChunkMap map;  // bounds: device memory, or nullptr (uniform chunks)
 };
 
 // One block per chunk: block-wide absmax, then every thread encodes. With a
@@ -29,7 +31,7 @@ struct PackParams {
 __global__ void pack_kernel(PackParams p) {
   __shared__ float red[kThreads];
   const int64_t c = blockIdx.x;
-  const int64_t b = ic::chunk_begin(c, p.chunk), e = ic::chunk_end(c, p.chunk, p.numel);
+  const int64_t b = p.map.begin(c), e = p.map.end(c);
   const float* m = p.x;
   if (p.e) {
     for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) p.e[i] += p.x[i];
@@ -59,9 +61,9 @@ __global__ void pack_kernel(PackParams p) {
     if (p.e) p.e[i] = __fsub_rn(p.e[i], ic::decode(codes[i], scale));
   }
   if (threadIdx.x == 0) {
-    reinterpret_cast<float*>(p.out + ic::scales_offset(p.numel))[c] = scale;
+    reinterpret_cast<float*>(p.out + ic::scales_offset(p.map.numel))[c] = scale;
     if (c == 0) {
-      for (int64_t i = p.numel; i < ic::scales_offset(p.numel); ++i) p.out[i] = 0;
+      for (int64_t i = p.map.numel; i < ic::scales_offset(p.map.numel); ++i) p.out[i] = 0;
     }
   }
 }
@@ -92,6 +94,33 @@ __global__ void unpack_sum_kernel(UnpackParams p) {
   }
 }
 
+// Per-part chunks: one block per chunk (its bounds from the table), each
+// element's rows summed in order with the same math as unpack_sum_kernel.
+__global__ void unpack_sum_parts_kernel(UnpackParams p, const int64_t* bounds) {
+  const int64_t c = blockIdx.x;
+  const int64_t off = ic::scales_offset(p.numel);
+  for (int64_t i = bounds[c] + threadIdx.x; i < bounds[c + 1]; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const uint8_t* row = p.packed + r * p.len;
+      const float s = __fmul_rn(reinterpret_cast<const float*>(row + off)[c], p.alpha);
+      acc = __fadd_rn(acc, ic::decode(reinterpret_cast<const int8_t*>(row)[i], s));
+    }
+    p.y[i] = acc;
+  }
+}
+
+// The chunk table on the device: staged through pinned memory and copied on
+// the current stream (the caching host allocator keeps the staging buffer
+// until the copy is done). Empty bounds: an undefined tensor.
+at::Tensor device_bounds(const std::vector<int64_t>& bounds, const at::Device& device) {
+  if (bounds.empty()) return {};
+  auto host = at::empty({static_cast<int64_t>(bounds.size())},
+                        at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::copy(bounds.begin(), bounds.end(), host.data_ptr<int64_t>());
+  return host.to(device, /*non_blocking=*/true);
+}
+
 void check_args(const at::Tensor& t, at::ScalarType st, int64_t dim, const char* arg,
                 int64_t chunk) {
   TORCH_CHECK(t.is_cuda() && t.scalar_type() == st && t.dim() == dim && t.is_contiguous(), arg,
@@ -100,42 +129,53 @@ void check_args(const at::Tensor& t, at::ScalarType st, int64_t dim, const char*
   TORCH_CHECK(chunk > 0, "chunk must be positive, got ", chunk);
 }
 
-void pack(const at::Tensor& input, float* residual, int64_t chunk, at::Tensor& out) {
+at::Tensor pack(const at::Tensor& input, float* residual, int64_t chunk,
+                at::OptionalIntArrayRef parts) {
   const int64_t n = input.numel();
-  const int64_t chunks = ic::num_chunks(n, chunk);
-  if (chunks == 0) return;
+  const std::vector<int64_t> bounds = ic::chunk_bounds(parts, n, chunk);
+  const int64_t chunks = ic::chunk_count(bounds, n, chunk);
+  auto out = at::empty({ic::packed_bytes_for_chunks(n, chunks)}, input.options().dtype(at::kByte));
+  if (chunks == 0) {
+    out.zero_();  // only the alignment padding of an input of empty parts
+    return out;
+  }
   TORCH_CHECK(chunks <= INT32_MAX, "input has too many chunks (", chunks, ") for one launch");
-  PackParams p{input.data_ptr<float>(), residual, out.data_ptr<uint8_t>(), n, chunk};
+  const at::Tensor table = device_bounds(bounds, input.device());
+  PackParams p{input.data_ptr<float>(), residual, out.data_ptr<uint8_t>(),
+               ic::ChunkMap{table.defined() ? table.data_ptr<int64_t>() : nullptr, chunk, n}};
   pack_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-at::Tensor int8_pack_cuda(const at::Tensor& input, int64_t chunk) {
-  check_args(input, at::kFloat, 1, "input", chunk);
-  c10::cuda::CUDAGuard guard(input.device());
-  auto out = at::empty({ic::packed_bytes(input.numel(), chunk)}, input.options().dtype(at::kByte));
-  pack(input, nullptr, chunk, out);
   return out;
 }
 
-at::Tensor int8_pack_ef_cuda(const at::Tensor& input, at::Tensor& residual, int64_t chunk) {
+at::Tensor int8_pack_cuda(const at::Tensor& input, int64_t chunk, at::OptionalIntArrayRef parts) {
+  check_args(input, at::kFloat, 1, "input", chunk);
+  c10::cuda::CUDAGuard guard(input.device());
+  return pack(input, nullptr, chunk, parts);
+}
+
+at::Tensor int8_pack_ef_cuda(const at::Tensor& input, at::Tensor& residual, int64_t chunk,
+                             at::OptionalIntArrayRef parts) {
   check_args(input, at::kFloat, 1, "input", chunk);
   check_args(residual, at::kFloat, 1, "residual", chunk);
   TORCH_CHECK(residual.numel() == input.numel() && residual.device() == input.device(),
               "residual must have input's ", input.numel(), " elements on ", input.device(),
               ", got ", residual.numel(), " on ", residual.device());
   c10::cuda::CUDAGuard guard(input.device());
-  auto out = at::empty({ic::packed_bytes(input.numel(), chunk)}, input.options().dtype(at::kByte));
-  pack(input, residual.data_ptr<float>(), chunk, out);
-  return out;
+  return pack(input, residual.data_ptr<float>(), chunk, parts);
 }
 
 at::Tensor& int8_unpack_sum_out_cuda(const at::Tensor& packed, int64_t numel, int64_t chunk,
-                                     double alpha, at::Tensor& out) {
+                                     double alpha, at::OptionalIntArrayRef parts,
+                                     at::Tensor& out) {
   check_args(packed, at::kByte, 2, "packed", chunk);
-  TORCH_CHECK(numel >= 0 && packed.size(1) == ic::packed_bytes(numel, chunk),
-              "packed must have packed_bytes(numel=", numel, ", chunk=", chunk,
-              ") = ", ic::packed_bytes(numel, chunk), " bytes per row, got ", packed.size(1));
+  TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
+  const std::vector<int64_t> bounds = ic::chunk_bounds(parts, numel, chunk);
+  const int64_t chunks = ic::chunk_count(bounds, numel, chunk);
+  TORCH_CHECK(packed.size(1) == ic::packed_bytes_for_chunks(numel, chunks),
+              "packed must have ", ic::packed_bytes_for_chunks(numel, chunks),
+              " bytes per row (numel=", numel, ", chunk=", chunk, ", ", chunks,
+              " chunks), got ", packed.size(1));
   check_args(out, at::kFloat, 1, "out", chunk);
   TORCH_CHECK(out.numel() == numel && out.device() == packed.device(), "out must have numel = ",
               numel, " elements on ", packed.device(), ", got ", out.numel(), " on ",
@@ -149,17 +189,24 @@ at::Tensor& int8_unpack_sum_out_cuda(const at::Tensor& packed, int64_t numel, in
                  numel,
                  chunk,
                  static_cast<float>(alpha)};
-  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, 65535 * 8);
-  unpack_sum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0,
-                      at::cuda::getCurrentCUDAStream()>>>(p);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (bounds.empty()) {
+    const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, 65535 * 8);
+    unpack_sum_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  } else {
+    TORCH_CHECK(chunks <= INT32_MAX, "packed has too many chunks (", chunks, ") for one launch");
+    const at::Tensor table = device_bounds(bounds, packed.device());
+    unpack_sum_parts_kernel<<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(
+        p, table.data_ptr<int64_t>());
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
 at::Tensor int8_unpack_sum_cuda(const at::Tensor& packed, int64_t numel, int64_t chunk,
-                                double alpha) {
+                                double alpha, at::OptionalIntArrayRef parts) {
   auto out = at::empty({std::max<int64_t>(numel, 0)}, packed.options().dtype(at::kFloat));
-  return int8_unpack_sum_out_cuda(packed, numel, chunk, alpha, out);
+  return int8_unpack_sum_out_cuda(packed, numel, chunk, alpha, parts, out);
 }
 
 TORCH_LIBRARY_IMPL(ddpx, CUDA, m) {

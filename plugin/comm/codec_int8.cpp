@@ -15,7 +15,18 @@
 // error-feedback residual in the same pass. Large inputs go in pieces, each
 // its own message (pipelined in codec_util.h): piece k+1 is packed and piece
 // k-1 decoded while piece k is on the wire.
+//
+// Chunks start at each tensor's first element: a packed call (a GradSync
+// bucket) chunks every part on its own, and pieces are cut at chunk bounds.
+// So what an element becomes on the wire and after decoding depends only on
+// its tensor (and its residual), not on which bucket holds the tensor, where
+// the bucket was cut or how it was split into pieces: a re-planned run
+// repeats bit for bit.
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
+
+#include <algorithm>
+#include <vector>
 
 #include "plugin/comm/codec_util.h"
 #include "plugin/comm/work_wait.h"
@@ -30,6 +41,43 @@ using ddpx::detail::int8_unpack_sum_out;
 
 constexpr int64_t kDefaultChunk = 256;
 
+// A pipelined piece: [begin, begin + len) of the input, holding whole chunks
+// of the parts it overlaps (the numels of their pieces in `parts`).
+struct PieceSpan {
+  int64_t begin = 0, len = 0;
+  std::vector<int64_t> parts;
+};
+
+// Cuts parts (numels, in order) into pieces of about `budget` elements at the
+// parts' own chunk bounds; a part larger than a piece spans several.
+std::vector<PieceSpan> cut_pieces(const std::vector<int64_t>& parts, int64_t chunk,
+                                  int64_t budget) {
+  std::vector<PieceSpan> out(1);
+  int64_t off = 0;
+  for (int64_t m : parts) {
+    int64_t left = m;
+    while (left > 0) {
+      PieceSpan* cur = &out.back();
+      const int64_t room = budget - cur->len;
+      int64_t take = left <= room ? left : room / chunk * chunk;  // whole chunks
+      if (take == 0) {
+        if (cur->len == 0) {
+          take = std::min(left, chunk);  // budget < chunk: one chunk a piece
+        } else {
+          out.push_back({off + (m - left), 0, {}});
+          continue;
+        }
+      }
+      cur->parts.push_back(take);
+      cur->len += take;
+      left -= take;
+    }
+    if (m == 0) out.back().parts.push_back(0);  // keeps parts and shapes aligned
+    off += m;
+  }
+  return out;
+}
+
 class Int8Codec final : public LossyCodec {
  public:
   explicit Int8Codec(int64_t chunk) : chunk_(chunk) {}
@@ -42,6 +90,27 @@ class Int8Codec final : public LossyCodec {
                             c10d::ProcessGroup& pg) override {
     check_input(input, spec());
     int64_t bytes = check_agreement(pg, input, spec(), key);
+    return reduce(input, {input.numel()}, key, pg, bytes);
+  }
+
+  at::Tensor allreduce_mean_packed(const at::Tensor& flat,
+                                   const std::vector<std::vector<int64_t>>& shapes,
+                                   const std::string& key, c10d::ProcessGroup& pg) override {
+    check_packed(flat, shapes, spec());
+    std::vector<int64_t> parts;
+    std::string layout;
+    for (const auto& s : shapes) {
+      parts.push_back(c10::multiply_integers(s));
+      layout += std::to_string(parts.back()) + ",";
+    }
+    // The chunking follows the parts: the ranks must agree on them as well.
+    int64_t bytes = check_agreement(pg, flat, spec(), key, layout);
+    return reduce(flat, parts, key, pg, bytes);
+  }
+
+ private:
+  at::Tensor reduce(const at::Tensor& input, const std::vector<int64_t>& parts,
+                    const std::string& key, c10d::ProcessGroup& pg, int64_t bytes) {
     if (input.numel() == 0) {
       count_call(bytes, 0);
       return input.contiguous().clone();
@@ -52,36 +121,36 @@ class Int8Codec final : public LossyCodec {
     at::Tensor e = residual(key, x);
     at::Tensor sum = at::empty({n}, input.options().dtype(at::kFloat));  // the mean, decoded
     struct Piece {
-      int64_t begin, len;
+      const PieceSpan* span;
       at::Tensor msg, rows;
       c10::intrusive_ptr<c10d::Work> work;
     };
     // Whole chunks per piece, so pieces quantise exactly as one message would.
-    const int64_t piece = std::max<int64_t>(1, kPieceElements / chunk_) * chunk_;
+    const std::vector<PieceSpan> pieces = cut_pieces(parts, chunk_, kPieceElements);
     pipelined(
-        n, piece,
-        [&](int64_t b, int64_t len) {
-          Piece p{b, len, {}, {}, {}};
-          const at::Tensor xp = x.narrow(0, b, len);
+        static_cast<int64_t>(pieces.size()), 1,
+        [&](int64_t i, int64_t) {
+          const PieceSpan& s = pieces[i];
+          Piece p{&s, {}, {}, {}};
+          const at::Tensor xp = x.narrow(0, s.begin, s.len);
           if (e.defined()) {
-            at::Tensor ep = e.narrow(0, b, len);
-            p.msg = int8_pack_ef(xp, ep, chunk_);
+            at::Tensor ep = e.narrow(0, s.begin, s.len);
+            p.msg = int8_pack_ef(xp, ep, chunk_, s.parts);
           } else {
-            p.msg = int8_pack(xp, chunk_);
+            p.msg = int8_pack(xp, chunk_, s.parts);
           }
           p.work = start_allgather_rows(pg, p.msg, &p.rows, &bytes);
           return p;
         },
         [&](Piece& p) {
           detail::wait_named(p.work);
-          at::Tensor dst = sum.narrow(0, p.begin, p.len);
-          int8_unpack_sum_out(p.rows, p.len, chunk_, inv_world, dst);
+          at::Tensor dst = sum.narrow(0, p.span->begin, p.span->len);
+          int8_unpack_sum_out(p.rows, p.span->len, chunk_, inv_world, dst, p.span->parts);
         });
     count_call(bytes, n);
     return to_output(sum, input);
   }
 
- private:
   int64_t chunk_;
 };
 

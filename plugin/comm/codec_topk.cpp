@@ -3,7 +3,14 @@
 // values]; every rank all-gathers the messages and scatter-adds them. Exact
 // on inputs with at most k nonzeros per rank; error feedback carries the
 // entries not sent into the next call.
+//
+// The budget is per tensor: a packed call (a GradSync bucket) picks each
+// part's own ceil(ratio * numel_part) largest from that part alone, so what a
+// tensor sends does not depend on which tensors share its bucket (a re-planned
+// run repeats bit for bit), and a small tensor is never starved by a large
+// one's values. The sum over ranks is added in rank order per element.
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
 
 #include <climits>
 #include <cmath>
@@ -67,20 +74,55 @@ class TopKCodec final : public LossyCodec {
   at::Tensor allreduce_mean(const at::Tensor& input, const std::string& key,
                             c10d::ProcessGroup& pg) override {
     check_input(input, spec());
+    int64_t bytes = check_agreement(pg, input, spec(), key);
+    return reduce(input, {input.numel()}, key, pg, bytes);
+  }
+
+  at::Tensor allreduce_mean_packed(const at::Tensor& flat,
+                                   const std::vector<std::vector<int64_t>>& shapes,
+                                   const std::string& key, c10d::ProcessGroup& pg) override {
+    check_packed(flat, shapes, spec());
+    std::vector<int64_t> parts;
+    std::string layout;
+    for (const auto& s : shapes) {
+      parts.push_back(c10::multiply_integers(s));
+      layout += std::to_string(parts.back()) + ",";
+    }
+    // Each part's budget follows its numel: the ranks must agree on them.
+    int64_t bytes = check_agreement(pg, flat, spec(), key, layout);
+    return reduce(flat, parts, key, pg, bytes);
+  }
+
+ private:
+  at::Tensor reduce(const at::Tensor& input, const std::vector<int64_t>& parts,
+                    const std::string& key, c10d::ProcessGroup& pg, int64_t bytes) {
     TORCH_CHECK(input.numel() <= INT32_MAX, "ddpx codec '", spec(), "': input has ", input.numel(),
                 " elements; indices travel as int32 (at most ", INT32_MAX, ")");
-    int64_t bytes = check_agreement(pg, input, spec(), key);
     const int64_t n = input.numel();
     if (n == 0) {
       count_call(bytes, 0);
       return input.contiguous().clone();
     }
-    const int64_t k = topk_count(ratio_, n);
     const at::Tensor x = flat_float(input);
     at::Tensor e = residual(key, x);
     const at::Tensor m = e.defined() ? e.add_(x) : x;  // [n] float32, in the residual's storage
-    at::Tensor idx;
-    const at::Tensor msg = topk_pack(m, k, &idx);            // one collective
+    at::Tensor idx;  // this rank's chosen entries, indices into m
+    if (parts.size() == 1) {
+      idx = largest_k(m.abs(), topk_count(ratio_, n));
+    } else {
+      std::vector<at::Tensor> picked;
+      int64_t off = 0;
+      for (int64_t numel : parts) {
+        if (numel > 0) {
+          const at::Tensor a = m.narrow(0, off, numel).abs();
+          picked.push_back(largest_k(a, topk_count(ratio_, numel)).add_(off));
+        }
+        off += numel;
+      }
+      idx = at::cat(picked);
+    }
+    const int64_t k = idx.numel();
+    const at::Tensor msg = at::cat({idx.to(at::kInt), m.index_select(0, idx).view(at::kInt)});
     const at::Tensor all = allgather_rows(pg, msg, &bytes);  // [world, 2k] int32
     at::Tensor sum = topk_unpack_sum(all, n, k);
     if (e.defined()) e.index_fill_(0, idx, 0.0);  // the residual: what was not sent
@@ -88,7 +130,6 @@ class TopKCodec final : public LossyCodec {
     return to_output(sum.div_(pg.getSize()), input);
   }
 
- private:
   double ratio_;
   std::string text_;
 };

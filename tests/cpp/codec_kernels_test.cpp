@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "kernels/common/int8_codec.h"
 #include "ops/int8_codec.h"
@@ -142,6 +145,84 @@ TEST(Int8Kernel, RejectsBadArguments) {
   EXPECT_THROW(int8_unpack_sum_out(int8_pack(at::zeros({4}, at::kFloat), 4).view({1, -1}), 4, 4,
                                    1.0, out),
                c10::Error);
+}
+
+// Per-part chunks (the `parts` argument): the message is the parts' own
+// messages merged (codes end to end, then every part's scales in order), the
+// residual the same as packing each part alone, and decoding gives each
+// part's own decoded sum: what a tensor becomes does not depend on its
+// neighbours in a bucket.
+class Int8Parts : public ::testing::TestWithParam<std::vector<int64_t>> {};
+
+TEST_P(Int8Parts, EachPartAsIfPackedAlone) {
+  const std::vector<int64_t> parts = GetParam();
+  int64_t n = 0;
+  for (int64_t m : parts) n += m;
+  for (int64_t chunk : {1, 7, 256}) {
+    SCOPED_TRACE("chunk " + std::to_string(chunk));
+    auto g = at::make_generator<at::CPUGeneratorImpl>(n * 7 + chunk);
+    auto x = at::randn({n}, g, at::kFloat) * 3;
+    auto e = at::randn({n}, g, at::kFloat) * 0.1;
+    auto e_parts = e.clone();
+    auto msg = int8_pack_ef(x, e, chunk, parts);
+    auto plain = int8_pack(x, chunk, parts);
+    std::vector<at::Tensor> codes, scales, alone_msgs;
+    int64_t off = 0, chunks = 0;
+    for (int64_t m : parts) {
+      auto ep = e_parts.narrow(0, off, m);
+      auto alone = int8_pack_ef(x.narrow(0, off, m).contiguous(), ep, chunk);
+      alone_msgs.push_back(int8_pack(x.narrow(0, off, m).contiguous(), chunk));
+      codes.push_back(alone.narrow(0, 0, m));
+      scales.push_back(alone.narrow(0, ic::scales_offset(m), 4 * ic::num_chunks(m, chunk)));
+      chunks += ic::num_chunks(m, chunk);
+      off += m;
+    }
+    ASSERT_EQ(msg.numel(), ic::packed_bytes_for_chunks(n, chunks));
+    EXPECT_TRUE(at::equal(msg.narrow(0, 0, n), at::cat(codes))) << "codes";
+    EXPECT_TRUE(at::equal(msg.narrow(0, ic::scales_offset(n), 4 * chunks), at::cat(scales)))
+        << "scales";
+    EXPECT_TRUE(at::equal(e, e_parts)) << "residual";
+    // Two rows (ranks) decoded with parts equal each part decoded alone.
+    auto rows = at::stack({msg, plain});
+    auto sum = int8_unpack_sum(rows, n, chunk, 0.5, parts);
+    off = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t m = parts[i];
+      auto alone_rows = at::stack({at::cat({codes[i], at::zeros({ic::scales_offset(m) - m},
+                                                                at::kByte), scales[i]}),
+                                   alone_msgs[i]});
+      EXPECT_TRUE(at::equal(sum.narrow(0, off, m), int8_unpack_sum(alone_rows, m, chunk, 0.5)))
+          << "part " << i;
+      off += m;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, Int8Parts,
+                         ::testing::Values(std::vector<int64_t>{5},
+                                           std::vector<int64_t>{3, 300, 1, 0, 257},
+                                           std::vector<int64_t>{0, 0},
+                                           std::vector<int64_t>{256, 256, 9}));
+
+TEST(Int8Parts, OnePartIsTheUniformLayout) {
+  auto x = at::randn({1000}, at::kFloat);
+  EXPECT_TRUE(at::equal(int8_pack(x, 256, std::vector<int64_t>{1000}), int8_pack(x, 256)));
+}
+
+TEST(Int8Parts, RejectsBadParts) {
+  auto x = at::zeros({10}, at::kFloat);
+  auto expect_msg = [](const std::function<void()>& f, const std::string& want) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; wanted: " << want;
+    } catch (const c10::Error& err) {
+      EXPECT_NE(std::string(err.what()).find(want), std::string::npos) << err.what();
+    }
+  };
+  expect_msg([&] { int8_pack(x, 4, std::vector<int64_t>{3, 3}); }, "parts must sum to the 10");
+  expect_msg([&] { int8_pack(x, 4, std::vector<int64_t>{12, -2}); }, "parts must hold numels >= 0");
+  auto msg = int8_pack(x, 4, std::vector<int64_t>{5, 5});  // 4 chunks; uniform has 3
+  expect_msg([&] { int8_unpack_sum(msg.view({1, -1}), 10, 4); }, "bytes per row");
 }
 
 int main(int argc, char** argv) {

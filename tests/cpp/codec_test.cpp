@@ -207,8 +207,9 @@ TEST_P(CodecTest, PowerSgdExactOnLowRankInputs) {
 
 // A packed call (a GradSync bucket) compresses each matrix part as a call
 // on that part alone would, in two collectives for all of them, and sends
-// the 1-D parts and those that would not shrink as they are. Element-wise
-// codecs are indifferent to the packing.
+// the 1-D parts and those that would not shrink as they are. int8 and top-k
+// give each part exactly what a call on it alone gives (chunks and budget
+// per tensor, issue 47), whatever its neighbours.
 TEST_P(CodecTest, PackedPartsCompressEachMatrix) {
   const std::vector<std::vector<int64_t>> shapes{{40, 30}, {17}, {12, 3, 2, 2}, {3, 5}, {0, 4}};
   std::vector<at::Tensor> parts;
@@ -216,14 +217,20 @@ TEST_P(CodecTest, PackedPartsCompressEachMatrix) {
   std::vector<at::Tensor> flat_parts;
   for (const auto& t : parts) flat_parts.push_back(t.reshape(-1));
   const at::Tensor flat = at::cat(flat_parts);
-  for (const std::string spec : {"powersgd:2", "int8"}) {
+  for (const std::string spec : {"powersgd:2", "int8", "int8:7", "topk:0.3"}) {
     auto packed = make_codec(spec), alone = make_codec(spec);
     const at::Tensor got = packed->allreduce_mean_packed(flat, shapes, "", pg());
     const auto s = packed->stats();
     EXPECT_EQ(s.calls, 1);
     EXPECT_EQ(s.bytes_raw, 4 * flat.numel());
-    if (spec == "int8") {
-      EXPECT_TRUE(at::equal(got, alone->allreduce_mean(flat, "", pg()))) << spec;
+    if (spec != "powersgd:2") {
+      int64_t off = 0;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        const at::Tensor want = alone->allreduce_mean(parts[i], "", pg()).reshape(-1);
+        EXPECT_TRUE(at::equal(got.narrow(0, off, want.numel()), want))
+            << spec << " part " << i << " " << at::IntArrayRef(shapes[i]);
+        off += want.numel();
+      }
       continue;
     }
     int64_t off = 0;
@@ -370,6 +377,34 @@ TEST_P(CodecTest, StatePersistsPerKeyAndIsIsolated) {
               }).find("key 'a'"),
               std::string::npos)
         << spec;
+  }
+}
+
+// The same across the pipelined pieces of a large packed call (2^18
+// elements each): parts that straddle piece bounds, parts smaller than a
+// chunk between them, and a part that fills a piece exactly.
+TEST_P(CodecTest, PackedPartsAcrossPiecesAsAlone) {
+  const std::vector<std::vector<int64_t>> shapes{{5}, {300001}, {3}, {262144}, {7, 3}, {0}};
+  std::vector<at::Tensor> parts, flat_parts;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    parts.push_back(input_of(rank(), 340 + i, shapes[i]));
+    flat_parts.push_back(parts.back().reshape(-1));
+  }
+  const at::Tensor flat = at::cat(flat_parts);
+  for (const std::string spec : {"int8", "int8:100000", "topk:0.01"}) {
+    auto packed = make_codec(spec), alone = make_codec(spec);
+    at::Tensor got;
+    for (int call = 0; call < 2; ++call) {  // the second call carries the residuals
+      got = packed->allreduce_mean_packed(flat, shapes, "k", pg());
+      int64_t off = 0;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        const at::Tensor want =
+            alone->allreduce_mean(parts[i], "k" + std::to_string(i), pg()).reshape(-1);
+        EXPECT_TRUE(at::equal(got.narrow(0, off, want.numel()), want))
+            << spec << " call " << call << " part " << i;
+        off += want.numel();
+      }
+    }
   }
 }
 

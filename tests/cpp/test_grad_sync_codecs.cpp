@@ -47,12 +47,20 @@ TEST(GradSync, EveryCodecSendsItsFormatAndTrainsNearOneProcess) {
     int64_t bytes;  // a step's, on this rank
     double tol;     // |theta - theta_ref| / |theta_ref - theta_0| after the steps
   };
+  // int8's chunks and top-k's budget are per tensor (issue 47).
+  const std::vector<int64_t> tensors{40 * 24, 40, 32 * 40, 32, 5 * 32, 5};
+  int64_t int8_chunks = 0, topk_entries = 0;
+  for (int64_t t : tensors) {
+    int8_chunks += ddpx::kernels::int8_codec::num_chunks(t, 256);
+    topk_entries += static_cast<int64_t>(std::ceil(0.1 * t));
+  }
   const std::vector<Case> cases{
       {"none", 4 * numel, 1e-5},
       {"fp16", agree + 2 * numel, 5e-3},
       {"bf16", agree + 2 * numel, 4e-2},
-      {"int8", agree + ddpx::kernels::int8_codec::packed_bytes(numel, 256), 4e-2},
-      {"topk:0.1", agree + 8 * static_cast<int64_t>(std::ceil(0.1 * numel)), 0.5},
+      {"int8", agree + ddpx::kernels::int8_codec::packed_bytes_for_chunks(numel, int8_chunks),
+       4e-2},
+      {"topk:0.1", agree + 8 * topk_entries, 0.5},
       {"powersgd:4", agree + 4 * (4 * (40 + 24) + 4 * (32 + 40) + 4 * (5 + 32) + biases), 0.5},
   };
   for (const auto& cs : cases) {

@@ -122,9 +122,11 @@ struct GradSyncOptions {
   // (cuts where backward pauses, re-plans that finish earlier, priority's
   // held buckets). Off: a plan depends only on the order and on which
   // parameters go unused, so it is the same on every run of the same model.
-  // That makes a lossy codec's results reproducible run to run (int8's
-  // scale, top-k's selection and PowerSGD's factors are per bucket, so they
-  // change with the buckets' members) at the cost of the overlap timing buys.
+  // The codecs' results do not depend on the plan (int8's chunks and top-k's
+  // budget are per tensor, residuals follow their parameters through a
+  // re-plan), except PowerSGD's: its warm-start factors are kept per bucket
+  // and start cold after a re-plan, so a powersgd run repeats only with this
+  // off, at the cost of what the overlap timing buys.
   DDPX_OPT(bool, timed_plans, true)
   DDPX_OPT(bool, broadcast_on_init, true)
   // After every synced backward, rank 0's buffers (BatchNorm's running
