@@ -60,6 +60,27 @@ def test_unpack_sum_equals_cpu(n, chunk, rows, alpha):
                 ops._int8_unpack_sum(packed, n, chunk, alpha), "sum")
 
 
+PARTS = [[5], [3, 300, 1, 0, 257], [0, 0], [256, 256, 9], [1] * 40, [100003, 4097]]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 256])
+@pytest.mark.parametrize("parts", PARTS, ids=lambda p: f"{len(p)}parts")
+def test_parts_equal_cpu(parts, chunk):
+    """Per-part chunks (a GradSync bucket's tensors, issue 47): the CUDA
+    kernels' chunk-bounds table gives the CPU kernels' message, residual and
+    sum bit for bit."""
+    n = sum(parts)
+    x, e = _data(n, n + chunk), _data(n, n + 2) * 0.01
+    ec = e.cuda()
+    packed_cuda = ops._int8_pack_ef(x.cuda(), ec, chunk, parts)
+    packed_cpu = ops._int8_pack_ef(x, e, chunk, parts)
+    _equal_bits(packed_cuda, packed_cpu, "packed")
+    _equal_bits(ec, e, "residual")
+    rows = torch.stack([packed_cpu, ops._int8_pack(_data(n, 5), chunk, parts)])
+    _equal_bits(ops._int8_unpack_sum(rows.cuda(), n, chunk, 0.5, parts),
+                ops._int8_unpack_sum(rows, n, chunk, 0.5, parts), "sum")
+
+
 @pytest.mark.sanitizer
 def test_kernels_on_a_few_shapes():
     """The few launches compute-sanitizer runs (scripts/device/check.sh): every
@@ -72,6 +93,13 @@ def test_kernels_on_a_few_shapes():
             packed = torch.stack([ops._int8_pack(_data(n, r), chunk) for r in range(3)])
             _equal_bits(ops._int8_unpack_sum(packed.cuda(), n, chunk, 0.5),
                         ops._int8_unpack_sum(packed, n, chunk, 0.5), "sum")
+    parts = [3, 0, 1001, 64]
+    x, e = _data(1068, 3), _data(1068, 4) * 0.01
+    ec = e.cuda()
+    msg = ops._int8_pack_ef(x.cuda(), ec, 64, parts)
+    _equal_bits(msg, ops._int8_pack_ef(x, e, 64, parts), "parts ef")
+    _equal_bits(ops._int8_unpack_sum(msg[None], 1068, 64, 1.0, parts),
+                ops._int8_unpack_sum(msg.cpu()[None], 1068, 64, 1.0, parts), "parts sum")
 
 
 def test_nan_reaches_the_result_on_cuda():
