@@ -307,12 +307,16 @@ GradSync::NoSyncGuard::~NoSyncGuard() { s_.impl_->no_sync = false; }
 
 GradSync::State GradSync::state() const {
   impl_->drain();
-  const auto& I = *impl_;
+  auto& I = *impl_;
   State s;
   for (const auto& b : I.plan)
     s.plan_order.insert(s.plan_order.end(), b.params.begin(), b.params.end());
   s.predictor = I.predictor.state();
   s.steps = I.predictor.steps_observed();
+  {
+    std::lock_guard<std::mutex> lock(I.mu);
+    s.residuals = I.owed_residuals();
+  }
   return s;
 }
 
@@ -331,8 +335,27 @@ void GradSync::load_state(const State& s) {
               " parameters, got ", s.plan_order.size(), " entries");
   std::lock_guard<std::mutex> lock(I.mu);
   TORCH_CHECK(!I.active, "GradSync::load_state: called during backward");
+  TORCH_CHECK(s.residuals.empty() || s.residuals.size() == n, "GradSync::load_state: residuals "
+              "must be empty or one per parameter (", n, "), got ", s.residuals.size());
+  for (size_t p = 0; p < s.residuals.size(); ++p) {
+    const at::Tensor& r = s.residuals[p];
+    TORCH_CHECK(!r.defined() || r.numel() == I.info[p].numel, "GradSync::load_state: residual ",
+                p, " has ", r.numel(), " elements, its parameter ", I.info[p].numel);
+  }
   I.predictor.load_state(s.predictor, static_cast<int>(s.steps));
   I.replan(order, I.late_for(I.predictor));
+  if (s.residuals.empty()) return;
+  // The saved residuals replace whatever this run owed (re-plan: all carries).
+  for (size_t p = 0; p < n; ++p) {
+    if (I.carry[p].defined()) --I.carries;
+    I.carry[p] = at::Tensor();
+    // (Nothing owed: no carry, as if none had been saved.)
+    if (!s.residuals[p].defined() || !I.take_residuals || !s.residuals[p].any().item<bool>()) {
+      continue;
+    }
+    I.carry[p] = s.residuals[p].reshape(-1).to(I.params[p].device(), at::kFloat, false, true);
+    ++I.carries;
+  }
 }
 
 const StepStats& GradSync::last_step() const {

@@ -276,6 +276,17 @@ struct GradSync::Impl {
   // owed error) is dropped with the rest of the state.
   void carry_residuals();
 
+  // Calls fn(p, r) for each slice r of the residuals `by_key` (keyed by the
+  // current plan's bucket and run keys) that belongs to parameter p.
+  void for_each_param_residual(const std::map<std::string, at::Tensor>& by_key,
+                               const std::function<void(int, const at::Tensor&)>& fn) const;
+
+  // Per parameter: the error feedback this rank owes it (the codec's residual
+  // under the current keys plus any carry; flat float32, zeros where nothing
+  // is owed; all undefined with codec "none"), leaving every state as it is.
+  // What State::residuals holds.
+  std::vector<at::Tensor> owed_residuals() const;
+
   // Adds `r` (p's numel elements) to what parameter p owes its next send.
   void owe(int p, const at::Tensor& r);
 

@@ -11,7 +11,30 @@ namespace ddpx {
 
 void GradSync::Impl::carry_residuals() {
   if (!take_residuals) return;
-  for (auto& [key, r] : take_residuals()) {
+  for_each_param_residual(take_residuals(/*take=*/true),
+                          [this](int p, const at::Tensor& r) { owe(p, r); });
+  run_origin.clear();
+}
+
+std::vector<at::Tensor> GradSync::Impl::owed_residuals() const {
+  std::vector<at::Tensor> out(params.size());
+  if (!take_residuals) return out;  // "none": no error feedback
+  auto add = [&out](int p, const at::Tensor& r) {
+    const at::Tensor flat = r.reshape(-1).to(at::kFloat);
+    out[p] = out[p].defined() ? out[p] + flat : flat.clone();
+  };
+  for_each_param_residual(take_residuals(/*take=*/false), add);
+  for (size_t p = 0; p < params.size(); ++p) {
+    if (carry[p].defined()) add(static_cast<int>(p), carry[p]);
+    if (!out[p].defined()) out[p] = at::zeros({info[p].numel}, params[p].options().dtype(at::kFloat));
+  }
+  return out;
+}
+
+void GradSync::Impl::for_each_param_residual(
+    const std::map<std::string, at::Tensor>& by_key,
+    const std::function<void(int, const at::Tensor&)>& fn) const {
+  for (const auto& [key, r] : by_key) {
     int b = -1;
     int64_t off = 0;
     if (auto it = run_origin.find(key); it != run_origin.end()) {
@@ -25,10 +48,9 @@ void GradSync::Impl::carry_residuals() {
     for (int p : plan[b].params) {
       const int64_t rel = offset_of[p] - off;
       if (rel < 0 || rel + info[p].numel > r.numel()) continue;  // not in this run
-      owe(p, r.narrow(0, rel, info[p].numel));
+      fn(p, r.narrow(0, rel, info[p].numel));
     }
   }
-  run_origin.clear();
 }
 
 void GradSync::Impl::owe(int p, const at::Tensor& r) {

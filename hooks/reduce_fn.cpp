@@ -17,7 +17,9 @@ ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats,
     // Lossy codecs keep error-feedback state per bucket key inside the codec.
     std::shared_ptr<comm::Codec> c = comm::make_codec(codec);
     if (stats) *stats = [c] { return c->stats(); };
-    if (take_residuals) *take_residuals = [c] { return c->take_residuals(); };
+    if (take_residuals) {
+      *take_residuals = [c](bool take) { return take ? c->take_residuals() : c->residuals(); };
+    }
     return [c](at::Tensor& flat, const std::string& key, const Shapes& shapes,
                c10d::ProcessGroup& pg) {
       flat.copy_(c->allreduce_mean_packed(flat, shapes, key, pg));

@@ -27,11 +27,12 @@ using ReduceFn = std::function<void(at::Tensor& flat, const std::string& key, co
 // is one step's traffic.
 using WireStatsFn = std::function<comm::CodecStats()>;
 
-// Drops every key's codec state (residuals, PowerSGD's Q) and returns the
-// error-feedback residuals by key (Codec::take_residuals; empty for "none"):
+// The error-feedback residuals by key (empty for "none"). take = true drops
+// every key's codec state (residuals, PowerSGD's Q; Codec::take_residuals):
 // a re-plan changes what a bucket key holds, and carries the residuals over
-// per parameter.
-using TakeResidualsFn = std::function<std::map<std::string, at::Tensor>()>;
+// per parameter. take = false returns copies and leaves the state as it is
+// (Codec::residuals: a checkpoint's).
+using TakeResidualsFn = std::function<std::map<std::string, at::Tensor>(bool take)>;
 
 ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats = nullptr,
                         TakeResidualsFn* take_residuals = nullptr);

@@ -245,6 +245,16 @@ std::map<std::string, at::Tensor> Codec::take_residuals() {
   return out;
 }
 
+std::map<std::string, at::Tensor> Codec::residuals() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [key, slots] : state_) {
+    auto it = slots.find("residual");
+    if (it != slots.end() && it->second.defined()) out.emplace(key, it->second.clone());
+  }
+  return out;
+}
+
 at::Tensor Codec::state(const std::string& key, const std::string& slot) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = state_.find(key);

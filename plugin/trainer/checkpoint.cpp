@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fcntl.h>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 #include <mutex>
 #include <unordered_map>
@@ -94,6 +95,33 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
   s.plan_order.assign(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
   s.predictor.assign(predictor.data_ptr<double>(), predictor.data_ptr<double>() + predictor.numel());
   s.steps = v.toInt();
+  // A lossy codec's residuals: this rank's row, cut per parameter. (Saved by
+  // another number of ranks: rows and ranks do not match, none is restored.)
+  at::Tensor residuals;
+  if (ar.try_read("gradsync.residuals", residuals)) {
+    const GradSync::State now = t.sync.state();  // its residuals give each parameter's numel
+    int64_t total = 0;
+    for (const auto& r : now.residuals) total += r.defined() ? r.numel() : 0;
+    TORCH_CHECK(total == 0 ||residuals.dim() == 2 && residuals.scalar_type() == at::kFloat &&
+                    residuals.size(1) == total,
+                "gradsync.residuals is ", residuals.sizes(), " ", residuals.scalar_type(),
+                "; this run's codec keeps ", total, " float residuals per rank (--codec must "
+                "match to resume)");
+    if (total == 0) {
+      // --codec none now: no error feedback to continue.
+    } else if (residuals.size(0) == t.world) {
+      const at::Tensor row = residuals[t.rank].contiguous();
+      int64_t off = 0;
+      for (const auto& r : now.residuals) {
+        s.residuals.push_back(row.narrow(0, off, r.numel()).clone());
+        off += r.numel();
+      }
+    } else if (t.rank == 0) {
+      std::cerr << "[ddpx-train] the checkpoint's codec residuals are of " << residuals.size(0)
+                << " ranks, this run has " << t.world << ": not restored (the run continues, "
+                << "not bit for bit)" << std::endl;
+    }
+  }
   t.sync.load_state(s);
   ar.read("position", where);
   pos = {where[0].item<int64_t>(), where[1].item<int64_t>(), where[2].item<int64_t>()};
@@ -136,7 +164,25 @@ void write_durably(const std::string& path, const std::string& bytes) {
   }
 }
 
-void save_checkpoint(const std::string& path, TrainObjects& t, const Position& pos) {
+void save_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjects& t,
+                     const Position& pos) {
+  const GradSync::State s = t.sync.state();
+  // Every rank's residuals, one row each (rank 0 gathers them).
+  at::Tensor residuals;
+  if (!s.residuals.empty() && s.residuals[0].defined()) {
+    std::vector<at::Tensor> mine;
+    for (const auto& r : s.residuals) mine.push_back(r.cpu());
+    std::vector<at::Tensor> in{at::cat(mine)};
+    std::vector<std::vector<at::Tensor>> out(1);
+    if (pg.getRank() == 0) {
+      residuals = at::empty({pg.getSize(), in[0].numel()}, at::kFloat);
+      for (int r = 0; r < pg.getSize(); ++r) out[0].push_back(residuals[r]);
+    }
+    c10d::GatherOptions go;
+    go.rootRank = 0;
+    pg.gather(out, in, go)->wait();
+  }
+  if (pg.getRank() != 0) return;
   torch::serialize::OutputArchive ar;
   ar.write("format", c10::IValue(kFormat));
   c10::List<std::string> names;
@@ -156,8 +202,8 @@ void save_checkpoint(const std::string& path, TrainObjects& t, const Position& p
   torch::serialize::OutputArchive opt;
   t.optimizer.save(opt);
   ar.write("optimizer", opt);
-  const GradSync::State s = t.sync.state();
   ar.write("gradsync.plan_order", int64_tensor(s.plan_order));
+  if (residuals.defined()) ar.write("gradsync.residuals", residuals);
   ar.write("gradsync.predictor", at::tensor(c10::ArrayRef<double>(s.predictor), at::kDouble));
   ar.write("gradsync.steps", c10::IValue(s.steps));
   ar.write("position", int64_tensor({pos.step, pos.epoch, pos.batch}));

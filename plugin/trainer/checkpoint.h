@@ -4,9 +4,11 @@
 // data position and the RNG -- everything a resumed run needs to continue
 // bit for bit as if it had never stopped.
 //
-// Only rank 0 writes (every rank holds the same state after a synced step),
-// to a temporary file that is flushed to disk and then renamed over the old
-// checkpoint, so a crash at any moment leaves the previous checkpoint whole.
+// Only rank 0 writes (every rank holds the same state after a synced step,
+// except a lossy codec's error-feedback residuals: rank 0 gathers every
+// rank's, and each takes its own back on resume), to a temporary file that
+// is flushed to disk and then renamed over the old checkpoint, so a crash at
+// any moment leaves the previous checkpoint whole.
 // On resume rank 0 reads the file and broadcasts its bytes, so ranks on other
 // hosts need no shared filesystem.
 #include <ddpx/grad_sync.h>
@@ -36,9 +38,14 @@ struct TrainObjects {
   // Where the model trains (--device). The file holds CPU tensors, so a run
   // resumes on another device or GPU number than the one that wrote it.
   at::Device device = at::kCPU;
+  // This process's place in the job: which row of the saved residuals is its.
+  int rank = 0;
+  int world = 1;
 };
 
-void save_checkpoint(const std::string& path, TrainObjects& t, const Position& pos);
+// Collective (the residuals are gathered); rank 0 writes.
+void save_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjects& t,
+                     const Position& pos);
 
 // Writes `bytes` to a temporary file beside `path`, fsyncs it, renames it
 // over `path` and fsyncs the directory: a crash leaves the old file or the

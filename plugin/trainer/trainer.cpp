@@ -163,7 +163,8 @@ void run(const Options& o) {
   GradSync sync(model, pg, so);  // (next-forward: gates the model's reads of its parameters)
   if (stepped_by_sync) sync.set_optimizer(*opt);
 
-  TrainObjects objs{model, *opt, o.optimizer, sync, drop.describe(), device};
+  TrainObjects objs{model,          *opt,  o.optimizer,  sync, drop.describe(),
+                    device,         pg->getRank(), pg->getSize()};
   Position pos;
   if (!o.checkpoint.empty()) {
     if (o.resume) {
@@ -301,8 +302,8 @@ void run(const Options& o) {
       w_stats = zero_stats();
       w_count = w_kept = w_steps = 0;
     }
-    if (lead && !o.checkpoint.empty() && (save_now || pos.step == total)) {
-      save_checkpoint(o.checkpoint, objs, pos);
+    if (!o.checkpoint.empty() && (save_now || pos.step == total)) {
+      save_checkpoint(o.checkpoint, *pg, objs, pos);
     }
   }
 

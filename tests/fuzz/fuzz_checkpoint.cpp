@@ -15,6 +15,7 @@ struct Run {
   torch::jit::Module model{"Fuzz"};
   std::unique_ptr<torch::optim::SGD> optimizer;
   std::unique_ptr<ddpx::GradSync> sync;
+  ddpx::comm::ProcessGroupPtr pg = ddpx::comm::init_from_env();
 
   Run() {
     model.register_parameter("w", at::randn({3, 2}), /*is_buffer=*/false);
@@ -24,7 +25,7 @@ struct Run {
     for (const auto& p : model.parameters()) params.push_back(p);
     optimizer =
         std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
-    sync = std::make_unique<ddpx::GradSync>(model, ddpx::comm::init_from_env());
+    sync = std::make_unique<ddpx::GradSync>(model, pg);
   }
   TrainObjects objects() { return {model, *optimizer, "sgd", *sync}; }
 };
@@ -42,7 +43,7 @@ void write_seed() {
   const std::string path = std::string(ddpx::fuzz::seed_dir()) + "/step1.ckpt";
   std::filesystem::create_directories(ddpx::fuzz::seed_dir());
   auto t = r.objects();
-  save_checkpoint(path, t, Position{1, 0, 1});
+  save_checkpoint(path, *r.pg, t, Position{1, 0, 1});
 }
 
 }  // namespace

@@ -82,6 +82,8 @@ class Codec {
   // hold (GradSync re-planning its buckets) adds these back to the next
   // inputs of the same elements, so no error is lost.
   std::map<std::string, at::Tensor> take_residuals();
+  // Copies of every key's residual, the state left as it is (a checkpoint).
+  std::map<std::string, at::Tensor> residuals() const;
 
  protected:
   // Per-key named state tensors ("residual", "q"); undefined when absent.

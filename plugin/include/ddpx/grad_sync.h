@@ -347,10 +347,19 @@ class GradSync {
   // once (by size: arrival times belong to the machine and are re-learnt);
   // call it between steps with the same state on every rank (e.g. a
   // checkpoint that rank 0 broadcast), so the plans stay identical.
+  // residuals are this rank's own: per parameter (in GradSync's parameter
+  // order), the codec's error feedback not sent yet (flat float32 of the
+  // parameter's numel on its device, zeros where nothing is owed; all
+  // undefined with codec "none"). A checkpoint keeps every rank's;
+  // load_state gives each rank its own back (an empty vector leaves the
+  // residuals as they are), so a resumed run with a lossy codec continues
+  // bit for bit (int8, top-k, fp16, bf16; PowerSGD's warm start is not
+  // kept: it starts cold).
   struct State {
     std::vector<int64_t> plan_order;
     std::vector<double> predictor;
     int64_t steps = 0;
+    std::vector<at::Tensor> residuals;
   };
   State state() const;
   void load_state(const State& s);
