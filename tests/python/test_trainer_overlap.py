@@ -28,6 +28,21 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory, data_cache):
+    """The synchronous reference (--overlap none) of a model, steps and
+    schedule: run once, shared by the tests that compare against it."""
+    done = {}
+
+    def get(name, steps, schedule="cosine"):
+        key = (name, steps, schedule)
+        if key not in done:
+            done[key] = train(tmp_path_factory.mktemp("sync"), data_cache, name, "none", steps,
+                              schedule=schedule)
+        return done[key]
+    return get
+
+
 def train(tmp_path, data_cache, name, overlap, steps, *extra, np=2, tag="", schedule="cosine"):
     flags, _ = CASES[name]
     ckpt = tmp_path / f"{name}-{overlap}{tag}.pt"
@@ -50,9 +65,9 @@ def assert_same(got_ckpt, want_ckpt):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_next_forward_is_bitwise_the_synchronous_path(tmp_path, data_cache, name):
+def test_next_forward_is_bitwise_the_synchronous_path(tmp_path, data_cache, sync_run, name):
     steps = CASES[name][1]
-    want, _, _ = train(tmp_path, data_cache, name, "none", steps)
+    want, _, _ = sync_run(name, steps)
     got, metrics, r = train(tmp_path, data_cache, name, "next-forward", steps)
     assert_same(got, want)
     end = read_metrics(metrics)[-1]
@@ -67,11 +82,11 @@ def test_optimizer_mode_on_three_ranks(tmp_path, data_cache):
     assert_same(got, want)
 
 
-def test_next_forward_resumes_bitwise(tmp_path, data_cache):
+def test_next_forward_resumes_bitwise(tmp_path, data_cache, sync_run):
     """Stopped at step 30 (checkpoint: parameters, optimizer state), resumed to
     60: the same parameters as 60 straight steps without overlap. (A
     schedule that does not depend on the run's length: --steps changes.)"""
-    want, _, _ = train(tmp_path, data_cache, "lenet", "none", 60, schedule="constant")
+    want, _, _ = sync_run("lenet", 60, schedule="constant")
     ckpt, _, _ = train(tmp_path, data_cache, "lenet", "next-forward", 30, tag="-resumed",
                        schedule="constant")
     flags, _ = CASES["lenet"]
@@ -85,7 +100,7 @@ def test_next_forward_resumes_bitwise(tmp_path, data_cache):
 
 @pytest.mark.parametrize("name,lookahead", [("lenet", "true"), ("lenet", "false"),
                                             ("han", "true")])
-def test_staleness_one_trains_one_step_late(tmp_path, data_cache, name, lookahead):
+def test_staleness_one_trains_one_step_late(tmp_path, data_cache, sync_run, name, lookahead):
     """--staleness 1: each update lands at the end of the next backward (with
     the look-ahead, the default, each rank's next forward runs one step
     ahead on its own gradients). Not the synchronous parameters (the updates
@@ -93,7 +108,7 @@ def test_staleness_one_trains_one_step_late(tmp_path, data_cache, name, lookahea
     synchronously. (Bit for bit against a late apply, with and without the
     look-ahead: test_grad_sync_stale.cpp.)"""
     steps = CASES[name][1]
-    want, want_metrics, _ = train(tmp_path, data_cache, name, "none", steps)
+    want, want_metrics, _ = sync_run(name, steps)
     got, metrics, r = train(tmp_path, data_cache, name, "none", steps, "--staleness", 1,
                             "--stale-warmup", 5, "--stale-lookahead", lookahead, tag="-stale")
     records = read_metrics(metrics)
