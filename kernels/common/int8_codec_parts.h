@@ -36,4 +36,17 @@ inline int64_t chunk_count(const std::vector<int64_t>& bounds, int64_t numel, in
   return bounds.empty() ? num_chunks(numel, chunk) : static_cast<int64_t>(bounds.size()) - 1;
 }
 
+// An unpack's checks: numel >= 0 and rows of the length its chunks give.
+// Returns the bounds (as chunk_bounds) and sets *chunks.
+inline std::vector<int64_t> unpack_bounds(int64_t row_bytes, int64_t numel, int64_t chunk,
+                                          c10::OptionalArrayRef<int64_t> parts, int64_t* chunks) {
+  TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
+  std::vector<int64_t> bounds = chunk_bounds(parts, numel, chunk);
+  *chunks = chunk_count(bounds, numel, chunk);
+  const int64_t want = packed_bytes_for_chunks(numel, *chunks);
+  TORCH_CHECK(row_bytes == want, "packed must have ", want, " bytes per row (numel=", numel,
+              ", chunk=", chunk, ", ", *chunks, " chunks), got ", row_bytes);
+  return bounds;
+}
+
 }  // namespace ddpx::kernels::int8_codec

@@ -169,13 +169,9 @@ at::Tensor& int8_unpack_sum_out_cuda(const at::Tensor& packed, int64_t numel, in
                                      double alpha, at::OptionalIntArrayRef parts,
                                      at::Tensor& out) {
   check_args(packed, at::kByte, 2, "packed", chunk);
-  TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
-  const std::vector<int64_t> bounds = ic::chunk_bounds(parts, numel, chunk);
-  const int64_t chunks = ic::chunk_count(bounds, numel, chunk);
-  TORCH_CHECK(packed.size(1) == ic::packed_bytes_for_chunks(numel, chunks),
-              "packed must have ", ic::packed_bytes_for_chunks(numel, chunks),
-              " bytes per row (numel=", numel, ", chunk=", chunk, ", ", chunks,
-              " chunks), got ", packed.size(1));
+  int64_t chunks = 0;
+  const std::vector<int64_t> bounds =
+      ic::unpack_bounds(packed.size(1), numel, chunk, parts, &chunks);
   check_args(out, at::kFloat, 1, "out", chunk);
   TORCH_CHECK(out.numel() == numel && out.device() == packed.device(), "out must have numel = ",
               numel, " elements on ", packed.device(), ", got ", out.numel(), " on ",

@@ -2,6 +2,7 @@
 // helpers of codec_util.h.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include <cmath>
 #include <sstream>
@@ -148,6 +149,21 @@ int64_t check_agreement(c10d::ProcessGroup& pg, const at::Tensor& input, const s
               "'); every rank must call it with the same shape, dtype, codec and key, in the "
               "same order");
   return fp.nbytes();
+}
+
+std::vector<int64_t> agree_on_part_numels(c10d::ProcessGroup& pg, const at::Tensor& flat,
+                                          const std::vector<std::vector<int64_t>>& shapes,
+                                          const std::string& spec, const std::string& key,
+                                          int64_t* bytes) {
+  check_packed(flat, shapes, spec);
+  std::vector<int64_t> parts;
+  std::string layout;
+  for (const auto& s : shapes) {
+    parts.push_back(c10::multiply_integers(s));
+    layout += std::to_string(parts.back()) + ",";
+  }
+  *bytes = check_agreement(pg, flat, spec, key, layout);
+  return parts;
 }
 
 c10::intrusive_ptr<c10d::Work> start_allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t,

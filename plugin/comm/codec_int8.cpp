@@ -23,7 +23,6 @@
 // the bucket was cut or how it was split into pieces: a re-planned run
 // repeats bit for bit.
 #include <ATen/ATen.h>
-#include <c10/util/accumulate.h>
 
 #include <algorithm>
 #include <vector>
@@ -96,15 +95,8 @@ class Int8Codec final : public LossyCodec {
   at::Tensor allreduce_mean_packed(const at::Tensor& flat,
                                    const std::vector<std::vector<int64_t>>& shapes,
                                    const std::string& key, c10d::ProcessGroup& pg) override {
-    check_packed(flat, shapes, spec());
-    std::vector<int64_t> parts;
-    std::string layout;
-    for (const auto& s : shapes) {
-      parts.push_back(c10::multiply_integers(s));
-      layout += std::to_string(parts.back()) + ",";
-    }
-    // The chunking follows the parts: the ranks must agree on them as well.
-    int64_t bytes = check_agreement(pg, flat, spec(), key, layout);
+    int64_t bytes = 0;  // the chunking follows the parts: agreed on too
+    const auto parts = agree_on_part_numels(pg, flat, shapes, spec(), key, &bytes);
     return reduce(flat, parts, key, pg, bytes);
   }
 

@@ -10,7 +10,6 @@
 // run repeats bit for bit), and a small tensor is never starved by a large
 // one's values. The sum over ranks is added in rank order per element.
 #include <ATen/ATen.h>
-#include <c10/util/accumulate.h>
 
 #include <climits>
 #include <cmath>
@@ -81,15 +80,8 @@ class TopKCodec final : public LossyCodec {
   at::Tensor allreduce_mean_packed(const at::Tensor& flat,
                                    const std::vector<std::vector<int64_t>>& shapes,
                                    const std::string& key, c10d::ProcessGroup& pg) override {
-    check_packed(flat, shapes, spec());
-    std::vector<int64_t> parts;
-    std::string layout;
-    for (const auto& s : shapes) {
-      parts.push_back(c10::multiply_integers(s));
-      layout += std::to_string(parts.back()) + ",";
-    }
-    // Each part's budget follows its numel: the ranks must agree on them.
-    int64_t bytes = check_agreement(pg, flat, spec(), key, layout);
+    int64_t bytes = 0;  // each part's budget follows its numel: agreed on too
+    const auto parts = agree_on_part_numels(pg, flat, shapes, spec(), key, &bytes);
     return reduce(flat, parts, key, pg, bytes);
   }
 
