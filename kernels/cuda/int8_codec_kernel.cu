@@ -78,35 +78,33 @@ struct UnpackParams {
   float alpha;
 };
 
-// Grid-stride over elements; rows summed in order, as on the CPU.
+// Element i (of chunk c) decoded from every row and summed in row order, as
+// on the CPU; off: the rows' scales offset.
+__device__ void unpack_sum_element(const UnpackParams& p, int64_t i, int64_t c, int64_t off) {
+  float acc = 0.0f;
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const uint8_t* row = p.packed + r * p.len;
+    const float s = __fmul_rn(reinterpret_cast<const float*>(row + off)[c], p.alpha);
+    acc = __fadd_rn(acc, ic::decode(reinterpret_cast<const int8_t*>(row)[i], s));
+  }
+  p.y[i] = acc;
+}
+
+// Uniform chunks: grid-stride over elements.
 __global__ void unpack_sum_kernel(UnpackParams p) {
   const int64_t off = ic::scales_offset(p.numel);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < p.numel;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = i / p.chunk;
-    float acc = 0.0f;
-    for (int64_t r = 0; r < p.rows; ++r) {
-      const uint8_t* row = p.packed + r * p.len;
-      const float s = __fmul_rn(reinterpret_cast<const float*>(row + off)[c], p.alpha);
-      acc = __fadd_rn(acc, ic::decode(reinterpret_cast<const int8_t*>(row)[i], s));
-    }
-    p.y[i] = acc;
+    unpack_sum_element(p, i, i / p.chunk, off);
   }
 }
 
-// Per-part chunks: one block per chunk (its bounds from the table), each
-// element's rows summed in order with the same math as unpack_sum_kernel.
+// Per-part chunks: one block per chunk, its bounds from the table.
 __global__ void unpack_sum_parts_kernel(UnpackParams p, const int64_t* bounds) {
   const int64_t c = blockIdx.x;
   const int64_t off = ic::scales_offset(p.numel);
   for (int64_t i = bounds[c] + threadIdx.x; i < bounds[c + 1]; i += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t r = 0; r < p.rows; ++r) {
-      const uint8_t* row = p.packed + r * p.len;
-      const float s = __fmul_rn(reinterpret_cast<const float*>(row + off)[c], p.alpha);
-      acc = __fadd_rn(acc, ic::decode(reinterpret_cast<const int8_t*>(row)[i], s));
-    }
-    p.y[i] = acc;
+    unpack_sum_element(p, i, c, off);
   }
 }
 

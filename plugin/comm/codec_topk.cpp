@@ -98,21 +98,16 @@ class TopKCodec final : public LossyCodec {
     const at::Tensor x = flat_float(input);
     at::Tensor e = residual(key, x);
     const at::Tensor m = e.defined() ? e.add_(x) : x;  // [n] float32, in the residual's storage
-    at::Tensor idx;  // this rank's chosen entries, indices into m
-    if (parts.size() == 1) {
-      idx = largest_k(m.abs(), topk_count(ratio_, n));
-    } else {
-      std::vector<at::Tensor> picked;
-      int64_t off = 0;
-      for (int64_t numel : parts) {
-        if (numel > 0) {
-          const at::Tensor a = m.narrow(0, off, numel).abs();
-          picked.push_back(largest_k(a, topk_count(ratio_, numel)).add_(off));
-        }
-        off += numel;
+    std::vector<at::Tensor> picked;  // per part: its chosen entries, as indices into m
+    int64_t off = 0;
+    for (int64_t numel : parts) {
+      if (numel > 0) {
+        const at::Tensor a = m.narrow(0, off, numel).abs();
+        picked.push_back(largest_k(a, topk_count(ratio_, numel)).add_(off));
       }
-      idx = at::cat(picked);
+      off += numel;
     }
+    const at::Tensor idx = at::cat(picked);
     const int64_t k = idx.numel();
     const at::Tensor msg = at::cat({idx.to(at::kInt), m.index_select(0, idx).view(at::kInt)});
     const at::Tensor all = allgather_rows(pg, msg, &bytes);  // [world, 2k] int32

@@ -9,6 +9,7 @@
 #include <torch/optim/sgd.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -43,6 +44,23 @@ struct Plan {
   int reload_at = -1;  // load_state(state()) after this step: a re-plan mid-run
 };
 
+// The optimizer of every run here: SGD with momentum.
+torch::optim::SGD sgd_of(Odd& m) {
+  return torch::optim::SGD(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+}
+
+// Steps [from, to) of SGD on this rank's shards of the batches seed + step.
+void sgd_steps(Odd& m, torch::optim::SGD& opt, int64_t seed, int from, int to,
+               const std::function<void(int)>& after = nullptr) {
+  for (int step = from; step < to; ++step) {
+    const auto g = global_batch(23, seed + step).to(at::kFloat);
+    opt.zero_grad();
+    m(shard(g, world()->getRank())).backward();
+    opt.step();
+    if (after) after(step);
+  }
+}
+
 // The parameters after `steps` steps of SGD with momentum, and the number of
 // buckets of the last plan.
 std::vector<at::Tensor> train(const std::string& codec, const Plan& plan, int steps,
@@ -51,7 +69,7 @@ std::vector<at::Tensor> train(const std::string& codec, const Plan& plan, int st
   torch::manual_seed(21);
   Odd m;
   GradSync sync(m->named_parameters(), pg, GradSyncOptions(plan.options).codec(codec));
-  torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD opt = sgd_of(m);
   std::atomic<bool> stop{false};
   std::thread spin;
   if (plan.busy) {
@@ -60,15 +78,11 @@ std::vector<at::Tensor> train(const std::string& codec, const Plan& plan, int st
       while (!stop.load(std::memory_order_relaxed)) x = x + 1;
     });
   }
-  for (int step = 0; step < steps; ++step) {
-    const auto g = global_batch(23, 4000 + step).to(at::kFloat);
-    opt.zero_grad();
-    m(shard(g, pg->getRank())).backward();
-    opt.step();
+  sgd_steps(m, opt, 4000, 0, steps, [&](int step) {
     // A re-plan (by size, new keys): each codec residual goes back to its
     // parameters and rides with their next gradients.
     if (step == plan.reload_at) sync.load_state(sync.state());
-  }
+  });
   stop = true;
   if (spin.joinable()) spin.join();
   *buckets = sync.bucket_plan().size();
@@ -119,10 +133,7 @@ TEST(GradSync, LossyCodecsRepeatWhateverThePlan) {
 // the residuals (an empty vector) int8 would not (the test's own control).
 TEST(GradSync, StateCarriesTheResidualsAcrossAResume) {
   auto& pg = world();
-  constexpr int kSteps = 12, kStop = 6;
-  auto batch = [&](int step) {
-    return shard(global_batch(23, 5000 + step).to(at::kFloat), pg->getRank());
-  };
+  constexpr int kSteps = 12, kStop = 6, kSeed = 5000;
   for (const std::string codec : {"int8", "topk:0.1", "fp16", "bf16"}) {
     SCOPED_TRACE(codec);
     const auto opts = [&] { return GradSyncOptions().codec(codec).bucket_cap_mb(0.003); };
@@ -131,12 +142,8 @@ TEST(GradSync, StateCarriesTheResidualsAcrossAResume) {
     std::vector<at::Tensor> want;
     {
       GradSync sync(straight->named_parameters(), pg, opts());
-      torch::optim::SGD opt(straight->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-      for (int step = 0; step < kSteps; ++step) {
-        opt.zero_grad();
-        straight(batch(step)).backward();
-        opt.step();
-      }
+      torch::optim::SGD opt = sgd_of(straight);
+      sgd_steps(straight, opt, kSeed, 0, kSteps);
       for (const auto& p : straight->parameters()) want.push_back(p.detach().clone());
     }
     for (bool with_residuals : {true, false}) {
@@ -147,12 +154,8 @@ TEST(GradSync, StateCarriesTheResidualsAcrossAResume) {
       std::vector<at::Tensor> momentum;
       {
         GradSync sync(first->named_parameters(), pg, opts());
-        torch::optim::SGD opt(first->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-        for (int step = 0; step < kStop; ++step) {
-          opt.zero_grad();
-          first(batch(step)).backward();
-          opt.step();
-        }
+        torch::optim::SGD opt = sgd_of(first);
+        sgd_steps(first, opt, kSeed, 0, kStop);
         st = sync.state();
         for (const auto& p : first->parameters()) {
           const auto& s = static_cast<const torch::optim::SGDParamState&>(
@@ -172,7 +175,7 @@ TEST(GradSync, StateCarriesTheResidualsAcrossAResume) {
       // Another plan after the resume (by size, load_state re-plans).
       GradSync sync(second->named_parameters(), pg, opts().bucket_cap_mb(0.001));
       sync.load_state(st);
-      torch::optim::SGD opt(second->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      torch::optim::SGD opt = sgd_of(second);
       {
         // The momentum buffers, as a checkpoint's optimizer state restores them.
         opt.zero_grad();
@@ -183,11 +186,7 @@ TEST(GradSync, StateCarriesTheResidualsAcrossAResume) {
           opt.state()[sp[i].unsafeGetTensorImpl()] = std::move(s);
         }
       }
-      for (int step = kStop; step < kSteps; ++step) {
-        opt.zero_grad();
-        second(batch(step)).backward();
-        opt.step();
-      }
+      sgd_steps(second, opt, kSeed, kStop, kSteps);
       auto got = second->parameters();
       bool same = true;
       for (size_t i = 0; i < got.size(); ++i) same = same && at::equal(got[i], want[i]);
