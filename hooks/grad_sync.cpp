@@ -331,7 +331,7 @@ void GradSync::Impl::write_back_param(int p, bool globally_used) {
     // for it; the mean of what the ranks sent is owed again, so error
     // feedback loses nothing (over the ranks, the sum is conserved).
     // (A declared one's slot was not sent: it owes nothing new.)
-    if (take_residuals && !plan[bucket_of[p]].late && !info[p].sparse && !declared[p]) {
+    if (lossy && !plan[bucket_of[p]].late && !info[p].sparse && !declared[p]) {
       owe(p, views[p]);
     }
     return;

@@ -50,7 +50,7 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     buffer_names.push_back(b.key());
     I.buffers.push_back(b.value());
   }
-  I.reduce = hooks::make_reduce_fn(options.codec_, &I.wire_stats, &I.take_residuals);
+  I.reduce = hooks::make_reduce_fn(options.codec_, &I.wire_stats, &I.lossy);
   I.profiler =
       std::make_unique<hooks::Profiler>(hooks::TraceConfig::from(options), pg->getRank(),
                                         pg->getSize(), static_cast<int64_t>(params.size()));
@@ -317,6 +317,13 @@ GradSync::State GradSync::state() const {
     std::lock_guard<std::mutex> lock(I.mu);
     s.residuals = I.owed_residuals();
   }
+  if (I.lossy) {
+    s.warm_starts.resize(I.params.size());
+    for (auto& [key, qt] : I.lossy->warm_starts()) {
+      const int p = I.param_of_part_key(key);
+      if (p >= 0) s.warm_starts[p] = std::move(qt);
+    }
+  }
   return s;
 }
 
@@ -342,6 +349,21 @@ void GradSync::load_state(const State& s) {
     TORCH_CHECK(!r.defined() || r.numel() == I.info[p].numel, "GradSync::load_state: residual ",
                 p, " has ", r.numel(), " elements, its parameter ", I.info[p].numel);
   }
+  TORCH_CHECK(s.warm_starts.empty() || s.warm_starts.size() == n, "GradSync::load_state: "
+              "warm_starts must be empty or one per parameter (", n, "), got ",
+              s.warm_starts.size());
+  std::map<std::string, at::Tensor> warm;
+  for (size_t p = 0; p < s.warm_starts.size(); ++p) {
+    const at::Tensor& q = s.warm_starts[p];
+    if (!q.defined()) continue;
+    const int64_t rows = I.params[p].dim() >= 2 ? I.params[p].size(0) : 0;
+    TORCH_CHECK(q.dim() == 2 && rows > 0 && q.size(1) * rows == I.info[p].numel,
+                "GradSync::load_state: warm start ", p, " has shape ", q.sizes(),
+                ", not [rank, ", rows > 0 ? I.info[p].numel / rows : 0, "] for its parameter of ",
+                "shape ", I.params[p].sizes());
+    warm.emplace(I.part_key(static_cast<int>(p)), q.to(I.params[p].device()));
+  }
+  if (I.lossy) I.lossy->load_warm_starts(warm);
   I.predictor.load_state(s.predictor, static_cast<int>(s.steps));
   I.replan(order, I.late_for(I.predictor));
   if (s.residuals.empty()) return;
@@ -350,7 +372,7 @@ void GradSync::load_state(const State& s) {
     if (I.carry[p].defined()) --I.carries;
     I.carry[p] = at::Tensor();
     // (Nothing owed: no carry, as if none had been saved.)
-    if (!s.residuals[p].defined() || !I.take_residuals || !s.residuals[p].any().item<bool>()) {
+    if (!s.residuals[p].defined() || !I.lossy || !s.residuals[p].any().item<bool>()) {
       continue;
     }
     I.carry[p] = s.residuals[p].reshape(-1).to(I.params[p].device(), at::kFloat, false, true);

@@ -193,7 +193,7 @@ void GradSync::Impl::mark_ready_locked(int p, bool used) {
     // device, reading "any" would wait for the stream; the copy does not.
     auto& g = params[p].mutable_grad();
     const bool slot = is_slot(p, g);
-    if (!slot || take_residuals || !g.is_cpu() || g.any().item<bool>()) {
+    if (!slot || lossy || !g.is_cpu() || g.any().item<bool>()) {
       if (slot) g = g.clone();
       views[p].zero_();
     }

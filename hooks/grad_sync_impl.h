@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -54,7 +55,7 @@ struct GradSync::Impl {
   std::vector<std::unique_ptr<hooks::Channel>> channels;
   hooks::ReduceFn reduce;
   hooks::WireStatsFn wire_stats;
-  hooks::TakeResidualsFn take_residuals;  // drops the codec's per-key state; empty: no state
+  std::shared_ptr<comm::Codec> lossy;  // the codec and its state (reduce_fn.h); null: "none"
   std::unique_ptr<hooks::Profiler> profiler;
   int world = 1;
 
@@ -65,6 +66,16 @@ struct GradSync::Impl {
   std::vector<at::Tensor> views;          // per parameter: its slot, shaped like it
   std::vector<std::string> keys;          // per bucket: the codec's state key
   std::vector<hooks::Shapes> shapes;      // per bucket: its parameters' shapes, slot order
+  // Per bucket: its parameters' codec part keys (part_key; reduce_fn.h), slot
+  // order: their warm starts follow the parameter across plans.
+  std::vector<std::vector<std::string>> part_keys;
+  static std::string part_key(int p) { return "param:" + std::to_string(p); }
+  // part_key's inverse: the parameter, or -1 for another key.
+  int param_of_part_key(const std::string& key) const {
+    if (key.rfind("param:", 0) != 0) return -1;
+    const int p = std::atoi(key.c_str() + 6);
+    return p >= 0 && static_cast<size_t>(p) < params.size() && key == part_key(p) ? p : -1;
+  }
   std::vector<char> plan_late;            // per parameter: late when the plan was made
   // Partial-run codec keys of late buckets (bucketB@off+len) -> (bucket,
   // offset), for carrying their residuals over a re-plan.
@@ -272,8 +283,8 @@ struct GradSync::Impl {
 
   // The codec's residuals under the current plan's keys become per-parameter
   // carries (a parameter seen under several run keys owes their sum: each
-  // is a part of its inputs not sent yet). PowerSGD's Q (a warm start, not
-  // owed error) is dropped with the rest of the state.
+  // is a part of its inputs not sent yet). PowerSGD's warm starts stay with
+  // the codec: they are kept per parameter (part_keys), whatever the plan.
   void carry_residuals();
 
   // Calls fn(p, r) for each slice r of the residuals `by_key` (keyed by the

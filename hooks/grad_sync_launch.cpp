@@ -10,20 +10,20 @@
 namespace ddpx {
 
 void GradSync::Impl::carry_residuals() {
-  if (!take_residuals) return;
-  for_each_param_residual(take_residuals(/*take=*/true),
+  if (!lossy) return;
+  for_each_param_residual(lossy->take_residuals(),
                           [this](int p, const at::Tensor& r) { owe(p, r); });
   run_origin.clear();
 }
 
 std::vector<at::Tensor> GradSync::Impl::owed_residuals() const {
   std::vector<at::Tensor> out(params.size());
-  if (!take_residuals) return out;  // "none": no error feedback
+  if (!lossy) return out;  // "none": no error feedback
   auto add = [&out](int p, const at::Tensor& r) {
     const at::Tensor flat = r.reshape(-1).to(at::kFloat);
     out[p] = out[p].defined() ? out[p] + flat : flat.clone();
   };
-  for_each_param_residual(take_residuals(/*take=*/false), add);
+  for_each_param_residual(lossy->residuals(), add);
   for (size_t p = 0; p < params.size(); ++p) {
     if (carry[p].defined()) add(static_cast<int>(p), carry[p]);
     if (!out[p].defined()) out[p] = at::zeros({info[p].numel}, params[p].options().dtype(at::kFloat));
@@ -79,14 +79,18 @@ void GradSync::Impl::launch_locked(int b, std::vector<Run> runs, std::future<voi
   // re-plan, after every future.
   std::vector<std::string> run_keys;
   std::vector<hooks::Shapes> run_shapes;  // of the parameters in each run
+  std::vector<std::vector<std::string>> run_part_keys;
   if (numel != plan[b].numel) {
     for (const auto& r : runs) {
       run_keys.push_back(keys[b] + "@" + std::to_string(r.offset) + "+" + std::to_string(r.numel));
       run_origin.emplace(run_keys.back(), std::make_pair(b, r.offset));
       run_shapes.emplace_back();
-      for (int p : plan[b].params) {
+      run_part_keys.emplace_back();
+      for (size_t i = 0; i < plan[b].params.size(); ++i) {
+        const int p = plan[b].params[i];
         if (offset_of[p] >= r.offset && offset_of[p] < r.offset + r.numel) {
           run_shapes.back().push_back(params[p].sizes().vec());
+          run_part_keys.back().push_back(part_keys[b][i]);
         }
       }
     }
@@ -98,16 +102,18 @@ void GradSync::Impl::launch_locked(int b, std::vector<Run> runs, std::future<voi
   // (The bucket's key and shapes change only at a re-plan, after every future.)
   const std::string* key = &keys[b];
   const hooks::Shapes* bucket_shapes = &shapes[b];
-  auto body = [this, flat, key, bucket_shapes, runs = std::move(runs),
+  const std::vector<std::string>* bucket_part_keys = &part_keys[b];
+  auto body = [this, flat, key, bucket_shapes, bucket_part_keys, runs = std::move(runs),
                run_keys = std::move(run_keys), run_shapes = std::move(run_shapes),
+               run_part_keys = std::move(run_part_keys),
                owed = std::move(owed)](c10d::ProcessGroup& pg) mutable {
     for (auto& [slot, r] : owed) slot.add_(r.view(slot.sizes()));
     if (run_keys.empty()) {
-      reduce(flat, *key, *bucket_shapes, pg);
+      reduce(flat, *key, *bucket_shapes, *bucket_part_keys, pg);
     } else {
       for (size_t i = 0; i < runs.size(); ++i) {
         at::Tensor part = flat.narrow(0, runs[i].offset, runs[i].numel);
-        reduce(part, run_keys[i], run_shapes[i], pg);
+        reduce(part, run_keys[i], run_shapes[i], run_part_keys[i], pg);
       }
     }
   };

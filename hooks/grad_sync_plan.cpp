@@ -20,6 +20,7 @@ void GradSync::Impl::replan(const std::vector<int>& order, std::vector<char> lat
   plan_late = late.empty() ? std::vector<char>(params.size(), 0) : std::move(late);
   keys.clear();
   shapes.assign(plan.size(), {});
+  part_keys.assign(plan.size(), {});
   bucket_of.assign(params.size(), -1);
   offset_of.assign(params.size(), 0);
   for (size_t b = 0; b < plan.size(); ++b) {
@@ -30,6 +31,7 @@ void GradSync::Impl::replan(const std::vector<int>& order, std::vector<char> lat
       if (plan[b].sparse) continue;  // no slot: its rows travel apart
       offset_of[p] = static_cast<int>(off);
       shapes[b].push_back(params[p].sizes().vec());
+      part_keys[b].push_back(part_key(p));
       off += info[p].numel;
     }
   }

@@ -11,18 +11,16 @@
 namespace ddpx::hooks {
 
 ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats,
-                        TakeResidualsFn* take_residuals) {
-  if (take_residuals) *take_residuals = nullptr;  // "none" keeps no state
+                        std::shared_ptr<comm::Codec>* lossy) {
+  if (lossy) lossy->reset();  // "none" keeps no state
   if (codec != "none") {
     // Lossy codecs keep error-feedback state per bucket key inside the codec.
     std::shared_ptr<comm::Codec> c = comm::make_codec(codec);
     if (stats) *stats = [c] { return c->stats(); };
-    if (take_residuals) {
-      *take_residuals = [c](bool take) { return take ? c->take_residuals() : c->residuals(); };
-    }
+    if (lossy) *lossy = c;
     return [c](at::Tensor& flat, const std::string& key, const Shapes& shapes,
-               c10d::ProcessGroup& pg) {
-      flat.copy_(c->allreduce_mean_packed(flat, shapes, key, pg));
+               const std::vector<std::string>& part_keys, c10d::ProcessGroup& pg) {
+      flat.copy_(c->allreduce_mean_packed(flat, shapes, key, pg, part_keys));
     };
   }
   struct Counters {
@@ -30,7 +28,8 @@ ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats,
   };
   auto n = std::make_shared<Counters>();
   if (stats) *stats = [n] { return comm::CodecStats{n->calls, n->sent, n->raw}; };
-  return [n](at::Tensor& flat, const std::string&, const Shapes&, c10d::ProcessGroup& pg) {
+  return [n](at::Tensor& flat, const std::string&, const Shapes&, const std::vector<std::string>&,
+             c10d::ProcessGroup& pg) {
     // Divide before summing: a low-precision bucket cannot overflow, and the
     // result is the same on every rank bit for bit (all receive one sum).
     // (One rank: nothing to average, and no pass over the bucket.)

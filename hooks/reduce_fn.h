@@ -7,6 +7,7 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,8 +18,12 @@ namespace ddpx::hooks {
 using Shapes = std::vector<std::vector<int64_t>>;
 
 // flat: [numel] bucket, averaged in place; key: stable name of the bucket
-// (error-feedback state is kept per key); shapes: what flat packs.
+// (error-feedback state is kept per key); shapes: what flat packs;
+// part_keys: a name per packed tensor that outlives the bucket (GradSync:
+// one per parameter), under which a codec keeps a tensor's own state
+// (PowerSGD's warm start).
 using ReduceFn = std::function<void(at::Tensor& flat, const std::string& key, const Shapes& shapes,
+                                    const std::vector<std::string>& part_keys,
                                     c10d::ProcessGroup&)>;
 
 // Totals since make_reduce_fn: bytes this rank put on the wire and their
@@ -27,14 +32,11 @@ using ReduceFn = std::function<void(at::Tensor& flat, const std::string& key, co
 // is one step's traffic.
 using WireStatsFn = std::function<comm::CodecStats()>;
 
-// The error-feedback residuals by key (empty for "none"). take = true drops
-// every key's codec state (residuals, PowerSGD's Q; Codec::take_residuals):
-// a re-plan changes what a bucket key holds, and carries the residuals over
-// per parameter. take = false returns copies and leaves the state as it is
-// (Codec::residuals: a checkpoint's).
-using TakeResidualsFn = std::function<std::map<std::string, at::Tensor>(bool take)>;
-
+// *lossy: the codec behind the ReduceFn, whose per-key state (error-feedback
+// residuals by bucket key, warm starts by part key) its owner reads and moves
+// (Codec::take_residuals at a re-plan, residuals() and warm_starts() for a
+// checkpoint); null for "none", which keeps no state.
 ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats = nullptr,
-                        TakeResidualsFn* take_residuals = nullptr);
+                        std::shared_ptr<comm::Codec>* lossy = nullptr);
 
 }  // namespace ddpx::hooks

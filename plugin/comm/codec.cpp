@@ -202,6 +202,17 @@ at::Tensor allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_
   return out;
 }
 
+at::Tensor ordered_sum(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes) {
+  if (pg.getSize() == 1) {
+    *bytes += flat.nbytes();  // (as a one-rank allreduce counts it)
+    return flat.clone();
+  }
+  const at::Tensor rows = allgather_rows(pg, flat, bytes);
+  at::Tensor sum = rows[0].clone();
+  for (int64_t r = 1; r < rows.size(0); ++r) sum.add_(rows[r]);
+  return sum;
+}
+
 at::Tensor flat_float(const at::Tensor& input) {
   at::Tensor flat = input.reshape(-1);
   if (flat.scalar_type() == at::kFloat && flat.is_contiguous()) return flat;
@@ -231,7 +242,8 @@ at::Tensor to_output(const at::Tensor& flat, const at::Tensor& input) {
 
 at::Tensor Codec::allreduce_mean_packed(const at::Tensor& flat,
                                         const std::vector<std::vector<int64_t>>& shapes,
-                                        const std::string& key, c10d::ProcessGroup& pg) {
+                                        const std::string& key, c10d::ProcessGroup& pg,
+                                        const std::vector<std::string>& /*part_keys*/) {
   detail::check_packed(flat, shapes, spec());
   return allreduce_mean(flat, key, pg);  // element-wise: the parts' shapes do not matter
 }
@@ -257,8 +269,32 @@ std::map<std::string, at::Tensor> Codec::take_residuals() {
     auto it = slots.find("residual");
     if (it != slots.end() && it->second.defined()) out.emplace(key, std::move(it->second));
   }
-  state_.clear();
+  // The warm starts belong to their parts, not to the keys' packing: kept.
+  for (auto it = state_.begin(); it != state_.end();) {
+    auto& slots = it->second;
+    for (auto s = slots.begin(); s != slots.end();) s = s->first == kWarm ? std::next(s) : slots.erase(s);
+    it = slots.empty() ? state_.erase(it) : std::next(it);
+  }
   return out;
+}
+
+std::map<std::string, at::Tensor> Codec::warm_starts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [key, slots] : state_) {
+    auto it = slots.find(kWarm);
+    if (it != slots.end() && it->second.defined()) out.emplace(key, it->second.clone());
+  }
+  return out;
+}
+
+void Codec::load_warm_starts(const std::map<std::string, at::Tensor>& by_part_key) {
+  for (const auto& [key, q] : by_part_key) {
+    TORCH_CHECK(!key.empty(), "Codec::load_warm_starts: a warm start needs a part key");
+    TORCH_CHECK(q.dim() == 2, "Codec::load_warm_starts: part key '", key,
+                "': a warm start is a matrix, got ", q.dim(), " dimensions");
+    set_state(key, kWarm, q.to(at::kFloat).contiguous().clone());
+  }
 }
 
 std::map<std::string, at::Tensor> Codec::residuals() const {

@@ -4,30 +4,45 @@
 // packed in it. Each part of 2 or more dimensions is a matrix
 // M_i [rows = size(0), cols = numel / rows] (a conv weight: [out, in*kh*kw]):
 //   1. M = input + residual (error feedback, per key; built in place)
-//   2. P_i = M_i Q_i               [rows, r]   one SUM-allreduce for all parts,
+//   2. P_i = M_i Q_i               [rows, r]   one SUM for all parts,
 //                                              the uncompressed parts' values
 //                                              riding along
 //   3. P_i = orthonormal basis of P_i (Householder QR: identical on every
 //                                     rank, all hold the same P_i)
-//   4. Q_i = M_i^T P_i             [cols, r]   one SUM-allreduce for all, / world
+//   4. Q_i^T = P_i^T M_i           [r, cols]   one SUM for all, / world
 //   5. result_i = P_i Q_i^T = P_i P_i^T mean(M_i); residual_i = M_i - P_i Q_i^T
-//   6. Q_i is kept under the key: the next call's warm start.
+//   6. Q_i^T is kept: the next call's warm start, under the part's own key
+//      when the caller names its parts (GradSync: per parameter, so a warm
+//      start outlives a re-plan), else under the call's key.
+// Q is held transposed, [r, cols] row-major, and the passes over M are our
+// own on the CPU (kernels/common/powersgd.h): their results do not depend
+// on where a matrix sits in a bucket, which MKL's did not promise.
 // So a bucket costs two collectives whatever it holds (PyTorch's PowerSGD
 // hook: three). Without a key (or on a key's first call) Q_i starts from a
 // fixed-seed normal matrix, drawn on the CPU so every rank and device starts
 // alike. Exact when mean(M_i) has rank <= r. Parts that would not shrink --
 // 1-D, or (rows + cols) * r >= rows * cols -- are sent uncompressed (float32
 // SUM) and owe no residual; a call with no other part keeps no state.
+// Each SUM is an all-gather added up in rank order (ordered_sum): a tensor's
+// result then depends on its own values only, not on what it was packed
+// with, on any number of ranks and any backend -- part of the promise that a
+// run repeats whatever the bucket plan. On two ranks it moves the bytes of an
+// allreduce; on w ranks each receives (w - 1) times the P and Q (small: 1.55
+// MB for ResNet-50's 25.6M gradients at rank 4).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
 #include <sstream>
+#include <utility>
 
+#include "kernels/common/powersgd.h"
 #include "plugin/comm/codec_util.h"
 
 namespace ddpx::comm::detail {
 namespace {
+
+namespace psk = kernels::powersgd;
 
 constexpr uint64_t kSeed = 0x5eed5eedULL;
 
@@ -47,17 +62,21 @@ class PowerSgdCodec final : public LossyCodec {
                             c10d::ProcessGroup& pg) override {
     check_input(input, spec());
     const int64_t bytes = check_agreement(pg, input, spec(), key);
-    return to_output(reduce_parts(input, {input.sizes().vec()}, key, pg, bytes), input);
+    return to_output(reduce_parts(input, {input.sizes().vec()}, key, {}, pg, bytes), input);
   }
 
   at::Tensor allreduce_mean_packed(const at::Tensor& flat,
                                    const std::vector<std::vector<int64_t>>& shapes,
-                                   const std::string& key, c10d::ProcessGroup& pg) override {
+                                   const std::string& key, c10d::ProcessGroup& pg,
+                                   const std::vector<std::string>& part_keys) override {
     check_packed(flat, shapes, spec());
+    TORCH_CHECK(part_keys.empty() || part_keys.size() == shapes.size(), "ddpx codec '", spec(),
+                "': part_keys must be empty or one per part (", shapes.size(), "), got ",
+                part_keys.size());
     std::ostringstream layout;
     for (const auto& s : shapes) layout << c10::IntArrayRef(s);
     const int64_t bytes = check_agreement(pg, flat, spec(), key, layout.str());
-    return to_output(reduce_parts(flat, shapes, key, pg, bytes), flat);
+    return to_output(reduce_parts(flat, shapes, key, part_keys, pg, bytes), flat);
   }
 
  private:
@@ -84,7 +103,8 @@ class PowerSgdCodec final : public LossyCodec {
   // The mean (flat float32) of `input` over the ranks, part by part;
   // `bytes`: sent so far (the agreement).
   at::Tensor reduce_parts(const at::Tensor& input, const std::vector<std::vector<int64_t>>& shapes,
-                          const std::string& key, c10d::ProcessGroup& pg, int64_t bytes) {
+                          const std::string& key, const std::vector<std::string>& part_keys,
+                          c10d::ProcessGroup& pg, int64_t bytes) {
     const int64_t n = input.numel();
     const int64_t world = pg.getSize();
     const auto parts = parts_of(shapes);
@@ -95,21 +115,23 @@ class PowerSgdCodec final : public LossyCodec {
       q_numel += pt.cols * pt.r;
     }
     if (q_numel == 0) {  // nothing shrinks: one float32 SUM, no state
-      at::Tensor flat = input.reshape(-1).to(at::kFloat, false, /*copy=*/true).contiguous();
-      if (n > 0) bytes += allreduce_sum(pg, flat);
+      at::Tensor flat = flat_float(input);
+      if (n > 0) flat = ordered_sum(pg, flat, &bytes);
       count_call(bytes, n);
-      return flat.div_(world);
+      return n > 0 ? flat.div_(world) : flat.clone();
     }
     const at::Tensor x = flat_float(input);
     at::Tensor e = residual(key, x);
-    // M = input + residual, built in the residual's storage.
-    const at::Tensor m = e.defined() ? e.add_(x) : x;
-    // [the uncompressed parts | every P_i], one SUM.
+    // M = input + residual, built in the residual's storage (a matrix's in
+    // the same pass as its P).
+    const at::Tensor m = e.defined() ? e : x;
+    // [the uncompressed parts | every P_i], one SUM (ordered_sum).
     at::Tensor sent = at::empty({dense + p_numel}, x.options());
     std::vector<at::Tensor> p(parts.size());
     int64_t off = 0;
     for (const auto& pt : parts) {
       if (pt.r > 0) continue;
+      if (e.defined()) e.narrow(0, pt.offset, pt.numel()).add_(x.narrow(0, pt.offset, pt.numel()));
       sent.narrow(0, off, pt.numel()).copy_(m.narrow(0, pt.offset, pt.numel()));
       off += pt.numel();
     }
@@ -117,14 +139,15 @@ class PowerSgdCodec final : public LossyCodec {
       const Part& pt = parts[i];
       if (pt.r == 0) continue;
       p[i] = sent.narrow(0, off, pt.rows * pt.r).view({pt.rows, pt.r});
-      at::mm_out(p[i], matrix(m, pt), warm_start(key, i, pt, m.device()));
+      psk::project(matrix(m, pt), e.defined() ? matrix(x, pt) : at::Tensor(),
+                   warm_start(key, part_keys, i, pt, m.device()), p[i]);
       off += pt.rows * pt.r;
     }
-    bytes += allreduce_sum(pg, sent);
+    sent.copy_(ordered_sum(pg, sent, &bytes));  // in place: p[i] view it
     at::Tensor out = at::empty({n}, x.options());
-    // [every Q_i], one SUM; q_local keeps this rank's for the residuals.
-    at::Tensor q_local = at::empty({q_numel}, x.options());
-    std::vector<at::Tensor> q(parts.size());
+    // [every Q_i^T], one SUM; qt_local keeps this rank's for the residuals.
+    at::Tensor qt_local = at::empty({q_numel}, x.options());
+    std::vector<at::Tensor> qt(parts.size());
     off = 0;
     int64_t dense_off = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -136,13 +159,11 @@ class PowerSgdCodec final : public LossyCodec {
         continue;
       }
       p[i] = std::get<0>(at::linalg_qr(p[i], "reduced")).contiguous();
-      q[i] = q_local.narrow(0, off, pt.cols * pt.r).view({pt.cols, pt.r});
-      at::mm_out(q[i], matrix(m, pt).t(), p[i]);
-      off += pt.cols * pt.r;
+      qt[i] = qt_local.narrow(0, off, pt.r * pt.cols).view({pt.r, pt.cols});
+      psk::back_project(matrix(m, pt), p[i], qt[i]);
+      off += pt.r * pt.cols;
     }
-    at::Tensor q_mean = q_local.clone();
-    bytes += allreduce_sum(pg, q_mean);
-    q_mean.div_(world);
+    const at::Tensor qt_mean = ordered_sum(pg, qt_local, &bytes).div_(world);
     off = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
       const Part& pt = parts[i];
@@ -151,15 +172,12 @@ class PowerSgdCodec final : public LossyCodec {
         if (e.defined()) e.narrow(0, pt.offset, pt.numel()).zero_();
         continue;
       }
-      const at::Tensor qm = q_mean.narrow(0, off, pt.cols * pt.r).view({pt.cols, pt.r});
-      off += pt.cols * pt.r;
-      at::Tensor dst = matrix(out, pt);
-      at::mm_out(dst, p[i], qm.t());
-      if (e.defined()) {
-        set_state(key, "q" + std::to_string(i), qm.clone());
-        // residual = M - P Q_local^T, in place (m is the residual's storage).
-        matrix(e, pt).addmm_(p[i], q[i].t(), /*beta=*/1, /*alpha=*/-1);
-      }
+      const at::Tensor qtm = qt_mean.narrow(0, off, pt.r * pt.cols).view({pt.r, pt.cols});
+      off += pt.r * pt.cols;
+      // The result, and the residual = M - P Q_local^T in place (m is the
+      // residual's storage).
+      psk::expand(p[i], qtm, matrix(out, pt), qt[i], e.defined() ? matrix(e, pt) : at::Tensor());
+      if (e.defined()) keep_warm_start(key, part_keys, i, qtm);
     }
     count_call(bytes, n);
     return out;
@@ -169,12 +187,35 @@ class PowerSgdCodec final : public LossyCodec {
     return flat.narrow(0, pt.offset, pt.numel()).view({pt.rows, pt.cols});
   }
 
-  // Part i's Q: the key's from the last call if it fits, else the fixed start.
-  at::Tensor warm_start(const std::string& key, size_t i, const Part& pt, c10::Device device) {
-    at::Tensor q = key.empty() ? at::Tensor() : state(key, "q" + std::to_string(i));
-    if (q.defined() && q.size(0) == pt.cols && q.size(1) == pt.r && q.device() == device) return q;
+  // Where part i's warm start lives: its own key, or the call's slot "q<i>".
+  static std::pair<std::string, std::string> warm_slot(const std::string& key,
+                                                       const std::vector<std::string>& part_keys,
+                                                       size_t i) {
+    if (!part_keys.empty()) return {part_keys[i], kWarm};
+    return {key, "q" + std::to_string(i)};
+  }
+
+  // Part i's Q^T: the last call's if it fits, else the fixed start.
+  at::Tensor warm_start(const std::string& key, const std::vector<std::string>& part_keys,
+                        size_t i, const Part& pt, c10::Device device) {
+    at::Tensor qt;
+    if (!key.empty()) {
+      const auto [k, slot] = warm_slot(key, part_keys, i);
+      qt = state(k, slot);
+    }
+    if (qt.defined() && qt.size(0) == pt.r && qt.size(1) == pt.cols && qt.device() == device) {
+      return qt;
+    }
     auto gen = at::make_generator<at::CPUGeneratorImpl>(kSeed);
-    return at::randn({pt.cols, pt.r}, gen, at::TensorOptions().dtype(at::kFloat)).to(device);
+    return at::randn({pt.r, pt.cols}, gen, at::TensorOptions().dtype(at::kFloat)).to(device);
+  }
+
+  // (A view into the call's Q buffer: no copy per part; the buffer lives as
+  // long as one of its parts' warm starts does.)
+  void keep_warm_start(const std::string& key, const std::vector<std::string>& part_keys,
+                       size_t i, const at::Tensor& qt) {
+    const auto [k, slot] = warm_slot(key, part_keys, i);
+    set_state(k, slot, qt);
   }
 
   int64_t rank_;

@@ -79,7 +79,8 @@ class TopKCodec final : public LossyCodec {
 
   at::Tensor allreduce_mean_packed(const at::Tensor& flat,
                                    const std::vector<std::vector<int64_t>>& shapes,
-                                   const std::string& key, c10d::ProcessGroup& pg) override {
+                                   const std::string& key, c10d::ProcessGroup& pg,
+                                   const std::vector<std::string>& /*part_keys*/) override {
     int64_t bytes = 0;  // each part's budget follows its numel: agreed on too
     const auto parts = agree_on_part_numels(pg, flat, shapes, spec(), key, &bytes);
     return reduce(flat, parts, key, pg, bytes);

@@ -56,6 +56,17 @@ int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t);
 // rank r's tensor), waited on. Adds this rank's payload bytes to *bytes.
 at::Tensor allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes);
 
+// The SUM over the ranks of a contiguous 1-D tensor, added in rank order
+// (all-gathered, then row 0 + row 1 + ...): each element's sum depends on
+// its values only, not on where it sits in `flat` or on the backend's
+// algorithm. A SUM-allreduce does not promise that beyond two ranks (Gloo's
+// ring and Open MPI's segmented algorithms add in an order that follows the
+// element's chunk of the buffer), so a codec whose results must not depend
+// on how tensors were packed (PowerSGD's rounds) uses this. Same payload as
+// an allreduce on two ranks, world - 1 times its bytes received beyond.
+// Adds this rank's payload bytes to *bytes.
+at::Tensor ordered_sum(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes);
+
 // Asynchronous forms for pipelining: start the collective and return its
 // Work; the caller keeps the tensors alive and waits before reading them.
 c10::intrusive_ptr<c10d::Work> start_allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t,

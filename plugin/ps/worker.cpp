@@ -6,6 +6,8 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <ddpx/ps.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 
 #include <algorithm>
 #include <chrono>
@@ -13,8 +15,10 @@
 #include <cstring>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <thread>
 
+#include "plugin/archive_check.h"
 #include "plugin/comm/codec_message.h"
 #include "plugin/comm/mpi_env.h"
 #include "plugin/comm/wait_pacer.h"
@@ -201,6 +205,67 @@ class WorkerImpl {
   int64_t version() const { return versions_[0]; }
   int64_t start_step() const { return start_step_; }
 
+  // Worker::save_residuals: the push count, the codec, and every (server,
+  // segment) residual in order (none before the first push or without
+  // error feedback).
+  std::string save_residuals() const {
+    torch::serialize::OutputArchive ar;
+    ar.write("format", c10::IValue(kResidualFormat));
+    ar.write("pushes", c10::IValue(seq_));
+    ar.write("codec", c10::IValue(s_.options().codec));
+    c10::List<at::Tensor> all;
+    for (const auto& per_server : residuals_) {
+      for (const auto& e : per_server) {
+        if (e.defined()) all.push_back(e);
+      }
+    }
+    ar.write("residuals", c10::IValue(all));
+    std::ostringstream os;
+    ar.save_to(os);
+    return os.str();
+  }
+
+  bool restore_residuals(const std::string& bytes) {
+    TORCH_CHECK(installed_, "ddpx ps: restore_residuals before the first pull (which says "
+                "which step the servers restored this worker to)");
+    ddpx::detail::check_torch_archive(bytes.data(), bytes.size(),
+                                      "ddpx ps: a worker's residuals");
+    torch::serialize::InputArchive ar;
+    std::istringstream is(bytes);
+    ar.load_from(is);
+    c10::IValue format, pushes, codec, saved;
+    ar.read("format", format);
+    TORCH_CHECK(format.isInt() && format.toInt() == kResidualFormat, "ddpx ps: worker residuals "
+                "of format ", format, "; this build reads format ", kResidualFormat);
+    ar.read("pushes", pushes);
+    ar.read("codec", codec);
+    ar.read("residuals", saved);
+    TORCH_CHECK(codec.isString() && codec.toStringRef() == s_.options().codec, "ddpx ps: worker ",
+                w_, "'s residuals were saved with push codec '", codec,
+                "'; this run pushes with '", s_.options().codec, "'");
+    if (!pushes.isInt() || pushes.toInt() != start_step_) return false;
+    const auto list = saved.toTensorList();
+    size_t n = 0;
+    for (const auto& per_server : residuals_) n += per_server.size();
+    TORCH_CHECK(list.empty() || list.size() == n, "ddpx ps: worker ", w_, "'s residuals hold ",
+                list.size(), " segments; this model's layout has ", n);
+    std::vector<std::vector<at::Tensor>> restored(residuals_.size());
+    size_t i = 0;
+    for (size_t k = 0; k < residuals_.size(); ++k) {
+      restored[k].resize(residuals_[k].size());  // saved before the first push: nothing owed
+      for (size_t j = 0; j < residuals_[k].size() && !list.empty(); ++j, ++i) {
+        const at::Tensor e = list.get(i);
+        const int64_t want = s_.state().layout.shards[k][j].numel;
+        TORCH_CHECK(e.dim() == 1 && e.scalar_type() == at::kFloat && e.numel() == want,
+                    "ddpx ps: worker ", w_, "'s residual ", i, " is ", e.sizes(), " ",
+                    e.scalar_type(), "; its segment holds ", want, " float elements");
+        restored[k][j] = e.clone();
+      }
+    }
+    residuals_ = std::move(restored);  // all checked: nothing half restored
+    return true;
+  }
+
   void finish() {
     if (finished_) return;
     heartbeat_->stop();
@@ -383,6 +448,7 @@ class WorkerImpl {
   std::vector<int64_t> versions_;
   std::vector<std::vector<at::Tensor>> residuals_;  // [server][segment]
   std::unique_ptr<Heartbeat> heartbeat_;
+  static constexpr int64_t kResidualFormat = 1;
   int64_t seq_ = 0;
   int64_t start_step_ = 0;
   bool installed_ = false;
@@ -406,6 +472,10 @@ void Worker::push(double loss, double correct, double samples) {
 int64_t Worker::version() const { return impl_->version(); }
 int64_t Worker::start_step() const { return impl_->start_step(); }
 void Worker::finish() { impl_->finish(); }
+std::string Worker::save_residuals() const { return impl_->save_residuals(); }
+bool Worker::restore_residuals(const std::string& bytes) {
+  return impl_->restore_residuals(bytes);
+}
 WorkerStats Worker::stats() const { return impl_->stats(); }
 
 }  // namespace ddpx::ps

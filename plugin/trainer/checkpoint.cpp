@@ -122,6 +122,23 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
                 << "not bit for bit)" << std::endl;
     }
   }
+  at::Tensor warm_index;
+  if (ar.try_read("gradsync.warm_index", warm_index)) {
+    ar.read("gradsync.warm_starts", v);
+    const auto warm = v.toTensorList();
+    TORCH_CHECK(warm_index.scalar_type() == at::kLong && warm_index.dim() == 1 &&
+                    warm_index.numel() == static_cast<int64_t>(warm.size()),
+                "gradsync.warm_index (", warm_index.sizes(), " ", warm_index.scalar_type(),
+                ") does not index the ", warm.size(), " gradsync.warm_starts");
+    warm_index = warm_index.contiguous();
+    const int64_t n = static_cast<int64_t>(s.plan_order.size());  // GradSync's parameters
+    s.warm_starts.resize(n);
+    for (size_t i = 0; i < warm.size(); ++i) {
+      const int64_t p = warm_index.data_ptr<int64_t>()[i];
+      TORCH_CHECK(p >= 0 && p < n, "gradsync.warm_index names parameter ", p, " of ", n);
+      s.warm_starts[p] = warm.get(i);
+    }
+  }
   t.sync.load_state(s);
   ar.read("position", where);
   pos = {where[0].item<int64_t>(), where[1].item<int64_t>(), where[2].item<int64_t>()};
@@ -204,6 +221,18 @@ void save_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjec
   ar.write("optimizer", opt);
   ar.write("gradsync.plan_order", int64_tensor(s.plan_order));
   if (residuals.defined()) ar.write("gradsync.residuals", residuals);
+  // PowerSGD's warm starts: the same on every rank, so rank 0's; by parameter.
+  std::vector<int64_t> warm_index;
+  c10::List<at::Tensor> warm;
+  for (size_t p = 0; p < s.warm_starts.size(); ++p) {
+    if (!s.warm_starts[p].defined()) continue;
+    warm_index.push_back(static_cast<int64_t>(p));
+    warm.push_back(s.warm_starts[p].cpu());
+  }
+  if (!warm_index.empty()) {
+    ar.write("gradsync.warm_index", int64_tensor(warm_index));
+    ar.write("gradsync.warm_starts", c10::IValue(warm));
+  }
   ar.write("gradsync.predictor", at::tensor(c10::ArrayRef<double>(s.predictor), at::kDouble));
   ar.write("gradsync.steps", c10::IValue(s.steps));
   ar.write("position", int64_tensor({pos.step, pos.epoch, pos.batch}));

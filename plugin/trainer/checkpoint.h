@@ -6,7 +6,8 @@
 //
 // Only rank 0 writes (every rank holds the same state after a synced step,
 // except a lossy codec's error-feedback residuals: rank 0 gathers every
-// rank's, and each takes its own back on resume), to a temporary file that
+// rank's, and each takes its own back on resume; PowerSGD's warm starts are
+// the same on every rank and saved once), to a temporary file that
 // is flushed to disk and then renamed over the old checkpoint, so a crash at
 // any moment leaves the previous checkpoint whole.
 // On resume rank 0 reads the file and broadcasts its bytes, so ranks on other

@@ -194,13 +194,16 @@ TEST_P(CodecTest, PowerSgdExactOnLowRankInputs) {
     EXPECT_TRUE(at::allclose(c->allreduce_mean(w4, "", pg()), want.reshape({40, 3, 5, 2}), 1e-4,
                              1e-4 * want.abs().max().item<float>()));
   }
-  // 1-D and tensors that would not shrink go uncompressed: exact.
+  // 1-D and tensors that would not shrink go uncompressed: exact, the float32
+  // sum in rank order (ordered_sum), divided by the world size.
   auto c = make_codec("powersgd:4");
-  auto none = make_codec("none");
   for (const auto& shape : std::vector<std::vector<int64_t>>{{97}, {3, 5}, {1, 50}}) {
     auto x = input_of(rank(), 320, shape);
+    at::Tensor want = input_of(0, 320, shape);
+    for (int r = 1; r < world(); ++r) want.add_(input_of(r, 320, shape));
+    want.div_(world());
     const int64_t before = c->stats().bytes_sent;
-    EXPECT_TRUE(at::equal(c->allreduce_mean(x, "u", pg()), none->allreduce_mean(x, "", pg())));
+    EXPECT_TRUE(at::equal(c->allreduce_mean(x, "u", pg()), want));
     EXPECT_EQ(c->stats().bytes_sent - before, 96 + 4 * x.numel()) << at::IntArrayRef(shape);
   }
 }
@@ -352,6 +355,49 @@ TEST_P(CodecTest, TakeResidualsReturnsWhatWasNotSentAndClearsTheState) {
   EXPECT_TRUE(at::equal(taken["a"], want));
   EXPECT_TRUE(c->take_residuals().empty());
   EXPECT_TRUE(at::equal(c->allreduce_mean(x, "a", pg()), first)) << "state left behind";
+}
+
+// PowerSGD's warm start under a part key belongs to the tensor, not to the
+// packing: it survives take_residuals (a re-plan) and another packing of the
+// same tensor, and warm_starts / load_warm_starts carry it to a new codec.
+// Without part keys it is the call's and goes with take_residuals.
+TEST_P(CodecTest, PowerSgdWarmStartsFollowTheirPartKeys) {
+  const at::Tensor a = input_of(rank(), 520, {12, 10}), b = input_of(rank(), 521, {9, 14});
+  const at::Tensor ab = at::cat({a.reshape(-1), b.reshape(-1)});
+  const std::vector<std::vector<int64_t>> sa{{12, 10}}, sb{{9, 14}}, sab{{12, 10}, {9, 14}};
+  const at::Tensor fb = b.reshape(-1);
+  // Both tensors in one call, then B alone after a re-plan.
+  auto c1 = make_codec("powersgd:2");
+  c1->allreduce_mean_packed(ab, sab, "k1", pg(), {"A", "B"});
+  const auto warm = c1->warm_starts();
+  ASSERT_EQ(warm.size(), 2u);
+  EXPECT_EQ(warm.at("A").sizes(), at::IntArrayRef({2, 10}));
+  EXPECT_EQ(warm.at("B").sizes(), at::IntArrayRef({2, 14}));
+  c1->take_residuals();
+  EXPECT_EQ(c1->warm_starts().size(), 2u) << "a re-plan dropped the warm starts";
+  const at::Tensor r1 = c1->allreduce_mean_packed(fb, sb, "k2", pg(), {"B"});
+  // Each tensor in a call of its own: the same warm start for B.
+  auto c2 = make_codec("powersgd:2");
+  c2->allreduce_mean_packed(a.reshape(-1), sa, "x", pg(), {"A"});
+  c2->allreduce_mean_packed(fb, sb, "y", pg(), {"B"});
+  EXPECT_TRUE(at::equal(c2->warm_starts().at("B"), warm.at("B")));
+  c2->take_residuals();
+  EXPECT_TRUE(at::equal(c2->allreduce_mean_packed(fb, sb, "k2", pg(), {"B"}), r1));
+  // A checkpoint's warm starts in a new codec.
+  auto c3 = make_codec("powersgd:2");
+  c3->load_warm_starts(warm);
+  EXPECT_TRUE(at::equal(c3->allreduce_mean_packed(fb, sb, "k2", pg(), {"B"}), r1));
+  // Controls: without part keys the warm start is the call's, and goes; a
+  // cold start gives another result.
+  auto c4 = make_codec("powersgd:2");
+  c4->allreduce_mean_packed(ab, sab, "k1", pg());
+  EXPECT_TRUE(c4->warm_starts().empty());
+  c4->take_residuals();
+  EXPECT_FALSE(at::equal(c4->allreduce_mean_packed(fb, sb, "k2", pg(), {"B"}), r1));
+  // One key per part or none.
+  EXPECT_NE(error_of([&] { c4->allreduce_mean_packed(ab, sab, "k1", pg(), {"A"}); })
+                .find("part_keys must be empty or one per part (2), got 1"),
+            std::string::npos);
 }
 
 TEST_P(CodecTest, StatePersistsPerKeyAndIsIsolated) {

@@ -1,11 +1,12 @@
 // Issue 47: a lossy codec's results do not depend on the bucket plan. The
-// same training with int8 and top-k, under plans forced to differ -- one
+// same training with int8, top-k and PowerSGD, under plans forced to differ -- one
 // bucket, many small ones, timed plans (the default) with a busy thread
 // stretching backward's pauses, re-plans mid-run -- ends with the same
 // parameters bit for bit. What a parameter's gradient becomes on the wire
 // depends on that parameter and its residual only: int8 chunks start at each
-// tensor's first element, top-k's budget is per tensor, and a re-plan hands
-// each parameter's residual on to its new bucket.
+// tensor's first element, top-k's budget is per tensor, PowerSGD works per
+// matrix and keeps each one's warm start under the parameter's own part key,
+// and a re-plan hands each parameter's residual on to its new bucket.
 #include <torch/optim/sgd.h>
 
 #include <atomic>
@@ -100,7 +101,7 @@ TEST(GradSync, LossyCodecsRepeatWhateverThePlan) {
       {"untimed plans, re-plan", GradSyncOptions().bucket_cap_mb(0.002).timed_plans(false), false,
        7},
   };
-  for (const std::string codec : {"int8", "int8:7", "topk:0.1"}) {
+  for (const std::string codec : {"int8", "int8:7", "topk:0.1", "powersgd:2"}) {
     SCOPED_TRACE(codec);
     std::vector<at::Tensor> first;
     std::vector<size_t> buckets;
@@ -130,11 +131,12 @@ TEST(GradSync, LossyCodecsRepeatWhateverThePlan) {
 // continued by a new model, optimizer and GradSync that load them, ends where
 // the straight run does, bit for bit -- with every codec that keeps error
 // feedback, across a plan that differs before and after the stop. Without
-// the residuals (an empty vector) int8 would not (the test's own control).
+// the residuals (an empty vector) int8 would not, nor PowerSGD without its
+// warm starts (the test's own controls).
 TEST(GradSync, StateCarriesTheResidualsAcrossAResume) {
   auto& pg = world();
   constexpr int kSteps = 12, kStop = 6, kSeed = 5000;
-  for (const std::string codec : {"int8", "topk:0.1", "fp16", "bf16"}) {
+  for (const std::string codec : {"int8", "topk:0.1", "fp16", "bf16", "powersgd:2"}) {
     SCOPED_TRACE(codec);
     const auto opts = [&] { return GradSyncOptions().codec(codec).bucket_cap_mb(0.003); };
     torch::manual_seed(8);
@@ -146,8 +148,9 @@ TEST(GradSync, StateCarriesTheResidualsAcrossAResume) {
       sgd_steps(straight, opt, kSeed, 0, kSteps);
       for (const auto& p : straight->parameters()) want.push_back(p.detach().clone());
     }
-    for (bool with_residuals : {true, false}) {
-      SCOPED_TRACE(with_residuals ? "with residuals" : "without");
+    // With everything; without the residuals; without the warm starts.
+    for (int drop : {0, 1, 2}) {
+      SCOPED_TRACE(drop == 0 ? "whole state" : drop == 1 ? "no residuals" : "no warm starts");
       torch::manual_seed(8);
       Odd first;
       GradSync::State st;
@@ -164,7 +167,14 @@ TEST(GradSync, StateCarriesTheResidualsAcrossAResume) {
         }
       }
       ASSERT_EQ(st.residuals.size(), first->parameters().size());
-      if (!with_residuals) st.residuals.clear();
+      const bool powersgd = codec.rfind("powersgd", 0) == 0;
+      // PowerSGD's warm starts: one per matrix (the weights), none elsewhere.
+      ASSERT_EQ(st.warm_starts.size(), first->parameters().size());
+      for (size_t i = 0; i < st.warm_starts.size(); ++i) {
+        EXPECT_EQ(st.warm_starts[i].defined(), powersgd && first->parameters()[i].dim() == 2) << i;
+      }
+      if (drop == 1) st.residuals.clear();
+      if (drop == 2) st.warm_starts.clear();
       torch::manual_seed(99);  // other initial values: all must come from the stop
       Odd second;
       {
@@ -190,10 +200,10 @@ TEST(GradSync, StateCarriesTheResidualsAcrossAResume) {
       auto got = second->parameters();
       bool same = true;
       for (size_t i = 0; i < got.size(); ++i) same = same && at::equal(got[i], want[i]);
-      if (with_residuals) {
+      if (drop == 0) {
         EXPECT_TRUE(same) << "the resumed run left the straight one";
-      } else if (codec == "int8") {
-        EXPECT_FALSE(same) << "dropping the residuals changed nothing: the test proves nothing";
+      } else if ((codec == "int8" && drop == 1) || (powersgd && drop == 2)) {
+        EXPECT_FALSE(same) << "dropping part of the state changed nothing: the test proves nothing";
       }
     }
   }

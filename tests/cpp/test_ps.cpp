@@ -37,6 +37,8 @@ namespace ps = ddpx::ps;
 
 namespace {
 
+using ddpx::test::error_of;
+
 // MPI is started by ddpx (MpiEnv), as in any trainer.
 int world_size() { return ddpx::comm::detail::MpiEnv::get().world_size(); }
 
@@ -106,10 +108,13 @@ struct RunResult {
 };
 
 // A PS run: every worker goes on to step `steps`; `before_push` runs on a
-// worker before each push (delays); a server restores `state` when given.
+// worker before each push (delays), `after_push` after it, `on_start` after
+// its first pull; a server restores `state` when given.
 RunResult run_ps(ps::Options o, int64_t steps,
                  const std::function<void(int w, int64_t s)>& before_push = {},
-                 const std::string& state = "") {
+                 const std::string& state = "",
+                 const std::function<void(ps::Worker&)>& after_push = {},
+                 const std::function<void(ps::Worker&)>& on_start = {}) {
   std::vector<at::Tensor> params = make_params();
   ps::Session session(params, std::move(o));
   ps::ServerStats mine;
@@ -123,10 +128,12 @@ RunResult run_ps(ps::Options o, int64_t steps,
     const int w = session.rank() - session.num_servers();
     ps::Worker worker(session);
     worker.pull();
+    if (on_start) on_start(worker);
     for (int64_t s = worker.start_step(); s < steps; ++s) {
       const double loss = compute_grads(params, w, s);
       if (before_push) before_push(w, s);
       worker.push(loss, 0, 8);
+      if (after_push) after_push(worker);
       worker.pull();
     }
     worker.finish();
@@ -416,26 +423,58 @@ TEST(Ps, AsyncMeanStalenessNearWorkersMinusOne) {
 // A run stopped after 8 of 12 steps and restored from the servers'
 // checkpoints ends bitwise where the uninterrupted run ends (sync: every
 // worker's next gradient is computed on the saved version). The checkpoint
-// of step 4 is taken too, so "the last one wins" is what is checked.
+// of step 4 is taken too, so "the last one wins" is what is checked. With a
+// lossy push codec each worker restores its residuals too (saved after
+// pushes 4 and 8: the step-4 ones do not match and are refused); without
+// them int8 would not end there (the test's control).
 TEST(Ps, ResumeEqualsUninterrupted) {
   const int n = world_size();
   const int servers = n == 4 ? 2 : 1;
-  const auto whole = run_ps(options(servers, "sync"), 12);
-  std::string state;
-  int saves = 0;
-  auto o = options(servers, "sync");
-  o.checkpoint_every = 4;
-  o.on_checkpoint = [&](const std::string& bytes) {
-    state = bytes;
-    ++saves;
-  };
-  run_ps(o, 8);
-  const bool server = ddpx::comm::detail::MpiEnv::get().world_rank() < servers;
-  if (server) EXPECT_EQ(saves, 3);  // after updates 4 and 8, and at the end
-  const auto resumed = run_ps(options(servers, "sync"), 12, {}, state);
-  expect_bitwise(resumed.params, whole.params);
-  EXPECT_EQ(resumed.stats.version, 12);
-  EXPECT_EQ(resumed.stats.applied, whole.stats.applied);
+  std::string none_at8;  // a worker's bytes of the codec-"none" run
+  for (const std::string codec : {"none", "int8"}) {
+    SCOPED_TRACE(codec);
+    auto with_codec = [&] {
+      auto o = options(servers, "sync");
+      o.codec = codec;
+      return o;
+    };
+    const auto whole = run_ps(with_codec(), 12);
+    std::string state, at4, at8;
+    int saves = 0;
+    auto o = with_codec();
+    o.checkpoint_every = 4;
+    o.on_checkpoint = [&](const std::string& bytes) {
+      state = bytes;
+      ++saves;
+    };
+    run_ps(o, 8, {}, "", [&](ps::Worker& w) {
+      if (w.stats().pushes == 4) at4 = w.save_residuals();
+      if (w.stats().pushes == 8) at8 = w.save_residuals();
+    });
+    const bool server = ddpx::comm::detail::MpiEnv::get().world_rank() < servers;
+    if (server) EXPECT_EQ(saves, 3);  // after updates 4 and 8, and at the end
+    const auto resumed = run_ps(with_codec(), 12, {}, state, {}, [&](ps::Worker& w) {
+      EXPECT_EQ(w.start_step(), 8);
+      EXPECT_FALSE(w.restore_residuals(at4)) << "residuals of step 4 taken at step 8";
+      EXPECT_TRUE(w.restore_residuals(at8));
+    });
+    if (codec == "none") none_at8 = at8;
+    expect_bitwise(resumed.params, whole.params);
+    EXPECT_EQ(resumed.stats.version, 12);
+    EXPECT_EQ(resumed.stats.applied, whole.stats.applied);
+    if (codec == "int8") {
+      const auto without = run_ps(with_codec(), 12, {}, state, {}, [&](ps::Worker& w) {
+        const std::string err = error_of([&] { w.restore_residuals(none_at8); });
+        EXPECT_NE(err.find("saved with push codec 'none'; this run pushes with 'int8'"),
+                  std::string::npos) << err;
+      });
+      bool same = true;
+      for (size_t i = 0; i < without.params.size(); ++i) {
+        same = same && at::equal(without.params[i], whole.params[i]);
+      }
+      EXPECT_FALSE(same) << "dropping the residuals changed nothing: the test proves nothing";
+    }
+  }
 }
 
 // Every push codec, 2 servers (the first weight split between them) and one
@@ -554,8 +593,6 @@ INSTANTIATE_TEST_SUITE_P(Ps, PsPullCodec, ::testing::Values("fp16", "bf16", "int
                              if (!isalnum(c)) c = '_';
                            return s;
                          });
-
-using ddpx::test::error_of;
 
 TEST(PsErrors, BadOptionsNameTheArgument) {
   const int n = world_size();

@@ -103,10 +103,10 @@ def test_resume_after_kill_is_bitwise_equal(tmp_path, data_cache):
 
 
 @pytest.mark.parametrize("codec,overlap", [("int8", "none"), ("topk:0.1", "next-forward"),
-                                           ("fp16", "optimizer")])
+                                           ("fp16", "optimizer"), ("powersgd:2", "none")])
 def test_codec_resume_is_bitwise_equal(tmp_path, data_cache, codec, overlap):
     """A lossy codec's error feedback is in the checkpoint (every rank's
-    residuals, issue 47): stopped at step 12 and resumed to 24, the run ends
+    residuals, PowerSGD's warm starts; issue 47): stopped at step 12 and resumed to 24, the run ends
     on the parameters of 24 straight steps, bit for bit."""
     common = ["--model", model("mlp"), "--data-cache", data_cache, "--batch-size", 16,
               "--lr", 0.05, "--momentum", 0.9, "--lr-schedule", "constant", "--log-every", 6,

@@ -11,7 +11,9 @@
 //   topk:<ratio>       the k = ceil(ratio * numel) largest |x| (0 < ratio <= 1),
 //                      indices and values all-gathered, summed
 //   powersgd:<rank>    rank-r P/Q power iteration (Vogels et al. 2019): P = M Q,
-//                      allreduce P, orthogonalise, Q = M^T P, allreduce Q; Q is
+//                      sum P, orthogonalise, Q = M^T P, sum Q (each sum an
+//                      all-gather added in rank order, so a tensor's result
+//                      does not depend on its packing); Q is
 //                      the warm start of the next call; tensors that would not
 //                      shrink (1-D, or (rows + cols) * r >= rows * cols) are
 //                      sent uncompressed. A packed call (allreduce_mean_packed)
@@ -69,26 +71,46 @@ class Codec {
   // (PowerSGD: a matrix per part of 2 or more dimensions, viewed as [size(0),
   // numel / size(0)], a conv weight as [out, in * kh * kw]) overrides it.
   // The ranks must agree on `shapes` too (part of the agreement).
+  // `part_keys`: empty, or one name per part under which a codec keeps the
+  // state that belongs to the tensor rather than to this packing of it
+  // (PowerSGD's warm start). A caller that packs its tensors anew (GradSync
+  // re-planning its buckets) passes the same name for the same tensor and
+  // the state follows it. Empty: that state is kept under `key`.
   virtual at::Tensor allreduce_mean_packed(const at::Tensor& flat,
                                            const std::vector<std::vector<int64_t>>& shapes,
-                                           const std::string& key, c10d::ProcessGroup& pg);
+                                           const std::string& key, c10d::ProcessGroup& pg,
+                                           const std::vector<std::string>& part_keys);
+  at::Tensor allreduce_mean_packed(const at::Tensor& flat,
+                                   const std::vector<std::vector<int64_t>>& shapes,
+                                   const std::string& key, c10d::ProcessGroup& pg) {
+    return allreduce_mean_packed(flat, shapes, key, pg, {});
+  }
 
   CodecStats stats() const;
   // Drops one key's state ("" = every key's).
   void reset_state(const std::string& key = "");
-  // Drops every key's state and returns each key's error-feedback residual
-  // (flat float32, the key's input numel): the part of this rank's inputs its
-  // contributions have not carried yet. A caller that changes what its keys
-  // hold (GradSync re-planning its buckets) adds these back to the next
-  // inputs of the same elements, so no error is lost.
+  // Drops every key's state but the warm starts kept under part keys and
+  // returns each key's error-feedback residual (flat float32, the key's input
+  // numel): the part of this rank's inputs its contributions have not
+  // carried yet. A caller that changes what its keys hold (GradSync
+  // re-planning its buckets) adds these back to the next inputs of the same
+  // elements, so no error is lost.
   std::map<std::string, at::Tensor> take_residuals();
   // Copies of every key's residual, the state left as it is (a checkpoint).
   std::map<std::string, at::Tensor> residuals() const;
+  // Copies of the warm starts kept under part keys (PowerSGD: Q^T, [r, cols]
+  // float32, the same on every rank), by part key; and setting them again
+  // (a checkpoint's). A warm start that does not fit its part when next
+  // used (another rank r, shape or device) is ignored: a cold start.
+  std::map<std::string, at::Tensor> warm_starts() const;
+  void load_warm_starts(const std::map<std::string, at::Tensor>& by_part_key);
 
  protected:
-  // Per-key named state tensors ("residual", "q"); undefined when absent.
+  // Per-key named state tensors ("residual", PowerSGD's "q<i>"; kWarm under
+  // a part key); undefined when absent.
   at::Tensor state(const std::string& key, const std::string& slot) const;
   void set_state(const std::string& key, const std::string& slot, const at::Tensor& value);
+  static constexpr const char* kWarm = "warm";  // a part key's warm start
   void count_call(int64_t bytes_sent, int64_t numel);
   void count_bytes(int64_t bytes_sent);
 

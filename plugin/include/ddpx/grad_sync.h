@@ -352,14 +352,17 @@ class GradSync {
   // parameter's numel on its device, zeros where nothing is owed; all
   // undefined with codec "none"). A checkpoint keeps every rank's;
   // load_state gives each rank its own back (an empty vector leaves the
-  // residuals as they are), so a resumed run with a lossy codec continues
-  // bit for bit (int8, top-k, fp16, bf16; PowerSGD's warm start is not
-  // kept: it starts cold).
+  // residuals as they are). warm_starts: per parameter, PowerSGD's Q^T
+  // ([rank, numel / size(0)] float32; the same on every rank, so one rank's
+  // is enough), undefined where there is none (other codecs, 1-D
+  // parameters, before the first step); load_state sets the defined ones.
+  // With both, a resumed run with any lossy codec continues bit for bit.
   struct State {
     std::vector<int64_t> plan_order;
     std::vector<double> predictor;
     int64_t steps = 0;
     std::vector<at::Tensor> residuals;
+    std::vector<at::Tensor> warm_starts;
   };
   State state() const;
   void load_state(const State& s);

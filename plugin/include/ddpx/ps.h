@@ -333,6 +333,18 @@ class Worker {
   // finished with when they were restored (0 on a fresh run): the step to
   // go on from.
   int64_t start_step() const;
+  // A lossy push codec's error feedback (fp16, bf16, int8, top-k) is this
+  // worker's own: what its pushes so far have not carried. save_residuals
+  // gives it as bytes for a checkpoint of the worker's, tagged with the
+  // number of pushes made. After the first pull, restore_residuals takes
+  // such bytes back if they follow the push the servers restored this
+  // worker to (start_step()) and returns true; bytes of another step return
+  // false and change nothing (the run goes on without them, no longer bit
+  // for bit). Bytes of another push codec or model are a c10::Error. With
+  // sync consistency, residuals saved after each push that is a multiple of
+  // the servers' checkpoint_every match their checkpoints.
+  std::string save_residuals() const;
+  bool restore_residuals(const std::string& bytes);
   // The version of server 0's shard the parameters hold.
   int64_t version() const;
   void finish();
