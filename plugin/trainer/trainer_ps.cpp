@@ -55,6 +55,62 @@ std::string histogram_text(const ps::Staleness& s) {
   return os.str();
 }
 
+// A worker's own checkpoint of its push codec's error feedback
+// (ps::Worker::save_residuals), beside the servers': <--checkpoint>.worker<w>.0
+// and .1, written in turn after every --checkpoint-every-th push and the
+// last. The servers save after the same updates (sync: update = step), so
+// the file that matches their last checkpoint is one of the two even if the
+// job died between a worker's save and the servers'.
+class WorkerResiduals {
+ public:
+  WorkerResiduals(const Options& o, int w)
+      : on_(!o.checkpoint.empty() && o.codec != "none"),
+        every_(o.checkpoint_every),
+        base_(o.checkpoint + ".worker" + std::to_string(w) + "."),
+        w_(w) {}
+
+  // --resume: the saved residuals of the step the servers restored this
+  // worker to, if there are any. The next save goes to the other file.
+  void restore(ps::Worker& worker, bool quiet) {
+    if (!on_) return;
+    bool seen = false;
+    for (int gen : {0, 1}) {
+      const std::string path = base_ + std::to_string(gen);
+      if (!std::filesystem::exists(path)) continue;
+      seen = true;
+      std::ifstream in(path, std::ios::binary);
+      const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+      TORCH_CHECK(in.good() || in.eof(), "ddpx-train: cannot read ", path);
+      if (worker.restore_residuals(bytes)) {
+        saves_ = gen + 1;
+        if (!quiet) {
+          std::cout << "[ddpx-train] worker " << w_ << " restored its codec residuals of step "
+                    << worker.start_step() << std::endl;
+        }
+        return;
+      }
+    }
+    if (worker.start_step() > 0) {
+      std::cerr << "[ddpx-train] worker " << w_ << ": "
+                << (seen ? "no saved codec residuals are of step " : "no codec residuals saved for step ")
+                << worker.start_step() << "; it goes on without them (not bit for bit)"
+                << std::endl;
+    }
+  }
+
+  void after_push(const ps::Worker& worker, int64_t pushes, bool last) {
+    if (!on_ || !(last || (every_ > 0 && pushes % every_ == 0))) return;
+    write_durably(base_ + std::to_string(saves_++ % 2), worker.save_residuals());
+  }
+
+ private:
+  bool on_;
+  int64_t every_;
+  std::string base_;
+  int w_;
+  int64_t saves_ = 0;
+};
+
 }  // namespace
 
 void run_ps(const Options& o) {
@@ -231,6 +287,8 @@ void run_ps(const Options& o) {
     int64_t epoch = -1;
     worker.pull();  // the first reply says where a resumed run stands
     const int64_t first = worker.start_step();
+    WorkerResiduals residuals(o, w);
+    if (o.resume) residuals.restore(worker, o.quiet);
     for (int64_t step = first; step < total; ++step) {
       if (step / steps_per_epoch != epoch) {
         epoch = step / steps_per_epoch;
@@ -247,6 +305,7 @@ void run_ps(const Options& o) {
       loss.backward();
       const double correct = logits.argmax(1).eq(y).sum().item<double>();
       worker.push(loss.item<double>() * double(o.batch_size), correct, double(o.batch_size));
+      residuals.after_push(worker, step + 1, step + 1 == total);
     }
     worker.finish();
     wstats = worker.stats();

@@ -135,11 +135,12 @@ def test_lenet_async_delay_compensation(tmp_path, data_cache):
 
 
 def test_resume_equals_uninterrupted(tmp_path, data_cache):
-    """sync: stopped after 12 of 20 steps and resumed from the server's
-    checkpoint, the run ends with the same loss and test accuracy (the
-    server's parameters are bitwise those of the uninterrupted run; the C++
-    test checks that with 2 servers too)."""
-    common = ["--mode", "ps", "--consistency", "sync", "--model", model("mlp"),
+    """sync with int8 pushes: stopped after 12 of 20 steps and resumed from
+    the server's checkpoint and each worker's saved residuals, the run ends
+    with the same loss and test accuracy (the server's parameters are
+    bitwise those of the uninterrupted run; the C++ test checks that with 2
+    servers too, and that without the residuals int8 would not)."""
+    common = ["--mode", "ps", "--consistency", "sync", "--model", model("mlp"), "--codec", "int8",
               "--data-cache", data_cache, "--batch-size", 16, "--log-every", 4]
     ref = tmp_path / "ref.jsonl"
     r = run(mpirun_cmd(3, *common, "--steps", 20, "--metrics", ref))
@@ -155,6 +156,8 @@ def test_resume_equals_uninterrupted(tmp_path, data_cache):
                        "--metrics", m))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed the servers" in r.stdout
+    for w in (0, 1):
+        assert f"worker {w} restored its codec residuals of step 12" in r.stdout, r.stdout
     want, got = read_metrics(ref), read_metrics(m)
     assert [x["loss"] for x in got if "event" not in x] == \
         [x["loss"] for x in want if "event" not in x]
