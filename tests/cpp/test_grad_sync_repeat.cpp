@@ -100,6 +100,7 @@ TEST(GradSync, LossyCodecsRepeatWhateverThePlan) {
        true, 4},
       {"untimed plans, re-plan", GradSyncOptions().bucket_cap_mb(0.002).timed_plans(false), false,
        7},
+      {"no priority, busy", GradSyncOptions().bucket_cap_mb(0.004).priority(false), true},
   };
   for (const std::string codec : {"int8", "int8:7", "topk:0.1", "powersgd:2"}) {
     SCOPED_TRACE(codec);
