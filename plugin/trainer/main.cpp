@@ -8,6 +8,7 @@
 #include <iostream>
 
 #include "plugin/trainer/options.h"
+#include "plugin/trainer/status.h"
 #include "plugin/trainer/trainer.h"
 
 namespace {
@@ -32,16 +33,24 @@ void settle_malloc() {
 int main(int argc, char** argv) {
   settle_malloc();
   const auto opts = ddpx::trainer::parse_options(argc, argv);
+  std::string why;
   try {
-    ddpx::trainer::run(opts);
-    return 0;
-  } catch (const c10::Error& e) {
-    std::cerr << "ddpx-train (" << ddpx::comm::process_label() << "): error: "
-              << e.what_without_backtrace() << std::endl;
-  } catch (const std::exception& e) {
-    std::cerr << "ddpx-train (" << ddpx::comm::process_label() << "): error: " << e.what()
-              << std::endl;
+    const ddpx::trainer::JobStatus status(opts.status_file);
+    try {
+      const std::string outcome = ddpx::trainer::run(opts);
+      if (!outcome.empty()) status.write(outcome);
+      return 0;
+    } catch (const c10::Error& e) {
+      why = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+    // The first line of the reason: a status is one line.
+    status.write("failed: " + ddpx::comm::process_label() + ": " + why.substr(0, why.find('\n')));
+  } catch (const std::exception& e) {  // the status file itself could not be written
+    why += (why.empty() ? "" : "; ") + std::string("--status-file: ") + e.what();
   }
+  std::cerr << "ddpx-train (" << ddpx::comm::process_label() << "): error: " << why << std::endl;
   // Peers may be blocked in a collective with this rank: end the whole job
   // now rather than leave them to their timeout.
   ddpx::comm::abort_job(1);

@@ -176,6 +176,9 @@ Options parse_options(int argc, char** argv) {
                   "steps between checkpoints (0: end only)")
       ->check(CLI::NonNegativeNumber);
   out->add_flag("--resume", o.resume, "continue from --checkpoint when it exists");
+  out->add_option("--status-file", o.status_file,
+                  "the job's outcome, one line replaced atomically: running | ok | ok, ranks "
+                  "lost: R... | failed: <rank>: <reason> (what ddpx-run tests)");
   out->add_option("--trace", o.trace,
                   "Chrome/Perfetto trace of GradSync, merged over ranks (like DDPX_TRACE)");
   out->add_option("--trace-steps", o.trace_steps,

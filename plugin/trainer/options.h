@@ -63,6 +63,7 @@ struct Options {
   std::string trace;             // Chrome trace of GradSync (as DDPX_TRACE)
   std::string trace_steps;       // "a:b" window (as DDPX_TRACE_STEPS)
   std::string metrics;           // JSON lines, rank 0
+  std::string status_file;       // the job's outcome (status.h)
   int64_t log_every = 50;
   bool quiet = false;
 

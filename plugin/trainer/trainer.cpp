@@ -95,7 +95,7 @@ class Autocast {
 
 }  // namespace
 
-void run(const Options& o) {
+std::string run(const Options& o) {
   if (o.mode == "ps") return run_ps(o);
   const auto timeout = o.timeout_s > 0
                            ? std::chrono::milliseconds(static_cast<int64_t>(o.timeout_s * 1000))
@@ -342,6 +342,7 @@ void run(const Options& o) {
               << std::endl;
     }
   }
+  return lead ? "ok" : "";
 }
 
 }  // namespace ddpx::trainer

@@ -113,7 +113,7 @@ class WorkerResiduals {
 
 }  // namespace
 
-void run_ps(const Options& o) {
+std::string run_ps(const Options& o) {
   TORCH_CHECK(comm::detect_launcher() == comm::Launcher::Mpi,
               "ddpx-train: --mode ps runs under mpirun (servers and workers talk MPI point to "
               "point), e.g. mpirun -np 3 ddpx-train --mode ps --servers 1 ...");
@@ -322,7 +322,7 @@ void run_ps(const Options& o) {
       evaluate(model, data.test, session.final_rank(), session.final_size(),
                [&session](const at::Tensor& t) { return session.sum_final(t); }, 256);
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
-  if (!lead) return;
+  if (!lead) return "";
   const double pushes = w[0].item<double>();
   const double compression =
       w[2].item<double>() > 0 ? w[1].item<double>() / w[2].item<double>() : 1;
@@ -372,6 +372,11 @@ void run_ps(const Options& o) {
                .dump()
         << std::endl;
   }
+  std::string outcome = "ok";
+  for (size_t i = 0; i < session.lost_ranks().size(); ++i) {
+    outcome += (i == 0 ? ", ranks lost: " : " ") + std::to_string(session.lost_ranks()[i]);
+  }
+  return outcome;
 }
 
 }  // namespace ddpx::trainer

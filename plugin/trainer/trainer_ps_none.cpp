@@ -5,7 +5,7 @@
 
 namespace ddpx::trainer {
 
-void run_ps(const Options&) {
+std::string run_ps(const Options&) {
   TORCH_CHECK(false, "ddpx-train: --mode ps needs MPI; this build has DDPX_WITH_MPI=OFF");
 }
 

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from trainer_util import TRAIN, env, model, mpirun_cmd, read_metrics, run
+from trainer_util import TRAIN, ddpx_run_cmd, env, model, mpirun_cmd, read_metrics, run
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,27 @@ def fails_with(args, *needles, cmd=None):
 
 def digest(path):
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_ddpx_run_exit_status_follows_the_job(tmp_path, data_dir):
+    """ddpx-run runs mpirun in recovery mode, whose own exit code is 0
+    whatever the ranks did, and exits with the outcome ddpx-train wrote to
+    --status-file: 0 on "ok", non-zero on "failed: ...", naming why."""
+    status = tmp_path / "status"
+    status.write_text("ok\n")  # a stale outcome: ddpx-run must not believe it
+    bad = tmp_path / "junk.pt"
+    bad.write_bytes(b"this is not a TorchScript archive")
+    r = run(ddpx_run_cmd(2, "--model", bad, "--steps", 1, status_file=status), timeout=300)
+    assert r.returncode != 0, r.stdout + r.stderr
+    line = status.read_text()
+    assert line.startswith("failed: ") and "cannot load model" in line, line
+    assert line.count("\n") == 1, line
+    assert "ddpx-run: the job failed: failed: " in r.stderr, r.stderr
+    r = run(ddpx_run_cmd(2, "--model", model("mlp"), "--data", data_dir, "--steps", 3, "--quiet",
+                         status_file=status), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert status.read_text() == "ok\n"
+    assert "ddpx-run: ok" in r.stderr, r.stderr
 
 
 def test_missing_model():

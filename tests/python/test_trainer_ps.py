@@ -30,13 +30,8 @@ import time
 
 import pytest
 
-from trainer_util import (env, kill_group, model, mpirun_cmd, rank_pid, read_metrics, run, start,
-                          wait_for)
-
-
-# Open MPI 4's mpirun ends the whole job when a rank dies, unless told not to.
-# Told so, it also exits 0 whatever its ranks' status (even after MPI_Abort(1)).
-RECOVER = ["--mca", "orte_enable_recovery", "1"]
+from trainer_util import (ddpx_run_cmd, env, kill_group, model, mpirun_cmd, rank_pid,
+                          read_metrics, run, start, wait_for)
 
 
 @pytest.fixture(scope="module")
@@ -182,14 +177,18 @@ def test_bad_input_is_an_error_naming_it(data_cache, args, np, message):
 
 def signal_rank_mid_run(tmp_path, data_cache, steps, rank, sig):
     """Starts MLP async on 1 server + 2 workers (DDPX_TIMEOUT_S 5), sends
-    `sig` to `rank` once step 20 is logged (kill -9 under RECOVER), and
-    waits for the job: (output, returncode, seconds from the signal, the
-    metrics file)."""
+    `sig` to `rank` once step 20 is logged, and waits for the job: (output,
+    returncode, seconds from the signal, the metrics file, the status line).
+    kill -9 runs under ddpx-run (mpirun in recovery mode, the exit code from
+    the status file), SIGSTOP under plain mpirun with --status-file."""
     marker = str(tmp_path / "marker")  # the metrics file; also finds this run's ranks
-    cmd = mpirun_cmd(3, "--mode", "ps", "--model", model("mlp"), "--data-cache", data_cache,
-                     "--steps", steps, "--batch-size", 16, "--log-every", 20, "--metrics", marker)
+    status_file = tmp_path / "status"
+    args = ["--mode", "ps", "--model", model("mlp"), "--data-cache", data_cache, "--steps", steps,
+            "--batch-size", 16, "--log-every", 20, "--metrics", marker]
     if sig == signal.SIGKILL:
-        cmd = cmd[:1] + RECOVER + cmd[1:]
+        cmd = ddpx_run_cmd(3, *args, status_file=status_file)
+    else:
+        cmd = mpirun_cmd(3, *args, "--status-file", status_file)
     p = start(cmd, env=env(DDPX_TIMEOUT_S=5))
     lines = []
 
@@ -207,7 +206,8 @@ def signal_rank_mid_run(tmp_path, data_cache, steps, rank, sig):
         elapsed = time.monotonic() - t0
     finally:
         kill_group(p)
-    return "".join(lines) + out, p.returncode, elapsed, marker
+    status = status_file.read_text().strip() if status_file.exists() else "(none)"
+    return "".join(lines) + out, p.returncode, elapsed, marker, status
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["sigstop", "kill-9"])
@@ -215,10 +215,14 @@ def test_lost_server_fails_the_workers_in_time(tmp_path, data_cache, sig):
     """SIGSTOP the server mid-run, or kill -9 it with mpirun told to let the
     others live: the workers fail within DDPX_TIMEOUT_S (5 s) plus a margin,
     naming it, and the job ends (a frozen server with it)."""
-    out, status, elapsed, _ = signal_rank_mid_run(tmp_path, data_cache, 1000000, 0, sig)
-    assert status != 0 or sig == signal.SIGKILL, out  # RECOVER: mpirun says 0 regardless
+    out, rc, elapsed, _, status = signal_rank_mid_run(tmp_path, data_cache, 1000000, 0, sig)
+    # (Under recovery mpirun itself says 0; ddpx-run reads the status.)
+    assert rc != 0, out
     assert elapsed <= 5 + 15, f"{elapsed:.1f} s\n{out}"
     assert "server 0 (rank 0) sent nothing for 5 s" in out, out
+    assert status.startswith("failed: ") and "server 0 (rank 0) sent nothing" in status, status
+    if sig == signal.SIGKILL:
+        assert "ddpx-run: the job failed: failed: " in out, out
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "sigstop"])
@@ -228,8 +232,9 @@ def test_lost_worker_the_others_finish(tmp_path, data_cache, sig):
     trains to the end, the ranks left share the final parameters and score
     them, and the job ends with status 0 (the frozen one ended by rank 0's
     MPI_Abort(0) at exit)."""
-    out, status, _, marker = signal_rank_mid_run(tmp_path, data_cache, 300, 2, sig)
-    assert status == 0, out
+    out, rc, _, marker, status = signal_rank_mid_run(tmp_path, data_cache, 300, 2, sig)
+    assert rc == 0, out
+    assert status == "ok, ranks lost: 2", status
     assert "worker 1 (rank 2) sent nothing for 5 s: dropped" in out, out
     # Worker 0 is still training or has finished, never "0 workers".
     m = re.search(r"dropped \(workers: (\d+) still training, (\d+) finished, (\d+) dropped\)", out)

@@ -37,6 +37,17 @@ def mpirun_cmd(np, *args):
     return MPIRUN + ["-np", str(np), TRAIN, *map(str, args)]
 
 
+# ddpx-run beside ddpx-train (plugin/trainer/ddpx-run), with MPIRUN's flags.
+RUN = str(Path(TRAIN).with_name("ddpx-run")) if os.sep in TRAIN else "ddpx-run"
+
+
+def ddpx_run_cmd(np, *args, status_file=None):
+    extra = [f"--mpirun-arg={a}" for a in MPIRUN[1:]
+             if a not in ("--allow-run-as-root", "--oversubscribe")]
+    status = ["--status-file", str(status_file)] if status_file else []
+    return [sys.executable, RUN, "-np", str(np), *extra, *status, "--", *map(str, args)]
+
+
 def torchrun_cmd(np, *args, port=None):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(np),
             "--master-port", str(port or free_port()), "--no-python", TRAIN, *map(str, args)]
