@@ -21,7 +21,8 @@ T = 10  # DDPX_TIMEOUT_S for these runs
 def launch(launcher, tmp_path, data, extra=()):
     marker = str(tmp_path / "marker.ckpt")  # unique per test: finds our ranks
     args = ["--model", model("mlp"), "--data-cache", data, "--steps", 1000000, "--batch-size",
-            16, "--log-every", 20, "--checkpoint", marker, *extra]
+            16, "--log-every", 20, "--checkpoint", marker,
+            "--status-file", tmp_path / "status", *extra]
     cmd = mpirun_cmd(2, *args) if launcher == "mpirun" else torchrun_cmd(2, *args)
     p = start(cmd, env=env(DDPX_TIMEOUT_S=T))
     rank_var = "OMPI_COMM_WORLD_RANK" if launcher == "mpirun" else "RANK"
@@ -63,6 +64,12 @@ def test_lost_rank_ends_the_job(tmp_path, data, launcher, mode, sig):
         kill_group(p)
     out = "".join(lines) + out
     assert p.returncode != 0, out
+    # The status file never says ok: a survivor that timed out says why; a
+    # job the launcher ended at once may still say "running".
+    status = (tmp_path / "status").read_text().strip()
+    assert not status.startswith("ok"), status
+    if sig == "SIGSTOP":
+        assert status.startswith("failed: rank 0 of 2"), status
     assert elapsed <= bound, f"{elapsed:.1f} s > {bound} s\n{out}"
     if sig == "SIGSTOP":
         # The survivors say what happened: a timeout waiting for a peer.
