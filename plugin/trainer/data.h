@@ -79,6 +79,10 @@ DataSplit make_documents(const DocSpec& spec, int64_t n_train, int64_t n_test, u
 // The sample indices `rank` visits in `epoch`: a permutation of [0, n) drawn
 // from (seed, epoch), dealt round-robin to the ranks; the remainder is dropped
 // so every rank takes the same number of steps. [n / world] int64
+// Dealt round-robin, step k of b samples per rank trains on the permutation's
+// elements [k * B, (k + 1) * B), B = b * world, whatever the world size: with
+// the same B (--global-batch) 1, 2 or 3 ranks see the same global batches in
+// the same order, and the same epochs (n / world / b = n / B steps).
 at::Tensor shard_indices(int64_t n, int rank, int world, int64_t epoch, uint64_t seed);
 
 }  // namespace ddpx::trainer

@@ -39,9 +39,14 @@ Options parse_options(int argc, char** argv) {
       ->capture_default_str();
   run->add_option("--steps", o.steps, "stop after this many steps (overrides --epochs)")
       ->check(CLI::NonNegativeNumber);
-  run->add_option("--batch-size", o.batch_size, "samples per rank per step")
+  auto* per_rank_batch = run->add_option("--batch-size", o.batch_size, "samples per rank per step")
+                            ->check(CLI::PositiveNumber)
+                            ->capture_default_str();
+  run->add_option("--global-batch", o.global_batch,
+                  "samples per step over all ranks instead (divisible by the world size): the "
+                  "same global batches, in the same order, at any world size")
       ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+      ->excludes(per_rank_batch);
   run->add_option("--optimizer", o.optimizer, "sgd (with momentum) or adam")
       ->check(CLI::IsMember({"sgd", "adam"}))
       ->capture_default_str();

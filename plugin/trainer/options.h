@@ -17,6 +17,9 @@ struct Options {
   int64_t epochs = 1;
   int64_t steps = 0;        // > 0: stop after this many steps (overrides epochs)
   int64_t batch_size = 64;  // per rank
+  // > 0: samples per step over all ranks (each takes global_batch / world);
+  // the global batches are then the same at any world size (shard_indices).
+  int64_t global_batch = 0;
   std::string optimizer = "sgd";
   double lr = 0.05;
   double momentum = 0.9;

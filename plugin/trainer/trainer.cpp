@@ -123,9 +123,16 @@ std::string run(const Options& o) {
               "needs --unused predict or exact");
   const DataSplit data = load_data(o, sm);
   const int64_t per_rank = data.train.size() / world;
-  const int64_t steps_per_epoch = per_rank / o.batch_size;
-  TORCH_CHECK(steps_per_epoch > 0, "ddpx-train: --batch-size ", o.batch_size, " exceeds the ",
-              per_rank, " training samples each of ", world, " ranks holds");
+  TORCH_CHECK(o.global_batch == 0 || o.global_batch % world == 0, "ddpx-train: --global-batch ",
+              o.global_batch, " is not divisible by the world size ", world);
+  // Samples per rank per step. (shard_indices deals the epoch's permutation
+  // round-robin, so a step's global batch is the same at any world size.)
+  const int64_t batch = o.global_batch > 0 ? o.global_batch / world : o.batch_size;
+  const int64_t steps_per_epoch = per_rank / batch;
+  TORCH_CHECK(steps_per_epoch > 0, "ddpx-train: ", o.global_batch > 0 ? "--global-batch " : "--batch-size ",
+              o.global_batch > 0 ? o.global_batch : o.batch_size, " exceeds the ",
+              o.global_batch > 0 ? data.train.size() : per_rank, " training samples",
+              o.global_batch > 0 ? "" : " each rank holds");
   const int64_t total = o.steps > 0 ? o.steps : o.epochs * steps_per_epoch;
 
   std::vector<at::Tensor> params;
@@ -190,7 +197,7 @@ std::string run(const Options& o) {
               << (device.is_cuda() ? "cuda" + (o.amp != "off" ? " (autocast " + o.amp + ")" : "")
                                    : "cpu")
               << ", " << total
-              << " steps of " << o.batch_size << " x " << world << " samples, codec " << o.codec
+              << " steps of " << batch << " x " << world << " samples, codec " << o.codec
               << std::endl;
     if (drop.active()) {
       std::cout << "[ddpx-train] layer drop: " << drop.describe() << " over " << depth
@@ -217,7 +224,7 @@ std::string run(const Options& o) {
       idx = shard_indices(data.train.size(), rank, world, pos.epoch, o.seed);
       idx_epoch = pos.epoch;
     }
-    const at::Tensor rows = idx.narrow(0, pos.batch * o.batch_size, o.batch_size);
+    const at::Tensor rows = idx.narrow(0, pos.batch * batch, batch);
     const at::Tensor x = data.train.inputs.index_select(0, rows).to(device);
     const at::Tensor y = data.train.targets.index_select(0, rows).to(device);
     set_lr(*opt, lr_at(pos.step, total, o));  // (GradSync takes it when backward begins)
@@ -248,9 +255,9 @@ std::string run(const Options& o) {
     }
     ++pos.step;
     ++pos.batch;
-    w_stats += at::stack({loss.detach().to(at::kDouble) * double(o.batch_size),
+    w_stats += at::stack({loss.detach().to(at::kDouble) * double(batch),
                           logits.argmax(1).eq(y).sum().to(at::kDouble)});
-    w_count += double(o.batch_size);
+    w_count += double(batch);
 
     const bool log_now = pos.step % o.log_every == 0 || pos.step == total;
     // Next-forward and stale: the step's collectives may still be running on

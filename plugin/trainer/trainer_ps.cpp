@@ -114,6 +114,8 @@ class WorkerResiduals {
 }  // namespace
 
 std::string run_ps(const Options& o) {
+  TORCH_CHECK(o.global_batch == 0, "ddpx-train: --global-batch is for --mode sync (a parameter "
+              "server's workers each take --batch-size samples per push)");
   TORCH_CHECK(comm::detect_launcher() == comm::Launcher::Mpi,
               "ddpx-train: --mode ps runs under mpirun (servers and workers talk MPI point to "
               "point), e.g. mpirun -np 3 ddpx-train --mode ps --servers 1 ...");
