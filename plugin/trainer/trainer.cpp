@@ -127,12 +127,13 @@ std::string run(const Options& o) {
               o.global_batch, " is not divisible by the world size ", world);
   // Samples per rank per step. (shard_indices deals the epoch's permutation
   // round-robin, so a step's global batch is the same at any world size.)
-  const int64_t batch = o.global_batch > 0 ? o.global_batch / world : o.batch_size;
+  const bool global = o.global_batch > 0;
+  const int64_t batch = global ? o.global_batch / world : o.batch_size;
   const int64_t steps_per_epoch = per_rank / batch;
-  TORCH_CHECK(steps_per_epoch > 0, "ddpx-train: ", o.global_batch > 0 ? "--global-batch " : "--batch-size ",
-              o.global_batch > 0 ? o.global_batch : o.batch_size, " exceeds the ",
-              o.global_batch > 0 ? data.train.size() : per_rank, " training samples",
-              o.global_batch > 0 ? "" : " each rank holds");
+  TORCH_CHECK(steps_per_epoch > 0, "ddpx-train: ", global ? "--global-batch " : "--batch-size ",
+              global ? o.global_batch : o.batch_size, " takes ", batch * world,
+              " samples a step over ", world, " ranks, more than the ", data.train.size(),
+              " training samples");
   const int64_t total = o.steps > 0 ? o.steps : o.epochs * steps_per_epoch;
 
   std::vector<at::Tensor> params;
