@@ -202,17 +202,6 @@ at::Tensor allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_
   return out;
 }
 
-at::Tensor ordered_sum(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes) {
-  if (pg.getSize() == 1) {
-    *bytes += flat.nbytes();  // (as a one-rank allreduce counts it)
-    return flat.clone();
-  }
-  const at::Tensor rows = allgather_rows(pg, flat, bytes);
-  at::Tensor sum = rows[0].clone();
-  for (int64_t r = 1; r < rows.size(0); ++r) sum.add_(rows[r]);
-  return sum;
-}
-
 at::Tensor flat_float(const at::Tensor& input) {
   at::Tensor flat = input.reshape(-1);
   if (flat.scalar_type() == at::kFloat && flat.is_contiguous()) return flat;

@@ -1,13 +1,15 @@
-// fp16 / bf16: each rank sends x/world in 16 bits; the SUM allreduce of those
-// is the mean. Dividing first keeps the sum of `world` fp16 values inside
-// fp16's range (65504) whenever each input is. Large inputs go in pieces
-// (pipelined in codec_util.h): piece k+1 is encoded while piece k is on the
-// wire.
+// fp16 / bf16: each rank sends x/world in 16 bits; their sum, added in rank
+// order in float32 and rounded to 16 bits once (ordered_sum), is the mean.
+// Dividing first keeps the sum of `world` fp16 values inside fp16's range
+// (65504) whenever each input is. The rank-order sum, rather than the
+// backend's SUM allreduce, makes an element's mean independent of where it
+// sits in the buffer on any number of ranks: a GradSync run repeats bit for
+// bit whatever its bucket plan. Large inputs go in pieces (pipelined in
+// codec_util.h): piece k+1 is encoded while piece k is on the wire.
 #include <ATen/ATen.h>
 
 #include "plugin/comm/codec_pack.h"
 #include "plugin/comm/codec_util.h"
-#include "plugin/comm/work_wait.h"
 
 namespace ddpx::comm::detail {
 
@@ -47,20 +49,17 @@ class HalfCodec final : public LossyCodec {
     struct Piece {
       int64_t begin, len;
       at::Tensor q;
-      c10::intrusive_ptr<c10d::Work> work;
+      OrderedSum sum;
     };
     pipelined(
         n, kPieceElements,
         [&](int64_t b, int64_t len) {
           at::Tensor q = half_pack_ef(
               x.narrow(0, b, len), e.defined() ? e.narrow(0, b, len) : at::Tensor(), wire_, world);
-          auto work = start_allreduce_sum(pg, q, &bytes);
-          return Piece{b, len, q, std::move(work)};
+          OrderedSum sum(pg, q, &bytes);
+          return Piece{b, len, q, std::move(sum)};
         },
-        [&](Piece& p) {
-          detail::wait_named(p.work);
-          out.narrow(0, p.begin, p.len).copy_(p.q);
-        });
+        [&](Piece& p) { out.narrow(0, p.begin, p.len).copy_(p.sum.finish()); });
     count_call(bytes, n);
     return out.view(input.sizes());
   }
@@ -79,10 +78,11 @@ std::function<std::unique_ptr<Codec>(const std::optional<std::string>&)> factory
   };
 }
 
-const bool registered_fp16 = register_codec(
-    {"fp16", "fp16               x/world in float16, SUM allreduce", factory("fp16", at::kHalf)});
+const bool registered_fp16 =
+    register_codec({"fp16", "fp16               x/world in float16, summed in rank order",
+                    factory("fp16", at::kHalf)});
 const bool registered_bf16 =
-    register_codec({"bf16", "bf16               x/world in bfloat16, SUM allreduce",
+    register_codec({"bf16", "bf16               x/world in bfloat16, summed in rank order",
                     factory("bf16", at::kBFloat16)});
 
 }  // namespace

@@ -23,12 +23,11 @@
 // alike. Exact when mean(M_i) has rank <= r. Parts that would not shrink --
 // 1-D, or (rows + cols) * r >= rows * cols -- are sent uncompressed (float32
 // SUM) and owe no residual; a call with no other part keeps no state.
-// Each SUM is an all-gather added up in rank order (ordered_sum): a tensor's
-// result then depends on its own values only, not on what it was packed
-// with, on any number of ranks and any backend -- part of the promise that a
-// run repeats whatever the bucket plan. On two ranks it moves the bytes of an
-// allreduce; on w ranks each receives (w - 1) times the P and Q (small: 1.55
-// MB for ResNet-50's 25.6M gradients at rank 4).
+// Each SUM is added up in rank order (ordered_sum): a tensor's result then
+// depends on its own values only, not on what it was packed with, on any
+// number of ranks and any backend -- part of the promise that a run repeats
+// whatever the bucket plan. It moves an allreduce's bytes (a small one beyond
+// two ranks: an all-gather, (w - 1) times the P or Q received).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 

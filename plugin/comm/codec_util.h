@@ -56,16 +56,34 @@ int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t);
 // rank r's tensor), waited on. Adds this rank's payload bytes to *bytes.
 at::Tensor allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes);
 
-// The SUM over the ranks of a contiguous 1-D tensor, added in rank order
-// (all-gathered, then row 0 + row 1 + ...): each element's sum depends on
-// its values only, not on where it sits in `flat` or on the backend's
-// algorithm. A SUM-allreduce does not promise that beyond two ranks (Gloo's
-// ring and Open MPI's segmented algorithms add in an order that follows the
-// element's chunk of the buffer), so a codec whose results must not depend
-// on how tensors were packed (PowerSGD's rounds) uses this. Same payload as
-// an allreduce on two ranks, world - 1 times its bytes received beyond.
-// Adds this rank's payload bytes to *bytes.
+// The SUM over the ranks of a contiguous 1-D tensor, each element added in
+// rank order in float32 and rounded once to the tensor's dtype (codec_sum.cpp):
+// an element's sum depends on its values only, not on where it sits in
+// `flat`, on the number of elements or on the backend's algorithm. A
+// SUM-allreduce does not promise that beyond two ranks, so a codec whose
+// results must not depend on how tensors were packed (the bucket plan) uses
+// this. An allreduce's payload on two ranks and for large tensors (then two
+// collectives); a small tensor beyond two ranks is all-gathered (world - 1
+// times its bytes received, one collective). Adds this rank's payload bytes
+// to *bytes.
 at::Tensor ordered_sum(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes);
+
+// The same, started now and finished later (a pipelined codec's piece): the
+// first collective is launched by the constructor, finish() waits for it and
+// does the rest. The caller keeps `flat` alive until finish().
+class OrderedSum {
+ public:
+  OrderedSum(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes);
+  at::Tensor finish();
+
+ private:
+  c10d::ProcessGroup* pg_;
+  int64_t n_;
+  int64_t* bytes_;
+  int64_t seg_ = 0;  // > 0: the scatter form, slices of seg_ elements
+  at::Tensor buf_, keep_, result_;
+  c10::intrusive_ptr<c10d::Work> work_;
+};
 
 // Asynchronous forms for pipelining: start the collective and return its
 // Work; the caller keeps the tensors alive and waits before reading them.

@@ -113,6 +113,28 @@ TEST_P(CodecTest, HalfCodecsWithinDtypeTolerance) {
   }
 }
 
+// fp16 / bf16: each rank's x / world rounded to 16 bits, added in rank order
+// in float32 and rounded once -- bit for bit, whether the tensor goes alone
+// (all-gathered) or packed behind 40001 others (beyond two ranks, the
+// all-to-all form with uneven slices): an element's mean does not depend on
+// where it sits, so a GradSync run repeats whatever its bucket plan.
+TEST_P(CodecTest, HalfCodecsAddInRankOrderWhereverTheTensorSits) {
+  for (const auto& [spec, dt] : std::vector<std::pair<std::string, at::ScalarType>>{
+           {"fp16", at::kHalf}, {"bf16", at::kBFloat16}}) {
+    SCOPED_TRACE(spec);
+    auto c = make_codec(spec);
+    constexpr int64_t n = 1001, filler = 40001;
+    auto want = at::zeros({n}, at::kFloat);
+    for (int r = 0; r < world(); ++r) want.add_(input_of(r, 700, {n}).div(world()).to(dt));
+    want = want.to(dt).to(at::kFloat);
+    const auto x = input_of(rank(), 700, {n});
+    EXPECT_TRUE(at::equal(c->allreduce_mean(x, "", pg()), want));
+    const auto flat = at::cat({input_of(rank(), 701, {filler}), x});
+    const auto packed = c->allreduce_mean_packed(flat, {{filler}, {n}}, "", pg());
+    EXPECT_TRUE(at::equal(packed.narrow(0, filler, n), want));
+  }
+}
+
 TEST_P(CodecTest, Int8WithinStatedBound) {
   for (int64_t chunk : {256, 7}) {
     auto c = make_codec(chunk == 256 ? "int8" : "int8:7");

@@ -1,12 +1,13 @@
 // Issue 47: a lossy codec's results do not depend on the bucket plan. The
-// same training with int8, top-k and PowerSGD, under plans forced to differ -- one
-// bucket, many small ones, timed plans (the default) with a busy thread
-// stretching backward's pauses, re-plans mid-run -- ends with the same
-// parameters bit for bit. What a parameter's gradient becomes on the wire
-// depends on that parameter and its residual only: int8 chunks start at each
-// tensor's first element, top-k's budget is per tensor, PowerSGD works per
-// matrix and keeps each one's warm start under the parameter's own part key,
-// and a re-plan hands each parameter's residual on to its new bucket.
+// same training with int8, top-k, PowerSGD, fp16 and bf16, under plans forced
+// to differ -- one bucket, many small ones, timed plans (the default) with a
+// busy thread stretching backward's pauses, re-plans mid-run -- ends with the
+// same parameters bit for bit. What a parameter's gradient becomes on the
+// wire depends on that parameter and its residual only: int8 chunks start at
+// each tensor's first element, top-k's budget is per tensor, PowerSGD works
+// per matrix and keeps each one's warm start under the parameter's own part
+// key, fp16 and bf16 add in rank order, and a re-plan hands each parameter's
+// residual on to its new bucket.
 #include <torch/optim/sgd.h>
 
 #include <atomic>
@@ -102,7 +103,7 @@ TEST(GradSync, LossyCodecsRepeatWhateverThePlan) {
        7},
       {"no priority, busy", GradSyncOptions().bucket_cap_mb(0.004).priority(false), true},
   };
-  for (const std::string codec : {"int8", "int8:7", "topk:0.1", "powersgd:2"}) {
+  for (const std::string codec : {"int8", "int8:7", "topk:0.1", "powersgd:2", "fp16", "bf16"}) {
     SCOPED_TRACE(codec);
     std::vector<at::Tensor> first;
     std::vector<size_t> buckets;

@@ -4,21 +4,22 @@
 //
 // Codec grammar (make_codec):
 //   none               float allreduce in the input's own dtype (exact reference)
-//   fp16 | bf16        x/world cast to half / bfloat16, allreduce SUM, cast back
+//   fp16 | bf16        x/world cast to half / bfloat16, summed in rank order in
+//                      float32 and rounded once (detail::ordered_sum), cast back
 //   int8[:<chunk>]     per-chunk absmax int8 codes + float32 scales (chunk
 //                      elements per scale, default 256), all-gathered; every
 //                      rank decodes and sums the world's contributions locally
 //   topk:<ratio>       the k = ceil(ratio * numel) largest |x| (0 < ratio <= 1),
 //                      indices and values all-gathered, summed
 //   powersgd:<rank>    rank-r P/Q power iteration (Vogels et al. 2019): P = M Q,
-//                      sum P, orthogonalise, Q = M^T P, sum Q (each sum an
-//                      all-gather added in rank order, so a tensor's result
-//                      does not depend on its packing); Q is
+//                      sum P, orthogonalise, Q = M^T P, sum Q (each sum added
+//                      in rank order, so a tensor's result does not depend
+//                      on its packing); Q is
 //                      the warm start of the next call; tensors that would not
 //                      shrink (1-D, or (rows + cols) * r >= rows * cols) are
 //                      sent uncompressed. A packed call (allreduce_mean_packed)
-//                      does this per part, all parts' P in one allreduce (with
-//                      the uncompressed parts) and all Q in another
+//                      does this per part, all parts' P in one sum (with the
+//                      uncompressed parts) and all Q in another
 // Every lossy codec keeps an error-feedback residual per key: the part of
 // (input + residual) that this rank's contribution did not carry is added to
 // the next call's input, so over many calls the sum of the results tracks the
