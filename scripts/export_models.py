@@ -4,10 +4,11 @@ for ddpx-train (run at build time by torchscript_models/CMakeLists.txt).
 
     export_models.py --out DIR [--lib libddpx.so] [--aten] [--seed N]
 
---lib defaults to $DDPX_LIB. --aten makes the models use the ATen ops
-(F.conv2d, torch.gru) instead of ddpx's, as a reference; such files load
-without the plugin. The weights depend on --seed only, not on --aten, so the
-two variants of a model hold the same parameters.
+--lib defaults to $DDPX_LIB. The layers are ddpx.nn's TiledConv2d and
+FusedGRU, from this tree's plugin/python, on the library --lib loaded. --aten
+makes the models use torch.nn.Conv2d / GRU (the ATen ops) instead, as a
+reference; such files load without the plugin. The weights depend on --seed
+only, not on --aten, so the two variants of a model hold the same parameters.
 """
 import argparse
 import os
@@ -16,8 +17,14 @@ import warnings
 
 import torch
 
-MODELS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "torchscript_models")
-sys.path.insert(0, os.path.normpath(MODELS_DIR))
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+MODELS_DIR = os.path.join(ROOT, "torchscript_models")
+sys.path.insert(0, MODELS_DIR)
+# This tree's ddpx package (ddpx.nn), ahead of an installed one: the build
+# scripts the layers it is building. The models import it only for the
+# default (non --aten) export, after main() has loaded --lib, which the
+# package then reuses rather than load a second libddpx.so.
+sys.path.insert(0, os.path.join(ROOT, "plugin", "python"))
 
 from han import HAN  # noqa: E402
 from lenet import LeNet  # noqa: E402

@@ -1,13 +1,13 @@
 """Layers shared by the scripted models: a 2-D convolution and a GRU that run
-on the ddpx ops (torch.ops.ddpx.tiled_conv2d / fused_gru) or, with aten=True,
-on the ATen ops they replace, with the same parameters either way.
+on the ddpx ops (ddpx.nn.TiledConv2d / FusedGRU) or, with aten=True, are the
+torch.nn modules those replace, with the same parameters either way; the
+input contracts ddpx-train relies on; HAN's attention pooling.
 
-`aten` is a Final (TorchScript constant), so `if self.aten:` is resolved when
-the module is scripted: the saved model holds only the chosen branch, and an
-aten=True model scripts and loads without the plugin.
+The choice is made when the model is built, so the saved model holds only
+the chosen layer, and an aten=True model builds, scripts and loads without
+the plugin.
 """
 import math
-from typing import Final, List, Tuple
 
 import torch
 from torch import nn
@@ -46,86 +46,26 @@ def check_tokens(x: torch.Tensor, vocab_size: int):
             vocab_size, int(x.min()), int(x.max())))
 
 
-class Conv2d(nn.Module):
-    """F.conv2d with nn.Conv2d's parameters (weight [C_out, C_in, k, k], bias
-    [C_out]) and its default initialisation."""
-
-    aten: Final[bool]
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, padding: int = 0,
-                 aten: bool = False):
-        super().__init__()
-        self.aten = aten
-        self.padding: List[int] = [padding, padding]
-        self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kernel_size,
-                                               kernel_size))
-        self.bias = nn.Parameter(torch.empty(out_channels))
-        # nn.Conv2d's default: kaiming_uniform(a=sqrt(5)) is U(-1/sqrt(fan_in), +).
-        bound = 1.0 / math.sqrt(in_channels * kernel_size * kernel_size)
-        nn.init.uniform_(self.weight, -bound, bound)
-        nn.init.uniform_(self.bias, -bound, bound)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, C_in, H, W] -> [N, C_out, H', W']
-        if self.aten:
-            return torch.conv2d(x, self.weight, self.bias, [1, 1], self.padding, [1, 1], 1)
-        return torch.ops.ddpx.tiled_conv2d(x, self.weight, self.bias, [1, 1], self.padding,
-                                           [1, 1], 1)
+def conv2d(in_channels: int, out_channels: int, kernel_size: int, padding: int = 0,
+           aten: bool = False) -> nn.Conv2d:
+    """A 2-D convolution: ddpx.nn.TiledConv2d (on ddpx::tiled_conv2d) or, with
+    aten=True, torch.nn.Conv2d itself. Same parameters and initialisation
+    either way (TiledConv2d is an nn.Conv2d)."""
+    if aten:
+        return nn.Conv2d(in_channels, out_channels, kernel_size, padding=padding)
+    import ddpx.nn  # only here: an aten=True export must not need the plugin
+    return ddpx.nn.TiledConv2d(in_channels, out_channels, kernel_size, padding=padding)
 
 
-class GRU(nn.Module):
-    """One batch-first GRU layer, optionally bidirectional, with nn.GRU's
-    parameter names, shapes (gate order r, z, n) and initialisation, so an
-    nn.GRU's state_dict loads into it.
-
-    The parameter list is built from the attributes on every call rather than
-    kept as a list attribute: a C++ program that moves or replaces the
-    parameters (module.to(device)) would leave such a list stale.
-    """
-
-    aten: Final[bool]
-    bidirectional: Final[bool]
-    hidden_size: Final[int]
-
-    def __init__(self, input_size: int, hidden_size: int, bidirectional: bool,
-                 aten: bool = False):
-        super().__init__()
-        self.aten = aten
-        self.bidirectional = bidirectional
-        self.hidden_size = hidden_size
-        bound = 1.0 / math.sqrt(hidden_size)
-
-        def param(*shape):
-            return nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
-
-        self.weight_ih_l0 = param(3 * hidden_size, input_size)
-        self.weight_hh_l0 = param(3 * hidden_size, hidden_size)
-        self.bias_ih_l0 = param(3 * hidden_size)
-        self.bias_hh_l0 = param(3 * hidden_size)
-        if bidirectional:
-            self.weight_ih_l0_reverse = param(3 * hidden_size, input_size)
-            self.weight_hh_l0_reverse = param(3 * hidden_size, hidden_size)
-            self.bias_ih_l0_reverse = param(3 * hidden_size)
-            self.bias_hh_l0_reverse = param(3 * hidden_size)
-
-    def _flat_weights(self) -> List[torch.Tensor]:
-        """nn.GRU's _flat_weights order: per direction w_ih, w_hh, b_ih, b_hh."""
-        params = [self.weight_ih_l0, self.weight_hh_l0, self.bias_ih_l0, self.bias_hh_l0]
-        if self.bidirectional:
-            params.extend([self.weight_ih_l0_reverse, self.weight_hh_l0_reverse,
-                           self.bias_ih_l0_reverse, self.bias_hh_l0_reverse])
-        return params
-
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        # x [B, T, I] -> (output [B, T, D*H], h_n [D, B, H]), D = 2 if bidirectional.
-        params = self._flat_weights()
-        if self.aten:
-            directions = 2 if self.bidirectional else 1
-            h0 = torch.zeros(directions, x.size(0), self.hidden_size, dtype=x.dtype,
-                             device=x.device)
-            return torch.gru(x, h0, params, True, 1, 0.0, self.training, self.bidirectional,
-                             True)
-        return torch.ops.ddpx.fused_gru(x, None, params, True, 1, 0.0, self.training,
-                                        self.bidirectional, True)
+def gru(input_size: int, hidden_size: int, bidirectional: bool, aten: bool = False) -> nn.GRU:
+    """One batch-first GRU layer: ddpx.nn.FusedGRU (on ddpx::fused_gru) or,
+    with aten=True, torch.nn.GRU itself. Same parameters and initialisation
+    either way (FusedGRU is an nn.GRU)."""
+    if aten:
+        return nn.GRU(input_size, hidden_size, batch_first=True, bidirectional=bidirectional)
+    import ddpx.nn  # only here: an aten=True export must not need the plugin
+    return ddpx.nn.FusedGRU(input_size, hidden_size, batch_first=True,
+                            bidirectional=bidirectional)
 
 
 class Attention(nn.Module):

@@ -13,7 +13,7 @@ and a sentence with no word pools to zeros.
 import torch
 from torch import nn
 
-from ddpx_layers import GRU, Attention, check_tokens, token_contract
+from ddpx_layers import Attention, check_tokens, gru, token_contract
 
 
 class HAN(nn.Module):
@@ -22,9 +22,9 @@ class HAN(nn.Module):
         super().__init__()
         token_contract(self, vocab_size, sentences, words, num_classes, aten)
         self.embedding = nn.Embedding(vocab_size, embed, padding_idx=0)
-        self.word_gru = GRU(embed, hidden, bidirectional=True, aten=aten)
+        self.word_gru = gru(embed, hidden, bidirectional=True, aten=aten)
         self.word_attention = Attention(2 * hidden)
-        self.sentence_gru = GRU(2 * hidden, hidden, bidirectional=True, aten=aten)
+        self.sentence_gru = gru(2 * hidden, hidden, bidirectional=True, aten=aten)
         self.sentence_attention = Attention(2 * hidden)
         self.classifier = nn.Linear(2 * hidden, num_classes)
 

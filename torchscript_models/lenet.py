@@ -7,7 +7,7 @@ from typing import List
 import torch
 from torch import nn
 
-from ddpx_layers import Conv2d, check_image
+from ddpx_layers import check_image, conv2d
 
 
 class LeNet(nn.Module):
@@ -18,8 +18,8 @@ class LeNet(nn.Module):
         self.num_classes = num_classes
         self.image_shape: List[int] = [1, 28, 28]  # [C, H, W] of one sample
         self.aten_reference = aten  # exported with --aten
-        self.conv1 = Conv2d(1, 6, 5, padding=2, aten=aten)
-        self.conv2 = Conv2d(6, 16, 5, aten=aten)
+        self.conv1 = conv2d(1, 6, 5, padding=2, aten=aten)
+        self.conv2 = conv2d(6, 16, 5, aten=aten)
         self.fc1 = nn.Linear(16 * 5 * 5, 120)
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)

@@ -10,6 +10,7 @@ batch and time, as in test_fused_gru.py).
 import os
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
 EXPORT = os.path.join(ROOT, "scripts", "export_models.py")
 # Appended: scripts/ comes after the standard library on sys.path.
 sys.path.append(os.path.dirname(EXPORT))
-import export_models  # noqa: E402
+import export_models  # noqa: E402  (also puts plugin/python, hence ddpx.nn, on sys.path)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.load/script
 
@@ -136,33 +137,54 @@ def test_aten_variant_matches_ddpx(exported, name, n):
         assert_close(g_ours[k], g, **GRAD_TOL, msg=k)
 
 
+class Child(torch.nn.Module):
+    def __init__(self, child):
+        super().__init__()
+        self.child = child
+
+    def forward(self, x: torch.Tensor):
+        return self.child(x)
+
+
 @pytest.mark.parametrize("aten", [False, True])
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_layers_match_torch_nn(aten, bidirectional):
-    """The shared layers are nn.GRU / nn.Conv2d: their state_dicts load and the
-    outputs agree, on the ddpx ops and on the ATen ones."""
-    from ddpx_layers import GRU, Conv2d
+    """The shared layers are ddpx.nn's drop-ins (aten: torch.nn's own modules):
+    an nn.GRU's / nn.Conv2d's state_dict loads and the scripted outputs agree."""
+    import ddpx.nn
+    from ddpx_layers import conv2d, gru
     torch.manual_seed(0)
     ref = torch.nn.GRU(5, 7, bidirectional=bidirectional, batch_first=True)
-    ours = GRU(5, 7, bidirectional=bidirectional, aten=aten)
+    ours = gru(5, 7, bidirectional=bidirectional, aten=aten)
+    assert type(ours) is (torch.nn.GRU if aten else ddpx.nn.FusedGRU)
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(3, 4, 5)
-    for a, b in zip(torch.jit.script(ours)(x), ref(x)):
+    # Scripted as a child, as in HAN: a scripted nn.GRU has no forward of its
+    # own (nn.GRU.forward is overloaded for PackedSequence).
+    for a, b in zip(torch.jit.script(Child(ours))(x), ref(x)):
         assert_close(a, b, **FWD_TOL)
     ref = torch.nn.Conv2d(3, 4, 5, padding=2)
-    ours = Conv2d(3, 4, 5, padding=2, aten=aten)
+    ours = conv2d(3, 4, 5, padding=2, aten=aten)
+    assert type(ours) is (torch.nn.Conv2d if aten else ddpx.nn.TiledConv2d)
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(2, 3, 9, 11)
     assert_close(torch.jit.script(ours)(x), ref(x), **FWD_TOL)
 
 
+def saved_code(path):
+    """The TorchScript source of every method of every module in the file."""
+    with zipfile.ZipFile(path) as z:
+        return "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".py"))
+
+
 def test_ddpx_variant_calls_the_ddpx_ops(exported):
     """The default export runs the ddpx ops, the --aten one only ATen ops (the
-    switch is resolved when scripting, so its file loads without the plugin)."""
-    assert "ddpx.tiled_conv2d" in load(exported, "lenet").conv2.code
+    layer is chosen when building, so its file loads without the plugin)."""
+    assert "ddpx.tiled_conv2d" in load(exported, "lenet").conv2._conv_forward.code
     assert "ddpx.fused_gru" in load(exported, "han").word_gru.code
-    assert "ddpx" not in load(exported, "lenet", "aten").conv1.code
-    assert "ddpx" not in load(exported, "han", "aten").word_gru.code
+    for name in ("lenet", "han"):
+        assert "ops.ddpx." in saved_code(exported["ddpx"] / f"{name}.pt")
+        assert "ops.ddpx." not in saved_code(exported["aten"] / f"{name}.pt")
     code = ("import sys, torch\n"
             "m = torch.jit.load(sys.argv[1])\n"
             "print(tuple(m(torch.randint(0, 2000, (2, 8, 12))).shape))\n")
