@@ -170,6 +170,36 @@ def test_states_report_their_bytes(group, codec, least):
     assert raw / sent >= least
 
 
+@pytest.mark.parametrize("name,atol", [("none_hook", 0), ("fp16_hook", 2e-3),
+                                       ("bf16_hook", 2e-2), ("int8_hook", 1e-2),
+                                       ("topk_hook", None), ("powersgd_hook", None)])
+def test_every_named_hook_trains(group, name, atol):
+    """Each named hook, with state None or the DDP's group: its parameters stay
+    within its codec's error of DDP's after a few steps (top-k's and PowerSGD's
+    defaults drop most of a step's gradient: they must move the parameters,
+    but not as far)."""
+    start = [p.detach().clone() for p in mlp().parameters()]
+    exact = train(None, None, group)
+    for state in (None, group):
+        got = train(getattr(ddpx.distributed, name), state, group)
+        for a, b, s in zip(got, exact, start):
+            if atol is not None:
+                torch.testing.assert_close(a, b, rtol=0, atol=atol + 1e-7)
+            else:
+                assert not torch.equal(a, s)
+                assert (a - s).norm() <= (b - s).norm() * 1.5
+
+
+def test_ops_compressed_allreduce_on_a_group(group):
+    x = torch.randn(7, 5, generator=torch.Generator().manual_seed(dist.get_rank()))
+    xs = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(xs, x, group=group)
+    got = ddpx.ops.compressed_allreduce(x, "none", group=group)
+    torch.testing.assert_close(got, torch.stack(xs).mean(0), rtol=1e-6, atol=1e-7)
+    calls, sent, raw = ddpx.ops.codec_stats("none", group=group)
+    assert calls >= 1 and raw >= 4 * x.numel()
+
+
 def test_clear_errors(group):
     m = DDP(mlp(), process_group=group)
     with pytest.raises(RuntimeError, match="topk"):

@@ -282,3 +282,32 @@ def test_gru_bad_arguments():
         gru(torch.randn(SEQ, BATCH, INPUT + 1))
     with pytest.raises(RuntimeError, match="hx must be"):
         gru(torch.randn(SEQ, BATCH, INPUT), torch.randn(2, BATCH + 1, HIDDEN))
+
+
+# ddpx.ops: the functions with keyword arguments and the defaults of the
+# functions they mirror.
+def test_ops_tiled_conv2d_takes_f_conv2d_arguments():
+    torch.manual_seed(3)
+    x, w, b = torch.randn(2, 4, 9, 8), torch.randn(6, 2, 3, 3), torch.randn(6)
+    for kw in ({}, {"stride": 2}, {"padding": (1, 2), "dilation": 2}, {"groups": 2},
+               {"stride": [2, 1], "padding": 1, "groups": 2}):
+        wt = w if kw.get("groups", 1) == 2 else torch.randn(6, 4, 3, 3)
+        assert_close(ddpx.ops.tiled_conv2d(x, wt, b, **kw),
+                     torch.nn.functional.conv2d(x, wt, b, **kw), rtol=1e-4, atol=1e-5)
+    w1 = torch.randn(6, 4, 1, 1)  # unbatched input, as F.conv2d takes it
+    assert_close(ddpx.ops.tiled_conv2d(x[0], w1), torch.nn.functional.conv2d(x[0], w1),
+                 rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="padding"):
+        ddpx.ops.tiled_conv2d(x, w, padding="same")
+    with pytest.raises(ValueError, match="stride"):
+        ddpx.ops.tiled_conv2d(x, w, stride=(1, 2, 3))
+
+
+def test_ops_fused_gru_takes_vf_gru_arguments():
+    torch.manual_seed(4)
+    ref = nn.GRU(5, 7, num_layers=2, bidirectional=True)
+    x = torch.randn(6, 3, 5)
+    want = ref(x)
+    got = ddpx.ops.fused_gru(x, None, ref._flat_weights, num_layers=2, bidirectional=True)
+    for a, b in zip(got, want):
+        assert_close(a, b, rtol=1e-5, atol=1e-5)
