@@ -96,8 +96,15 @@ c10::intrusive_ptr<c10d::Store> store_from_torchrun(int rank, int size,
   o.numWorkers = size;
   o.timeout = timeout;
   // torchrun's agent already serves the store on MASTER_PORT.
-  if (env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True") o.isServer = false;
-  return c10::make_intrusive<c10d::TCPStore>(env("MASTER_ADDR").value_or("127.0.0.1"), o);
+  const bool agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
+  if (agent_store) o.isServer = false;
+  auto store = c10::make_intrusive<c10d::TCPStore>(env("MASTER_ADDR").value_or("127.0.0.1"), o);
+  if (!agent_store) return store;
+  // The agent's store outlives the workers: after a restart the keys of the
+  // last attempt (a dead rank's Gloo address) are still in it. Each attempt
+  // works under a prefix of its own, as torch.distributed's env:// does.
+  return c10::make_intrusive<c10d::PrefixStore>(
+      "/worker/attempt_" + env("TORCHELASTIC_RESTART_COUNT").value_or("0"), store);
 }
 
 }  // namespace

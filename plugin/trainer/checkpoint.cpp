@@ -1,20 +1,20 @@
 #include "plugin/trainer/checkpoint.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <fcntl.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fcntl.h>
 #include <fstream>
 #include <iostream>
 #include <iterator>
 #include <mutex>
 #include <unordered_map>
-#include <unistd.h>
 
 #include "plugin/archive_check.h"
 #include "plugin/trainer/optim.h"
@@ -43,16 +43,37 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
   // optimizer's state fails on an internal assert that names neither. (Files
   // from before the kind was written have no entry and skip the check.)
   if (ar.try_read("optimizer_kind", v)) {
-    TORCH_CHECK(v.isString() && v.toStringRef() == t.optimizer_kind, "it was written with "
-                "--optimizer ", v.isString() ? v.toStringRef() : "?", ", this run uses --optimizer ",
+    TORCH_CHECK(v.isString() && v.toStringRef() == t.optimizer_kind,
+                "it was written with "
+                "--optimizer ",
+                v.isString() ? v.toStringRef() : "?", ", this run uses --optimizer ",
                 t.optimizer_kind);
   }
   // The drop pattern of step t is a function of the schedule and the seed:
   // another one would not continue the run. (Older files: no layer drop.)
   const std::string drop = ar.try_read("layer_drop", v) && v.isString() ? v.toStringRef() : "none";
-  TORCH_CHECK(drop == t.layer_drop, "it was written with layer drop '", drop,
-              "', this run uses '", t.layer_drop, "' (--layer-drop, --pld-gamma, "
+  TORCH_CHECK(drop == t.layer_drop, "it was written with layer drop '", drop, "', this run uses '",
+              t.layer_drop,
+              "' (--layer-drop, --pld-gamma, "
               "--layer-drop-pattern, --layer-drop-scale and --seed must match to resume)");
+  // The position counts steps of the global batch: another one would not
+  // continue the run (at another world size, --global-batch keeps it).
+  // (Older files: not recorded, not checked.)
+  if (ar.try_read("samples_per_step", v)) {
+    c10::IValue w;
+    const int64_t written_world = ar.try_read("world", w) ? w.toInt() : 0;
+    TORCH_CHECK(v.toInt() == t.samples_per_step, "it was written by ", written_world,
+                " rank(s) taking ", v.toInt(), " samples a step, this run takes ",
+                t.samples_per_step, " over ", t.world,
+                " rank(s); resume with the same global "
+                "batch (--global-batch ",
+                v.toInt(), ")");
+    if (written_world != t.world && t.rank == 0) {
+      std::cout << "[ddpx-train] the checkpoint was written by " << written_world
+                << " rank(s); going on at " << t.world << " with the same global batches"
+                << std::endl;
+    }
+  }
   at::NoGradGuard no_grad;
   // Model state as two lists (names, tensors): parameter names contain dots,
   // which archive keys must not.
@@ -93,7 +114,8 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
   predictor = predictor.contiguous();
   GradSync::State s;
   s.plan_order.assign(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
-  s.predictor.assign(predictor.data_ptr<double>(), predictor.data_ptr<double>() + predictor.numel());
+  s.predictor.assign(predictor.data_ptr<double>(),
+                     predictor.data_ptr<double>() + predictor.numel());
   s.steps = v.toInt();
   // A lossy codec's residuals: this rank's row, cut per parameter. (Saved by
   // another number of ranks: rows and ranks do not match, none is restored.)
@@ -102,10 +124,11 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
     const GradSync::State now = t.sync.state();  // its residuals give each parameter's numel
     int64_t total = 0;
     for (const auto& r : now.residuals) total += r.defined() ? r.numel() : 0;
-    TORCH_CHECK(total == 0 ||residuals.dim() == 2 && residuals.scalar_type() == at::kFloat &&
-                    residuals.size(1) == total,
+    TORCH_CHECK(total == 0 || residuals.dim() == 2 && residuals.scalar_type() == at::kFloat &&
+                                  residuals.size(1) == total,
                 "gradsync.residuals is ", residuals.sizes(), " ", residuals.scalar_type(),
-                "; this run's codec keeps ", total, " float residuals per rank (--codec must "
+                "; this run's codec keeps ", total,
+                " float residuals per rank (--codec must "
                 "match to resume)");
     if (total == 0) {
       // --codec none now: no error feedback to continue.
@@ -173,7 +196,8 @@ void write_durably(const std::string& path, const std::string& bytes) {
   // rename() replaces the old checkpoint in one step; then persist the entry.
   TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "ddpx-train: cannot rename ", tmp,
               " to ", path, ": ", std::strerror(errno));
-  const std::string dir = fs::path(path).has_parent_path() ? fs::path(path).parent_path().string() : ".";
+  const std::string dir =
+      fs::path(path).has_parent_path() ? fs::path(path).parent_path().string() : ".";
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
   if (dfd >= 0) {
     ::fsync(dfd);
@@ -215,6 +239,8 @@ void save_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjec
   ar.write("model_names", c10::IValue(names));
   ar.write("model_tensors", c10::IValue(tensors));
   ar.write("optimizer_kind", c10::IValue(t.optimizer_kind));
+  ar.write("world", c10::IValue(static_cast<int64_t>(t.world)));
+  ar.write("samples_per_step", c10::IValue(t.samples_per_step));
   ar.write("layer_drop", c10::IValue(t.layer_drop));
   torch::serialize::OutputArchive opt;
   t.optimizer.save(opt);

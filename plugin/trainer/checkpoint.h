@@ -13,12 +13,12 @@
 // On resume rank 0 reads the file and broadcasts its bytes, so ranks on other
 // hosts need no shared filesystem.
 #include <ddpx/grad_sync.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/optim/optimizer.h>
 #include <torch/script.h>
 
 #include <cstdint>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace ddpx::trainer {
 
@@ -42,6 +42,9 @@ struct TrainObjects {
   // This process's place in the job: which row of the saved residuals is its.
   int rank = 0;
   int world = 1;
+  // Samples per step over all ranks: the data position counts steps of this
+  // many, so a run resumes (at any world size) only with the same.
+  int64_t samples_per_step = 0;
 };
 
 // Collective (the residuals are gathered); rank 0 writes.

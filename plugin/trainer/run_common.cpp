@@ -4,10 +4,11 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <chrono>
 #include <filesystem>
+#include <iostream>
 #include <thread>
 
 namespace ddpx::trainer {
@@ -36,7 +37,8 @@ int local_ranks() {
 at::Device select_device(const Options& o) {
   if (o.device == "cpu") return at::kCPU;
   const auto gpus = static_cast<int>(torch::cuda::device_count());
-  TORCH_CHECK(gpus > 0, "ddpx-train: --device cuda, but no CUDA device is visible to this "
+  TORCH_CHECK(gpus > 0,
+              "ddpx-train: --device cuda, but no CUDA device is visible to this "
               "process (torch::cuda::device_count() is 0; CUDA_VISIBLE_DEVICES=",
               std::getenv("CUDA_VISIBLE_DEVICES") ? std::getenv("CUDA_VISIBLE_DEVICES") : "(unset)",
               ")");
@@ -61,6 +63,24 @@ DataSplit load_data(const Options& o, const ScriptedModel& m) {
   const std::string dir = o.data_cache.empty() ? default_data_cache(o.seed) : o.data_cache;
   ensure_synthetic_images(dir, o.seed);
   return load_data_path(dir, m.spec);
+}
+
+int elastic_restart() {
+  const char* s = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return s != nullptr ? std::atoi(s) : 0;
+}
+
+void injected_failure(int64_t step, int rank) {
+  static const char* spec = std::getenv("DDPX_TRAIN_FAIL_AT");
+  long long at_step = 0;
+  int at_rank = 0;
+  if (spec == nullptr || elastic_restart() > 0 ||
+      std::sscanf(spec, "%lld:%d", &at_step, &at_rank) != 2 || at_step != step || at_rank != rank) {
+    return;
+  }
+  std::cerr << "[ddpx-train] DDPX_TRAIN_FAIL_AT=" << spec << ": rank " << rank
+            << " exits after step " << step << std::endl;
+  std::_Exit(1);
 }
 
 std::string eta(double seconds) {
@@ -99,8 +119,9 @@ double evaluate(torch::jit::Module& m, const Dataset& test, int rank, int size,
 }
 
 double evaluate(torch::jit::Module& m, const Dataset& test, c10d::ProcessGroup& pg, int64_t batch) {
-  return evaluate(m, test, pg.getRank(), pg.getSize(),
-                  [&pg](const at::Tensor& t) { return allreduce_sum(pg, t); }, batch);
+  return evaluate(
+      m, test, pg.getRank(), pg.getSize(),
+      [&pg](const at::Tensor& t) { return allreduce_sum(pg, t); }, batch);
 }
 
 }  // namespace ddpx::trainer

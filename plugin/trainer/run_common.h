@@ -2,11 +2,11 @@
 // What both kinds of run (GradSync's synchronous one, trainer.cpp, and the
 // parameter server's, trainer_ps.cpp) do alike: data, progress text, the
 // final evaluation.
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/script.h>
 
 #include <functional>
 #include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "plugin/trainer/data.h"
 #include "plugin/trainer/model.h"
@@ -27,6 +27,15 @@ DataSplit load_data(const Options& o, const ScriptedModel& m);
 
 // "h:mm:ss".
 std::string eta(double seconds);
+
+// torchrun's TORCHELASTIC_RESTART_COUNT: how many times it has restarted the
+// workers (0 on the first start, and outside torchrun).
+int elastic_restart();
+
+// A test hook: DDPX_TRAIN_FAIL_AT=STEP:RANK makes rank RANK exit with status
+// 1 right after step STEP (and its checkpoint), on the first start only (so
+// that a restarted job runs through): a worker failing mid-run, on cue.
+void injected_failure(int64_t step, int rank);
 
 // --straggler: sleeps the step's delay when `rank` is the slowed one.
 void straggle(const Options& o, int rank);

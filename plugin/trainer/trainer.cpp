@@ -1,9 +1,9 @@
 #include "plugin/trainer/trainer.h"
 
+#include <ATen/autocast_mode.h>
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
 #include <ddpx/layer_drop.h>
-#include <ATen/autocast_mode.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/utils.h>  // torch::manual_seed
 
@@ -53,15 +53,18 @@ void refuse_to_overwrite(const Options& o, c10d::ProcessGroup& pg) {
 std::vector<std::string> drop_units(const torch::jit::Module& m, const std::string& path) {
   TORCH_CHECK(m.hasattr("block_scale") && m.attr("block_scale").isDoubleList(),
               "ddpx-train: --layer-drop needs a model with blocks to drop (a List[float] "
-              "attribute 'block_scale', e.g. transformer.pt); ", path, " has none");
+              "attribute 'block_scale', e.g. transformer.pt); ",
+              path, " has none");
   const auto depth = m.attr("block_scale").toDoubleList().size();
   std::vector<std::string> units;
   for (size_t i = 0; i < depth; ++i) {
     units.push_back("blocks." + std::to_string(i) + ".");
     bool any = false;
     for (const auto& p : m.named_parameters()) any = any || p.name.rfind(units.back(), 0) == 0;
-    TORCH_CHECK(any, "ddpx-train: model ", path, " has ", depth, " entries in block_scale but no "
-                "parameters named ", units.back(), "*");
+    TORCH_CHECK(any, "ddpx-train: model ", path, " has ", depth,
+                " entries in block_scale but no "
+                "parameters named ",
+                units.back(), "*");
   }
   return units;
 }
@@ -113,8 +116,8 @@ std::string run(const Options& o) {
   torch::jit::Module& model = sm.module;
   model.to(device);
   model.train();
-  const LayerDrop drop = parse_layer_drop(o.layer_drop, o.pld_gamma, o.layer_drop_pattern,
-                                          o.layer_drop_scale, o.seed);
+  const LayerDrop drop =
+      parse_layer_drop(o.layer_drop, o.pld_gamma, o.layer_drop_pattern, o.layer_drop_scale, o.seed);
   const std::vector<std::string> units =
       drop.active() ? drop_units(model, o.model) : std::vector<std::string>{};
   const int depth = static_cast<int>(units.size());
@@ -171,11 +174,18 @@ std::string run(const Options& o) {
   GradSync sync(model, pg, so);  // (next-forward: gates the model's reads of its parameters)
   if (stepped_by_sync) sync.set_optimizer(*opt);
 
-  TrainObjects objs{model,          *opt,  o.optimizer,  sync, drop.describe(),
-                    device,         pg->getRank(), pg->getSize()};
+  TrainObjects objs{model,  *opt,          o.optimizer,   sync,         drop.describe(),
+                    device, pg->getRank(), pg->getSize(), batch * world};
   Position pos;
+  // Restarted by torchrun (elastic): the checkpoint is where to go on from,
+  // at whatever world size the restart has, with no --resume to add.
+  const int restart = elastic_restart();
   if (!o.checkpoint.empty()) {
-    if (o.resume) {
+    if (o.resume || restart > 0) {
+      if (lead && restart > 0) {
+        std::cout << "[ddpx-train] torchrun restart " << restart << " with " << world
+                  << " rank(s): resuming from " << o.checkpoint << std::endl;
+      }
       const bool resumed = load_checkpoint(o.checkpoint, *pg, objs, pos);
       if (lead) {
         std::cout << (resumed ? "[ddpx-train] resumed from " : "[ddpx-train] no checkpoint at ")
@@ -197,12 +207,11 @@ std::string run(const Options& o) {
               << world << " rank(s) over " << (world > 1 ? backend : "one process") << " on "
               << (device.is_cuda() ? "cuda" + (o.amp != "off" ? " (autocast " + o.amp + ")" : "")
                                    : "cpu")
-              << ", " << total
-              << " steps of " << batch << " x " << world << " samples, codec " << o.codec
-              << std::endl;
+              << ", " << total << " steps of " << batch << " x " << world << " samples, codec "
+              << o.codec << std::endl;
     if (drop.active()) {
-      std::cout << "[ddpx-train] layer drop: " << drop.describe() << " over " << depth
-                << " blocks" << std::endl;
+      std::cout << "[ddpx-train] layer drop: " << drop.describe() << " over " << depth << " blocks"
+                << std::endl;
     }
   }
 
@@ -229,7 +238,7 @@ std::string run(const Options& o) {
     const at::Tensor x = data.train.inputs.index_select(0, rows).to(device);
     const at::Tensor y = data.train.targets.index_select(0, rows).to(device);
     set_lr(*opt, lr_at(pos.step, total, o));  // (GradSync takes it when backward begins)
-    if (!stepped_by_sync) opt->zero_grad();  // (else each update consumes its gradients)
+    if (!stepped_by_sync) opt->zero_grad();   // (else each update consumes its gradients)
     if (drop.active()) {
       const std::vector<double> scales = drop.scales(pos.step, depth, rank);
       set_block_scale(model, scales);
@@ -313,6 +322,7 @@ std::string run(const Options& o) {
     if (!o.checkpoint.empty() && (save_now || pos.step == total)) {
       save_checkpoint(o.checkpoint, *pg, objs, pos);
     }
+    injected_failure(pos.step, rank);
   }
 
   sync.flush_trace();  // collective: every rank, before anything can fail alone
