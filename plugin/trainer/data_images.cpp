@@ -2,6 +2,7 @@
 // data_files.cpp like any other idx directory).
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
+#include <ddpx/data.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -124,8 +125,7 @@ void ensure_synthetic_images(const std::string& dir, uint64_t seed) {
 }
 
 at::Tensor shard_indices(int64_t n, int rank, int world, int64_t epoch, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ULL + uint64_t(epoch));
-  const at::Tensor perm = at::randperm(n, gen, at::kLong);
+  const at::Tensor perm = ddpx::data::epoch_permutation(n, epoch, seed);
   const int64_t per_rank = n / world;
   return perm.narrow(0, 0, per_rank * world).view({per_rank, world}).select(1, rank).contiguous();
 }
