@@ -7,19 +7,13 @@
 #include <ddpx/data.h>
 #include <gtest/gtest.h>
 
-#include <functional>
 #include <string>
+
+#include "mpi_test_util.h"  // error_of
 
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using ddpx::test::error_of;
 
 // The header's example for (rank, world): this rank's slice.
 at::Tensor run_example(int64_t n, int64_t B, uint64_t seed, int64_t epoch, int64_t step, int rank,
