@@ -1,7 +1,6 @@
 // ddpx-train: runs a TorchScript model data-parallel under mpirun (ddpx_mpi)
 // or torchrun (Gloo). See options.cpp for the flags (--help).
 #include <ddpx/comm.h>
-
 #include <malloc.h>
 
 #include <cstdlib>
@@ -46,7 +45,7 @@ int main(int argc, char** argv) {
       why = e.what();
     }
     // The first line of the reason: a status is one line.
-    status.write("failed: " + ddpx::comm::process_label() + ": " + why.substr(0, why.find('\n')));
+    status.fail(ddpx::comm::process_label() + ": " + why.substr(0, why.find('\n')));
   } catch (const std::exception& e) {  // the status file itself could not be written
     why += (why.empty() ? "" : "; ") + std::string("--status-file: ") + e.what();
   }

@@ -1,6 +1,7 @@
 #include "plugin/trainer/status.h"
 
 #include <cstdlib>
+#include <fstream>
 #include <utility>
 
 #include "plugin/trainer/checkpoint.h"  // write_durably
@@ -25,6 +26,14 @@ JobStatus::JobStatus(std::string path) : path_(std::move(path)) {
 void JobStatus::write(const std::string& line) const {
   if (path_.empty()) return;
   write_durably(path_, line + "\n");
+}
+
+void JobStatus::fail(const std::string& reason) const {
+  if (path_.empty()) return;
+  std::ifstream f(path_);
+  std::string first;
+  if (f && std::getline(f, first) && first.rfind("failed:", 0) == 0) return;
+  write("failed: " + reason);
 }
 
 }  // namespace ddpx::trainer

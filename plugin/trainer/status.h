@@ -6,7 +6,10 @@
 //   running                      rank 0 at start (a stale outcome is gone)
 //   ok                           the lead rank, training and scoring done
 //   ok, ranks lost: 2 3          the same, with ranks the servers dropped
-//   failed: <rank>: <reason>     any rank that ends the job with an error
+//   failed: <rank>: <reason>     the first rank that ends the job with an error
+//                                (a later one -- a peer left waiting, a frozen
+//                                rank resumed by mpirun's teardown -- reports
+//                                a consequence and keeps it)
 // A job that ends still saying "running" died without a word (a rank killed
 // with no survivor to notice, a signal): not a success. ddpx-run (next to
 // ddpx-train) runs mpirun with --status-file and exits 0 only on "ok".
@@ -20,6 +23,10 @@ class JobStatus {
   // none) writes "running"; path "" turns every write into nothing.
   explicit JobStatus(std::string path);
   void write(const std::string& line) const;
+  // "failed: " + reason, unless the file already holds a failure. (Read,
+  // then replace: two ranks failing within the same instant may both write;
+  // failures seconds apart, as a timeout after a peer's, keep the first.)
+  void fail(const std::string& reason) const;
 
  private:
   std::string path_;
