@@ -166,19 +166,12 @@ std::vector<int64_t> agree_on_part_numels(c10d::ProcessGroup& pg, const at::Tens
   return parts;
 }
 
-c10::intrusive_ptr<c10d::Work> start_allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t,
-                                                   int64_t* bytes) {
+int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t) {
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
   std::vector<at::Tensor> v{t};
-  *bytes += t.nbytes();
-  return pg.allreduce(v, c10d::AllreduceOptions{});
-}
-
-int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t) {
-  int64_t bytes = 0;
   WireScope wire;
-  detail::wait_named(start_allreduce_sum(pg, t, &bytes));
-  return bytes;
+  detail::wait_named(pg.allreduce(v, c10d::AllreduceOptions{}));
+  return t.nbytes();
 }
 
 c10::intrusive_ptr<c10d::Work> start_allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat,

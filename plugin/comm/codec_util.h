@@ -85,10 +85,8 @@ class OrderedSum {
   c10::intrusive_ptr<c10d::Work> work_;
 };
 
-// Asynchronous forms for pipelining: start the collective and return its
+// Asynchronous form for pipelining: starts the collective and returns its
 // Work; the caller keeps the tensors alive and waits before reading them.
-c10::intrusive_ptr<c10d::Work> start_allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t,
-                                                   int64_t* bytes);
 // *rows becomes the [world, L] result buffer.
 c10::intrusive_ptr<c10d::Work> start_allgather_rows(c10d::ProcessGroup& pg, const at::Tensor& flat,
                                                     at::Tensor* rows, int64_t* bytes);
