@@ -7,10 +7,13 @@
 #include <c10/util/Exception.h>
 #include <ddpx/ps.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <map>
+#include <thread>
 
 #include "plugin/comm/codec_message.h"
 #include "plugin/ps/gate.h"
@@ -33,7 +36,7 @@ class ServerImpl {
         workers_(s.num_workers()),
         gate_(s.consistency(), workers_, s.options().deterministic),
         inbox_(s.state().comm),
-        out_(s.state().comm),
+        out_(s.state().wcomm),
         last_heard_(workers_, Clock::now()),
         next_seq_(workers_, 0),
         answered_(workers_, false),
@@ -54,44 +57,46 @@ class ServerImpl {
     for (auto& group : opt_->param_groups()) base_lr_.push_back(group.options().get_lr());
   }
 
+  ~ServerImpl() {
+    if (!thread_.joinable()) return;
+    stop_ = true;  // an error before join(): the workers name this server when they time out
+    thread_.join();
+  }
+
   ServerStats serve(const std::function<void(const ServerStats&)>& on_update) {
-    const auto timeout = std::chrono::duration<double>(s_.timeout_s());
-    auto last_beat = Clock::now();
-    while (true) {
-      if (auto m = inbox_.pop(std::chrono::microseconds(20000))) handle(*m);
-      while (auto d = gate_.next(stats_.version)) apply(*d, on_update);
-      const auto now = Clock::now();
-      drop_silent(now, timeout);
-      if (!awaiting_.empty()) release_held();
-      if (now - last_beat > timeout / 4) {
-        // Workers waiting for a held reply (ssp, sync), or after their BYE
-        // for the final list of live workers (Session::share_final), know
-        // this server lives.
-        for (int w = 0; w < workers_; ++w) {
-          if (!lost(w)) out_.send(pack_note(kHeartbeat, -1, 0), rank_of(w), kHeartbeat);
+    TORCH_CHECK(!s_.colocated(), "ddpx ps: colocated servers serve on a thread of their own "
+                "(Server::start(), then the rank's Worker, then Server::join()): serve() would "
+                "wait for ever for this rank's own worker");
+    run(on_update);
+    return finish();
+  }
+
+  void start(const std::function<void(const ServerStats&)>& on_update) {
+    TORCH_CHECK(!started_, "ddpx ps: Server::start() called twice");
+    started_ = true;
+    if (LocalLink* link = s_.state().local.get()) link->attach(&inbox_);
+    thread_ = std::thread([this, on_update] {
+      try {
+        run(on_update);
+      } catch (const std::exception& e) {
+        error_ = std::current_exception();
+        if (LocalLink* link = s_.state().local.get()) {
+          link->detach();
+          link->fail(std::string("server ") + std::to_string(k_) + ": " + e.what());
         }
-        last_beat = now;
       }
-      out_.progress();
-      if (gate_.live_count() == 0) break;
-    }
-    inbox_.stop();
-    if (s_.options().on_checkpoint) checkpoint();
-    TORCH_CHECK(out_.drain(timeout), "ddpx ps: server ", k_,
-                " could not deliver its last replies within the timeout");
-    // The final values, for Session::share_final.
-    at::NoGradGuard no_grad;
-    const auto& shard = s_.state().layout.shards[k_];
-    for (size_t i = 0; i < shard.size(); ++i) {
-      s_.params()[shard[i].param]
-          .view(-1)
-          .narrow(0, shard[i].offset, shard[i].numel)
-          .copy_(segs_[i]);
-    }
-    return stats_;
+    });
+  }
+
+  ServerStats join() {
+    TORCH_CHECK(started_, "ddpx ps: Server::join() without start()");
+    if (thread_.joinable()) thread_.join();
+    if (error_) std::rethrow_exception(error_);
+    return finish();
   }
 
   ServerStats restore(const std::string& bytes) {
+    TORCH_CHECK(!started_, "ddpx ps: Server::restore() after start()");
     ServerState st = state();
     load_server_state(bytes, st, *opt_);
     stats_ = st.stats;
@@ -105,6 +110,51 @@ class ServerImpl {
   }
 
  private:
+  // Steps 2-6 until every worker said BYE or was dropped (or stop_), then
+  // the last checkpoint and replies.
+  void run(const std::function<void(const ServerStats&)>& on_update) {
+    const auto timeout = std::chrono::duration<double>(s_.timeout_s());
+    auto last_beat = Clock::now();
+    while (!stop_) {
+      if (auto m = inbox_.pop(std::chrono::microseconds(20000))) handle(*m);
+      while (auto d = gate_.next(stats_.version)) apply(*d, on_update);
+      const auto now = Clock::now();
+      drop_silent(now, timeout);
+      if (!awaiting_.empty()) release_held();
+      if (now - last_beat > timeout / 4) {
+        // Workers waiting for a held reply (ssp, sync), or after their BYE
+        // for the final list of live workers (Session::share_final), know
+        // this server lives.
+        for (int w = 0; w < workers_; ++w) {
+          if (!lost(w) && !local(w)) out_.send(pack_note(kHeartbeat, -1, 0), rank_of(w), kHeartbeat);
+        }
+        last_beat = now;
+      }
+      out_.progress();
+      if (gate_.live_count() == 0) break;
+    }
+    inbox_.stop();
+    if (LocalLink* link = s_.state().local.get()) link->detach();
+    if (stop_) return;
+    if (s_.options().on_checkpoint) checkpoint();
+    TORCH_CHECK(out_.drain(timeout), "ddpx ps: server ", k_,
+                " could not deliver its last replies within the timeout");
+  }
+
+  // The final values into this rank's parameters, for Session::share_final
+  // (on the caller's thread: a colocated rank's worker is done with them).
+  ServerStats finish() {
+    at::NoGradGuard no_grad;
+    const auto& shard = s_.state().layout.shards[k_];
+    for (size_t i = 0; i < shard.size(); ++i) {
+      s_.params()[shard[i].param]
+          .view(-1)
+          .narrow(0, shard[i].offset, shard[i].numel)
+          .copy_(segs_[i]);
+    }
+    return stats_;
+  }
+
   ServerState state() const {
     ServerState st;
     st.server = k_;
@@ -117,12 +167,24 @@ class ServerImpl {
 
   void checkpoint() { s_.options().on_checkpoint(save_server_state(state(), *opt_)); }
 
-  int rank_of(int worker) const { return s_.num_servers() + worker; }
+  int rank_of(int worker) const { return s_.state().worker_rank(worker); }
+  // This rank's own worker (colocated): reached through the LocalLink.
+  bool local(int worker) const { return s_.state().is_local(rank_of(worker)); }
+
+  void send_to(int w, const at::Tensor& bytes, int tag) {
+    if (!local(w)) return out_.send(bytes, rank_of(w), tag);
+    LocalLink& link = *s_.state().local;
+    if (tag == kReply) return link.reply(bytes);
+    link.refuse("server " + std::to_string(k_) + " (rank " + std::to_string(k_) +
+                ") refused worker " + std::to_string(w) + ": " +
+                std::string(static_cast<const char*>(bytes.data_ptr()),
+                            static_cast<size_t>(bytes.numel())));
+  }
 
   void handle(const Message& m) {
-    const int w = m.source - s_.num_servers();
-    TORCH_CHECK(w >= 0 && w < workers_, "ddpx ps: server ", k_, " got a message (tag ", m.tag,
-                ") from rank ", m.source, ", which is not a worker");
+    const int w = s_.state().worker_of(m.source);
+    TORCH_CHECK(w >= 0, "ddpx ps: server ", k_, " got a message (tag ", m.tag, ") from rank ",
+                m.source, ", which is not a worker");
     last_heard_[w] = Clock::now();
     if (!gate_.live(w)) return;  // dropped: nothing of it is applied any more
     try {
@@ -149,7 +211,7 @@ class ServerImpl {
                    k_, w, m.source, why.c_str());
       at::Tensor text = at::empty({static_cast<int64_t>(why.size())}, at::kByte);
       std::memcpy(text.data_ptr(), why.data(), why.size());
-      out_.send(text, m.source, kError);
+      send_to(w, text, kError);
       gate_.gone(w);
       lose(w);
     }
@@ -288,13 +350,13 @@ class ServerImpl {
       std::memcpy(&h, first.data_ptr(), sizeof h);
       h.seq = next_seq_[w];
       std::memcpy(first.data_ptr(), &h, sizeof h);
-      out_.send(first, rank_of(w), kReply);
+      send_to(w, first, kReply);
       if (pull_codec_.id != comm::WireCodec::None) held_[w] = snapshot_values().clone();
       answered_[w] = true;
     } else if (pull_codec_.id == comm::WireCodec::None) {
-      out_.send(snapshot_, rank_of(w), kReply);
+      send_to(w, snapshot_, kReply);
     } else {
-      out_.send(delta_reply(w), rank_of(w), kReply);
+      send_to(w, delta_reply(w), kReply);
     }
     gate_.gave(w, stats_.version);
   }
@@ -330,7 +392,8 @@ class ServerImpl {
 
   void drop_silent(Clock::time_point now, std::chrono::duration<double> timeout) {
     for (int w = 0; w < workers_; ++w) {
-      if (!gate_.live(w) || now - last_heard_[w] <= timeout) continue;
+      // This rank's own worker cannot fall silent while its server runs.
+      if (!gate_.live(w) || local(w) || now - last_heard_[w] <= timeout) continue;
       gate_.gone(w);
       lose(w);
       // Workers that said BYE are not live either: count them apart.
@@ -364,6 +427,11 @@ class ServerImpl {
   ServerStats stats_;
   at::Tensor snapshot_;
   int64_t snapshot_version_ = -1;
+  // start() / join()
+  bool started_ = false;
+  std::atomic<bool> stop_{false};
+  std::exception_ptr error_;
+  std::thread thread_;
 };
 
 }  // namespace detail
@@ -380,5 +448,11 @@ ServerStats Server::restore(const std::string& state) { return impl_->restore(st
 ServerStats Server::serve(const std::function<void(const ServerStats&)>& on_update) {
   return impl_->serve(on_update);
 }
+
+void Server::start(const std::function<void(const ServerStats&)>& on_update) {
+  impl_->start(on_update);
+}
+
+ServerStats Server::join() { return impl_->join(); }
 
 }  // namespace ddpx::ps

@@ -112,13 +112,16 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
               env.thread_level());
   s_->rank = env.world_rank();
   s_->size = env.world_size();
-  TORCH_CHECK(opts.servers >= 1 && opts.servers < s_->size, "ddpx ps: --servers must be in [1, ",
-              s_->size - 1, "] (the world size ", s_->size, " minus at least one worker), got ",
-              opts.servers);
+  s_->colocated = opts.servers == kColocated;
+  TORCH_CHECK(s_->colocated || (opts.servers >= 1 && opts.servers < s_->size),
+              "ddpx ps: --servers must be in [1, ", s_->size - 1, "] (the world size ", s_->size,
+              " minus at least one worker) or colocated (ps::kColocated), got ", opts.servers);
+  s_->servers = s_->colocated ? s_->size : opts.servers;
+  s_->workers = s_->colocated ? s_->size : s_->size - opts.servers;
   s_->consistency = Consistency::parse(opts.consistency);
   const auto codec = parse_codec(opts.codec, "codec (pushes)");
   const auto pull_codec = parse_codec(opts.pull_codec, "pull codec");
-  const int workers = s_->size - opts.servers;
+  const int workers = s_->workers;
   const bool gated = s_->consistency.kind != Consistency::Kind::Async;
   TORCH_CHECK(!opts.deterministic || opts.pull == PullMode::AfterPush,
               "ddpx ps: the deterministic mode needs pulls after each push (a prefetched pull "
@@ -148,12 +151,14 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
   }
   std::ostringstream mine;
   mine << params.size() << " parameters " << shapes.str().substr(0, 200) << ", servers "
-       << opts.servers << ", consistency " << s_->consistency.str() << ", codec " << codec.spec()
+       << (s_->colocated ? std::string("colocated") : std::to_string(opts.servers)) << ", consistency " << s_->consistency.str() << ", codec " << codec.spec()
        << ", pull codec " << pull_codec.spec();
   DDPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &s_->comm));
   DDPX_MPI_CHECK(MPI_Comm_set_errhandler(s_->comm, MPI_ERRORS_RETURN));
+  DDPX_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &s_->wcomm));
+  DDPX_MPI_CHECK(MPI_Comm_set_errhandler(s_->wcomm, MPI_ERRORS_RETURN));
   // The servers' own communicator (step 7's agreement), made while every rank is in.
-  DDPX_MPI_CHECK(MPI_Comm_split(s_->comm, s_->rank < opts.servers ? 0 : MPI_UNDEFINED, s_->rank,
+  DDPX_MPI_CHECK(MPI_Comm_split(s_->comm, s_->rank < s_->servers ? 0 : MPI_UNDEFINED, s_->rank,
                                 &s_->servers_comm));
   s_->lost.assign(static_cast<size_t>(workers), 0);
   check_same(s_->comm,
@@ -168,7 +173,8 @@ Session::Session(std::vector<at::Tensor> params, Options opts) : s_(std::make_un
               {"staleness_lr", opts.staleness_lr ? 1 : 0},
               {"delay_comp", bits_of(opts.delay_comp)}},
              mine.str());
-  s_->layout = detail::Layout::plan(numels, opts.servers);
+  s_->layout = detail::Layout::plan(numels, s_->servers);
+  if (s_->colocated) s_->local = std::make_unique<detail::LocalLink>();
   s_->timeout_s = opts.timeout_s > 0 ? opts.timeout_s : env_timeout();
   s_->params = std::move(params);
   s_->opts = std::move(opts);
@@ -178,13 +184,17 @@ Session::~Session() {
   if (!s_) return;
   if (s_->final_comm != MPI_COMM_NULL && s_->final_comm != s_->comm) MPI_Comm_free(&s_->final_comm);
   if (s_->servers_comm != MPI_COMM_NULL) MPI_Comm_free(&s_->servers_comm);
+  if (s_->wcomm != MPI_COMM_NULL) MPI_Comm_free(&s_->wcomm);
   if (s_->comm != MPI_COMM_NULL) MPI_Comm_free(&s_->comm);
 }
 
-bool Session::is_server() const { return s_->rank < s_->opts.servers; }
+bool Session::is_server() const { return s_->rank < s_->servers; }
+bool Session::is_worker() const { return s_->worker_of(s_->rank) >= 0; }
+bool Session::colocated() const { return s_->colocated; }
+int Session::worker_index() const { return s_->worker_of(s_->rank); }
 int Session::rank() const { return s_->rank; }
-int Session::num_servers() const { return s_->opts.servers; }
-int Session::num_workers() const { return s_->size - s_->opts.servers; }
+int Session::num_servers() const { return s_->servers; }
+int Session::num_workers() const { return s_->workers; }
 const Options& Session::options() const { return s_->opts; }
 const Consistency& Session::consistency() const { return s_->consistency; }
 const std::vector<at::Tensor>& Session::params() const { return s_->params; }

@@ -75,7 +75,7 @@ namespace {
 // may first wait up to the timeout for a silent worker to be dropped; their
 // heartbeats say they are alive meanwhile.
 at::Tensor receive_final_list(const Session::State& s) {
-  const int workers = s.size - s.opts.servers;
+  const int workers = s.workers;
   at::Tensor lost = at::zeros({workers}, at::kInt);
   const std::chrono::duration<double> timeout(s.timeout_s);
   auto heard = WaitPacer::Clock::now();
@@ -84,7 +84,7 @@ at::Tensor receive_final_list(const Session::State& s) {
     const auto t0 = WaitPacer::Clock::now();
     int flag = 0;
     MPI_Status st;
-    DDPX_MPI_CHECK(MPI_Iprobe(0, kFinal, s.comm, &flag, &st));
+    DDPX_MPI_CHECK(MPI_Iprobe(0, kFinal, s.wcomm, &flag, &st));
     if (flag) {
       int count = 0;
       DDPX_MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &count));
@@ -93,22 +93,22 @@ at::Tensor receive_final_list(const Session::State& s) {
                   "has ",
                   count, " bytes, expected ", 4 * workers);
       DDPX_MPI_CHECK(
-          MPI_Recv(lost.data_ptr(), workers, MPI_INT32_T, 0, kFinal, s.comm, MPI_STATUS_IGNORE));
+          MPI_Recv(lost.data_ptr(), workers, MPI_INT32_T, 0, kFinal, s.wcomm, MPI_STATUS_IGNORE));
       return lost;
     }
-    DDPX_MPI_CHECK(MPI_Iprobe(0, kHeartbeat, s.comm, &flag, &st));
+    DDPX_MPI_CHECK(MPI_Iprobe(0, kHeartbeat, s.wcomm, &flag, &st));
     if (flag) {
       int count = 0;
       DDPX_MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &count));
       std::vector<char> note(static_cast<size_t>(count));
       DDPX_MPI_CHECK(
-          MPI_Recv(note.data(), count, MPI_BYTE, 0, kHeartbeat, s.comm, MPI_STATUS_IGNORE));
+          MPI_Recv(note.data(), count, MPI_BYTE, 0, kHeartbeat, s.wcomm, MPI_STATUS_IGNORE));
       heard = t0;
     }
     if (t0 - heard > timeout) {
       MpiEnv::get().mark_broken("ddpx ps: server 0 went silent before the end");
       TORCH_CHECK(false, "ddpx ps: server 0 (rank 0) sent nothing for ", timeout.count(),
-                  " s (DDPX_TIMEOUT_S) while worker ", s.rank - s.opts.servers,
+                  " s (DDPX_TIMEOUT_S) while worker ", s.worker_of(s.rank),
                   " waited for the final list of live workers: the server died or is frozen");
     }
     const auto nap = pacer.after_test(t0, WaitPacer::Clock::now());
@@ -120,7 +120,7 @@ at::Tensor receive_final_list(const Session::State& s) {
 
 MPI_Comm final_comm(Session::State& s) {
   if (s.final_comm != MPI_COMM_NULL) return s.final_comm;
-  const int K = s.opts.servers, workers = s.size - K;
+  const int K = s.servers, workers = s.workers;
   at::Tensor lost = at::zeros({workers}, at::kInt);
   if (s.rank < K) {
     lost = bounded_allreduce(s.servers_comm, at::tensor(c10::ArrayRef<int32_t>(s.lost), at::kInt),
@@ -129,10 +129,11 @@ MPI_Comm final_comm(Session::State& s) {
     if (s.rank == 0) {
       std::vector<MPI_Request> sends;
       for (int w = 0; w < workers; ++w) {
-        if (lost[w].item<int32_t>()) continue;
+        // Colocated workers are servers too: they took part in the agreement.
+        if (lost[w].item<int32_t>() || s.worker_rank(w) < K) continue;
         sends.emplace_back();
-        DDPX_MPI_CHECK(
-            MPI_Isend(lost.data_ptr(), workers, MPI_INT32_T, K + w, kFinal, s.comm, &sends.back()));
+        DDPX_MPI_CHECK(MPI_Isend(lost.data_ptr(), workers, MPI_INT32_T, s.worker_rank(w), kFinal,
+                                 s.wcomm, &sends.back()));
       }
       for (auto& r2 : sends)
         await_bounded(r2, s.timeout_s, "the final list of live workers", {lost});
@@ -143,7 +144,7 @@ MPI_Comm final_comm(Session::State& s) {
   s.lost.assign(lost.data_ptr<int32_t>(), lost.data_ptr<int32_t>() + workers);
   s.lost_ranks.clear();
   for (int w = 0; w < workers; ++w) {
-    if (s.lost[w]) s.lost_ranks.push_back(K + w);
+    if (s.lost[w]) s.lost_ranks.push_back(s.worker_rank(w));
   }
   if (s.lost_ranks.empty()) {
     s.final_comm = s.comm;
@@ -151,6 +152,11 @@ MPI_Comm final_comm(Session::State& s) {
   }
   std::ostringstream ranks;
   for (size_t i = 0; i < s.lost_ranks.size(); ++i) ranks << (i ? ", " : "") << s.lost_ranks[i];
+  // A colocated rank's worker is lost only with its process, and its shard
+  // with it: nobody holds those parameters any more.
+  TORCH_CHECK(!s.colocated, "ddpx ps: rank(s) ", ranks.str(), " were lost, and the shard(s) "
+              "they served (colocated) with them: the parameters cannot be put together. "
+              "Resume from the last checkpoint (--resume)");
   MPI_Group world, live;
   DDPX_MPI_CHECK(MPI_Comm_group(s.comm, &world));
   DDPX_MPI_CHECK(
@@ -179,7 +185,7 @@ void Session::share_final(const std::vector<at::Tensor>& params) {
   // Servers are ranks 0..K-1 of the final communicator too (only workers are
   // ever left out, and MPI_Group_excl keeps the order).
   const MPI_Comm comm = detail::final_comm(*s_);
-  for (int k = 0; k < s_->opts.servers; ++k) {
+  for (int k = 0; k < s_->servers; ++k) {
     const auto& segs = s_->layout.shards[k];
     at::Tensor buf = at::empty({s_->layout.shard_numel[k]}, at::kFloat);
     int64_t off = 0;
@@ -244,7 +250,7 @@ ServerStats Session::gather_stats(const ServerStats& mine) {
   out.workers_lost = rest[5];
   out.staleness.counts.assign(sum.begin() + static_cast<std::ptrdiff_t>(head), sum.end());
   // Each server saw every worker's loss: report one server's worth.
-  const double k = s_->opts.servers;
+  const double k = s_->servers;
   out.loss_sum = dsum[0] / k;
   out.correct = dsum[1] / k;
   out.samples = dsum[2] / k;

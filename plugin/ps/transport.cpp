@@ -94,6 +94,14 @@ void Inbox::loop() {
   for (auto& p : pending) new at::Tensor(p.message.bytes);
 }
 
+void Inbox::post(Message m) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(m));
+  }
+  cv_.notify_one();
+}
+
 std::optional<Message> Inbox::pop(std::chrono::microseconds wait) {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait_for(lock, wait, [&] { return !queue_.empty() || !error_.empty(); });

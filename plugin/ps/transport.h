@@ -36,6 +36,9 @@ class Inbox {
   // The next message, or nullopt after `wait` with none. Rethrows an MPI
   // error of the progress thread.
   std::optional<Message> pop(std::chrono::microseconds wait);
+  // A message that did not come through MPI (LocalLink: a colocated rank's
+  // worker to its own server), queued behind those already in.
+  void post(Message m);
   void stop();
 
  private:

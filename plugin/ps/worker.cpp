@@ -33,11 +33,12 @@ namespace detail {
 using comm::detail::WaitPacer;
 using Clock = std::chrono::steady_clock;
 
-// Sends a HEARTBEAT to every server each timeout/4 until stopped.
+// Sends a HEARTBEAT to every server but this rank's own (colocated) each
+// timeout/4 until stopped.
 class Heartbeat {
  public:
-  Heartbeat(MPI_Comm comm, int worker, int servers, double timeout_s)
-      : comm_(comm), worker_(worker), servers_(servers), period_(timeout_s / 4) {
+  Heartbeat(MPI_Comm comm, int worker, int servers, int skip, double timeout_s)
+      : comm_(comm), worker_(worker), servers_(servers), skip_(skip), period_(timeout_s / 4) {
     thread_ = std::thread([this] { loop(); });
   }
   ~Heartbeat() { stop(); }
@@ -56,8 +57,9 @@ class Heartbeat {
     std::unique_lock<std::mutex> lock(mu_);
     while (!cv_.wait_for(lock, period_, [&] { return stop_; })) {
       try {
-        for (int k = 0; k < servers_; ++k)
-          out.send(pack_note(kHeartbeat, worker_, 0), k, kHeartbeat);
+        for (int k = 0; k < servers_; ++k) {
+          if (k != skip_) out.send(pack_note(kHeartbeat, worker_, 0), k, kHeartbeat);
+        }
         out.progress();
       } catch (const std::exception&) {
         return;  // the main thread meets the same failure and reports it
@@ -70,7 +72,7 @@ class Heartbeat {
   }
 
   MPI_Comm comm_;
-  int worker_, servers_;
+  int worker_, servers_, skip_;
   std::chrono::duration<double> period_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -82,12 +84,15 @@ class WorkerImpl {
  public:
   explicit WorkerImpl(Session& s)
       : s_(s),
-        w_(s.rank() - s.num_servers()),
+        w_(s.worker_index()),
         codec_(comm::MessageCodec::parse(s.options().codec)),
         out_(s.state().comm),
         rng_(static_cast<uint32_t>(1000 + w_)),
         pull_codec_(comm::MessageCodec::parse(s.options().pull_codec)) {
     const int K = s.num_servers();
+    TORCH_CHECK(!s.colocated() || s.state().local->attached(), "ddpx ps: rank ", s.rank(),
+                " serves a shard too (colocated): call Server::start() before making its Worker");
+    local_ = s.colocated() ? s.rank() : -1;
     buffers_.resize(K);
     held_.resize(K);
     received_.assign(K, 0);
@@ -102,7 +107,7 @@ class WorkerImpl {
           at::kByte);
       residuals_[k].resize(s.state().layout.shards[k].size());
     }
-    heartbeat_ = std::make_unique<Heartbeat>(s.state().comm, w_, K, s.timeout_s());
+    heartbeat_ = std::make_unique<Heartbeat>(s.state().comm, w_, K, local_, s.timeout_s());
   }
 
   ~WorkerImpl() {
@@ -191,7 +196,7 @@ class WorkerImpl {
       h.samples = samples;
       at::Tensor msg = pack_push(h, payloads);
       stats_.bytes_sent += msg.numel();
-      out_.send(msg, k, kPush);
+      send(k, msg, kPush);
     }
     // The gradient is the servers' now: leave .grad unset, as
     // optimizer.zero_grad(set_to_none=true) would, so the next backward
@@ -274,7 +279,7 @@ class WorkerImpl {
       install();
     }
     const std::chrono::duration<double> limit(s_.timeout_s());
-    for (int k = 0; k < s_.num_servers(); ++k) out_.send(pack_note(kBye, w_, seq_), k, kBye);
+    for (int k = 0; k < s_.num_servers(); ++k) send(k, pack_note(kBye, w_, seq_), kBye);
     TORCH_CHECK(out_.drain(limit), "ddpx ps: worker ", w_,
                 " could not deliver its last messages "
                 "to the servers within ",
@@ -302,18 +307,30 @@ class WorkerImpl {
     return out;
   }
 
+  // To server k: through MPI, or to this rank's own server (colocated) in memory.
+  void send(int k, const at::Tensor& bytes, int tag) {
+    if (k != local_) return out_.send(bytes, k, tag);
+    s_.state().local->to_server(Message{s_.rank(), tag, bytes});
+  }
+
   void post_receive(int k) {
-    DDPX_MPI_CHECK(MPI_Irecv(buffers_[k].data_ptr(), static_cast<int>(buffers_[k].numel()),
-                             MPI_BYTE, k, kReply, s_.state().comm, &requests_[k]));
+    if (k == local_) {
+      local_pending_ = true;
+    } else {
+      DDPX_MPI_CHECK(MPI_Irecv(buffers_[k].data_ptr(), static_cast<int>(buffers_[k].numel()),
+                               MPI_BYTE, k, kReply, s_.state().wcomm, &requests_[k]));
+    }
     waiting_ = true;
   }
+
+  bool pending(int k) const { return k == local_ ? local_pending_ : requests_[k] != MPI_REQUEST_NULL; }
 
   void post_receives() {
     for (int k = 0; k < s_.num_servers(); ++k) post_receive(k);
   }
 
   void request_pull_from(int k) {
-    out_.send(pack_note(kPull, w_, seq_), k, kPull);
+    send(k, pack_note(kPull, w_, seq_), kPull);
     post_receive(k);
   }
 
@@ -323,17 +340,18 @@ class WorkerImpl {
 
   // Takes a server's ERROR or HEARTBEAT if one is there; true if heard from it.
   bool take_notes(int k) {
+    if (k == local_) return true;  // a refusal or failure shows in test_reply
     bool heard = false;
     for (int tag : {kError, kHeartbeat}) {
       int flag = 0;
       MPI_Status st;
-      DDPX_MPI_CHECK(MPI_Iprobe(k, tag, s_.state().comm, &flag, &st));
+      DDPX_MPI_CHECK(MPI_Iprobe(k, tag, s_.state().wcomm, &flag, &st));
       if (!flag) continue;
       int count = 0;
       DDPX_MPI_CHECK(MPI_Get_count(&st, MPI_BYTE, &count));
       std::string text(static_cast<size_t>(count), '\0');
       DDPX_MPI_CHECK(
-          MPI_Recv(text.data(), count, MPI_BYTE, k, tag, s_.state().comm, MPI_STATUS_IGNORE));
+          MPI_Recv(text.data(), count, MPI_BYTE, k, tag, s_.state().wcomm, MPI_STATUS_IGNORE));
       TORCH_CHECK(tag != kError, "ddpx ps: server ", k, " (rank ", k, ") refused worker ", w_, ": ",
                   text);
       heard = true;
@@ -350,7 +368,7 @@ class WorkerImpl {
       const auto t0 = Clock::now();
       bool all = true;
       for (int k = 0; k < s_.num_servers(); ++k) {
-        if (requests_[k] == MPI_REQUEST_NULL || test_reply(k)) continue;
+        if (!pending(k) || test_reply(k)) continue;
         all = false;
         if (take_notes(k)) heard[k] = t0;
         TORCH_CHECK(t0 - heard[k] <= timeout, "ddpx ps: server ", k, " (rank ", k,
@@ -367,6 +385,14 @@ class WorkerImpl {
 
   // Tests server k's pending reply; once it is in, notes its length.
   bool test_reply(int k) {
+    if (k == local_) {
+      auto reply = s_.state().local->take_reply();
+      if (!reply) return false;
+      buffers_[k] = std::move(*reply);  // the server's buffer, never written again
+      received_[k] = buffers_[k].numel();
+      local_pending_ = false;
+      return true;
+    }
     int done = 0;
     MPI_Status st;
     DDPX_MPI_CHECK(MPI_Test(&requests_[k], &done, &st));
@@ -448,6 +474,8 @@ class WorkerImpl {
   std::vector<int64_t> versions_;
   std::vector<std::vector<at::Tensor>> residuals_;  // [server][segment]
   std::unique_ptr<Heartbeat> heartbeat_;
+  int local_ = -1;  // colocated: this rank, whose shard is reached through the LocalLink
+  bool local_pending_ = false;
   static constexpr int64_t kResidualFormat = 1;
   int64_t seq_ = 0;
   int64_t start_step_ = 0;
@@ -460,7 +488,7 @@ class WorkerImpl {
 }  // namespace detail
 
 Worker::Worker(Session& session) {
-  TORCH_CHECK(!session.is_server(), "ddpx ps: rank ", session.rank(),
+  TORCH_CHECK(session.is_worker(), "ddpx ps: rank ", session.rank(),
               " is a server; workers are ranks ", session.num_servers(), " and up");
   impl_ = std::make_unique<detail::WorkerImpl>(session);
 }

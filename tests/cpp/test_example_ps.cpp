@@ -1,12 +1,15 @@
-// ps.h's example, as it stands there (examples/ps_train.inc), run under
-// mpirun in three ways of starting MPI, the first argument:
+// ps.h's examples, as they stand there (examples/ps_train.inc and
+// ps_colocated.inc), run under mpirun in four ways, the first argument:
 //   ddpx    the example's Session initialises MPI (and finalises it at exit)
 //   self    this program calls MPI_Init_thread(MPI_THREAD_MULTIPLE) first
 //           and MPI_Finalize at the end
 //   single  this program calls MPI_Init (MPI_THREAD_SINGLE): the Session
 //           must refuse with an error naming MPI_THREAD_MULTIPLE
-// With one worker (2 ranks) the trained parameters must equal local SGD on
-// the same data bit for bit on every rank; with more, the loss must fall.
+//   colocated  the colocated example (ddpx starts MPI), np 1, 2 and 3
+// With one worker (ps_train at 2 ranks), or colocated at 1 and 2 ranks
+// (sync: the mean of 2 equal gradients is the gradient), the trained
+// parameters must equal local SGD on the same data bit for bit on every
+// rank; otherwise the loss must fall.
 // Exits 0 on success, else 1 with "example-FAILED" and why.
 #include <ddpx/ps.h>
 #include <mpi.h>
@@ -16,6 +19,7 @@
 #include <cstring>
 #include <string>
 
+#include "examples/ps_colocated.inc"
 #include "examples/ps_train.inc"
 
 namespace {
@@ -65,7 +69,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   const double before = loss_of(model, x, y);
-  train(model, x, y, steps);
+  if (mode == "colocated") {
+    train_colocated(model, x, y, steps);
+  } else {
+    train(model, x, y, steps);
+  }
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   torch::optim::SGD opt(ref->parameters(), 0.1);
@@ -75,7 +83,7 @@ int main(int argc, char** argv) {
     opt.step();
   }
   const double after = loss_of(model, x, y);
-  if (size == 2) {
+  if (size == 2 || (mode == "colocated" && size == 1)) {
     for (size_t i = 0; i < ref->parameters().size(); ++i) {
       if (!at::equal(model->parameters()[i], ref->parameters()[i])) {
         return fail(rank, "parameter " + std::to_string(i) + " differs from local SGD");

@@ -32,125 +32,14 @@
 #include "plugin/ps/session_state.h"
 #include "plugin/ps/wire.h"
 #include "mpi_test_util.h"
+#include "ps_test_util.h"
 
 namespace ps = ddpx::ps;
 
 namespace {
 
 using ddpx::test::error_of;
-
-// MPI is started by ddpx (MpiEnv), as in any trainer.
-int world_size() { return ddpx::comm::detail::MpiEnv::get().world_size(); }
-
-// A two-layer net, [13, 5] + [13] + [3, 13] + [3] = 120 elements: with two
-// servers the cut at element 60 splits the first weight.
-std::vector<at::Tensor> make_params() {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(42);
-  std::vector<at::Tensor> p = {at::randn({13, 5}, g) * 0.4, at::randn({13}, g) * 0.1,
-                               at::randn({3, 13}, g) * 0.3, at::randn({3}, g) * 0.1};
-  for (auto& t : p) t.requires_grad_(true);
-  return p;
-}
-
-std::vector<at::Tensor> clone_params(const std::vector<at::Tensor>& p) {
-  std::vector<at::Tensor> out;
-  for (const auto& t : p) out.push_back(t.detach().clone().requires_grad_(true));
-  return out;
-}
-
-void copy_params(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src) {
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(src[i]);
-}
-
-// Worker w's gradient at its step s on `p` (left in p[i].grad()); returns the loss.
-double compute_grads(const std::vector<at::Tensor>& p, int w, int64_t s) {
-  for (const auto& t : p) t.mutable_grad() = at::Tensor();
-  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 * (w + 1) + s);
-  const at::Tensor x = at::randn({8, 5}, g);
-  const at::Tensor y = at::randn({8, 3}, g);
-  const at::Tensor h = at::tanh(at::addmm(p[1], x, p[0].t()));
-  const at::Tensor loss = (at::addmm(p[3], h, p[2].t()) - y).pow(2).mean();
-  loss.backward();
-  return loss.item<double>();
-}
-
-double lr_at(int64_t v) { return 0.05 * (1.0 - 0.01 * static_cast<double>(v % 50)); }
-
-std::unique_ptr<torch::optim::Optimizer> make_opt(const std::string& kind,
-                                                  std::vector<at::Tensor> params) {
-  if (kind == "adam") {
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
-  }
-  return std::make_unique<torch::optim::SGD>(
-      params, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(1e-4));
-}
-
-void set_lr(torch::optim::Optimizer& opt, double lr) {
-  for (auto& group : opt.param_groups()) group.options().set_lr(lr);
-}
-
-ps::Options options(int servers, const std::string& consistency, const std::string& opt = "sgd") {
-  ps::Options o;
-  o.servers = servers;
-  o.consistency = consistency;
-  o.make_optimizer = [opt](std::vector<at::Tensor> p) { return make_opt(opt, std::move(p)); };
-  o.lr_at = lr_at;
-  o.timeout_s = 60;
-  return o;
-}
-
-struct RunResult {
-  std::vector<at::Tensor> params;  // the servers' final values, on every rank
-  ps::ServerStats stats;           // merged over servers, on every rank
-  std::vector<at::Tensor> held;    // a worker's: its parameters after its last pull
-  ps::WorkerStats worker;          // a worker's
-};
-
-// A PS run: every worker goes on to step `steps`; `before_push` runs on a
-// worker before each push (delays), `after_push` after it, `on_start` after
-// its first pull; a server restores `state` when given.
-RunResult run_ps(ps::Options o, int64_t steps,
-                 const std::function<void(int w, int64_t s)>& before_push = {},
-                 const std::string& state = "",
-                 const std::function<void(ps::Worker&)>& after_push = {},
-                 const std::function<void(ps::Worker&)>& on_start = {}) {
-  std::vector<at::Tensor> params = make_params();
-  ps::Session session(params, std::move(o));
-  ps::ServerStats mine;
-  std::vector<at::Tensor> held;
-  ps::WorkerStats wstats;
-  if (session.is_server()) {
-    ps::Server server(session);
-    if (!state.empty()) server.restore(state);
-    mine = server.serve();
-  } else {
-    const int w = session.rank() - session.num_servers();
-    ps::Worker worker(session);
-    worker.pull();
-    if (on_start) on_start(worker);
-    for (int64_t s = worker.start_step(); s < steps; ++s) {
-      const double loss = compute_grads(params, w, s);
-      if (before_push) before_push(w, s);
-      worker.push(loss, 0, 8);
-      if (after_push) after_push(worker);
-      worker.pull();
-    }
-    worker.finish();
-    held = clone_params(params);
-    wstats = worker.stats();
-  }
-  session.share_final(params);
-  return {params, session.gather_stats(mine), held, wstats};
-}
-
-void expect_bitwise(const std::vector<at::Tensor>& got, const std::vector<at::Tensor>& want) {
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    EXPECT_TRUE(at::equal(got[i], want[i]))
-        << "parameter " << i << ": max |diff| " << (got[i] - want[i]).abs().max().item<double>();
-  }
-}
+using namespace ddpx::test::ps_util;
 
 class PsOptimizer : public ::testing::TestWithParam<std::string> {};
 

@@ -5,7 +5,10 @@
 //   a frozen worker (np 3, SIGSTOP): the server drops it and the other worker
 //     finishes its training, and the two share the final values without it
 //     (rank 0 then ends the job at exit with MPI_Abort, code 0); woken up
-//     after the server is done, the frozen one fails with the error too.
+//     after the server is done, the frozen one fails with the error too;
+//   a frozen rank under colocated servers (np 2, 3): its shard is gone with
+//     it, so every other rank's worker fails within the timeout plus a
+//     margin, naming that server; woken, the frozen one fails too.
 #include <ATen/ATen.h>
 #include <ddpx/ps.h>
 #include <gtest/gtest.h>
@@ -110,6 +113,50 @@ TEST(PsFaults, FrozenWorkerIsDroppedAndTrainingGoesOn) {
     EXPECT_TRUE(at::equal(sum, 2 * p[0].detach().to(at::kDouble)));
     // 43 gradients of 0.5 at lr 0.1 from 1.
     EXPECT_TRUE(at::allclose(p[0].detach(), at::full({7}, 1 - 43 * 0.05), 1e-5, 1e-5));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST(PsFaults, ColocatedFrozenRankFailsTheOthersNamingItsShard) {
+  const int size = ddpx::comm::detail::MpiEnv::get().world_size();
+  const int rank = ddpx::comm::detail::MpiEnv::get().world_rank();
+  if (size < 2) GTEST_SKIP() << "np 2, 3";
+  int pid = getpid();
+  std::vector<int> pids(size);
+  MPI_Allgather(&pid, 1, MPI_INT, pids.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  const int frozen = size - 1;
+  auto p = params();
+  auto o = options();
+  o.servers = ps::kColocated;
+  ps::Session session(p, o);
+  std::string err;
+  double took = 0;
+  {
+    ps::Server server(session);
+    server.start();
+    ps::Worker worker(session);
+    const auto t0 = Clock::now();
+    err = error_of([&] {
+      for (int64_t s = 0; s < 1000; ++s) {
+        worker.pull();
+        step(p);
+        if (rank == frozen && s == 3) raise(SIGSTOP);  // every thread of the rank
+        worker.push();
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      worker.finish();
+      server.join();
+    });
+    took = std::chrono::duration<double>(Clock::now() - t0).count();
+  }  // ~Server stops a server that is still serving
+  if (rank != frozen) {
+    const std::string want = "server " + std::to_string(frozen) + " (rank " +
+                             std::to_string(frozen) + ") sent nothing for 2 s";
+    EXPECT_NE(err.find(want), std::string::npos) << err;
+    EXPECT_LT(took, kTimeout + 2.0);
+    if (rank == 0) kill(pids[frozen], SIGCONT);
+  } else {
+    EXPECT_NE(err.find("sent nothing for 2 s"), std::string::npos) << err;
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }

@@ -28,6 +28,37 @@
 //   }
 // [end example]
 //
+// Colocated servers (Options::servers = kColocated): every rank trains and
+// serves 1/W of the parameters, so no rank carries every worker's traffic
+// (BytePS's "summation service" on each machine). The server runs on a
+// thread of its own beside the rank's worker. (tests/cpp/test_example_ps.cpp
+// runs this text too: with one rank, or with 2 ranks on the same data, it
+// equals local SGD bit for bit.)
+// [example ps_colocated]
+//   template <class Model>
+//   void train_colocated(Model& model, const at::Tensor& x, const at::Tensor& y, int steps) {
+//     ddpx::ps::Options opts;
+//     opts.servers = ddpx::ps::kColocated;  // every rank serves a shard and trains
+//     opts.consistency = "sync";            // each update: the mean of every rank's gradient
+//     opts.make_optimizer = [](std::vector<at::Tensor> shard) {
+//       return std::make_unique<torch::optim::SGD>(shard, torch::optim::SGDOptions(0.1));
+//     };
+//     ddpx::ps::Session ps(model->parameters(), opts);
+//     ddpx::ps::Server server(ps);
+//     server.start();  // serves this rank's shard on a thread of its own
+//     ddpx::ps::Worker w(ps);
+//     for (int step = 0; step < steps; ++step) {
+//       w.pull();
+//       auto loss = torch::mse_loss(model->forward(x), y);
+//       loss.backward();
+//       w.push(loss.item().toDouble());
+//     }
+//     w.finish();
+//     server.join();  // returns once every rank's worker has finished
+//     ps.share_final(model->parameters());
+//   }
+// [end example]
+//
 // MPI. The Session initialises MPI if nothing has (MPI_Init_thread at
 // MPI_THREAD_MULTIPLE: servers receive on a progress thread while their
 // main thread serves) and finalises it at process exit. A program that
@@ -45,13 +76,18 @@
 // different version.
 //
 // Roles. One MPI job of W ranks: ranks 0..K-1 are servers, K..W-1 workers
-// (N = W - K; worker w is rank K + w). The parameters (float32, contiguous)
+// (N = W - K; worker w is rank K + w). Colocated: K = N = W, rank r is
+// server r and worker r, and what a worker sends its own rank's shard (and
+// the reply) is handed over in memory, not through MPI. The parameters (float32, contiguous)
 // are laid end to end as one flat vector of T elements; server k owns the
 // elements [k*T/K, (k+1)*T/K) -- balanced by bytes, so a large tensor may be
 // split between servers. A server's shard is a list of segments (the pieces
 // of tensors it owns), each updated by the server's own optimizer.
 //
-// Protocol (on a private duplicate of MPI_COMM_WORLD; byte messages):
+// Protocol (on two private duplicates of MPI_COMM_WORLD, one for what
+// workers send servers and one for what servers send workers, so that a
+// colocated server's any-source receive never takes its own worker's reply;
+// byte messages):
 //   0. Session construction (collective, once): every rank checks that all
 //      ranks hold the same parameter list (count, shapes, dtypes) and options
 //      (servers, consistency, codec, pull mode, deterministic); a difference
@@ -134,6 +170,12 @@
 //      on it. A killed worker thus costs the others nothing -- if mpirun lets
 //      them live: Open MPI 4's mpirun ends the job when a rank dies unless
 //      given --mca orte_enable_recovery 1 (and then exits 0 whatever happened).
+//   Colocated: every rank is a server, so the servers' agreement is every
+//   rank's, and no FINAL is sent. A rank that is lost takes its shard with
+//   it: the others' next pull names that server ("server k (rank k) sent
+//   nothing ...") within the timeout, and the job ends there; with
+//   checkpoints, start it again from them (ddpx-train --resume), at the same
+//   world size (each shard's checkpoint is its own).
 //   Checkpoints: a server hands its state (shard, optimizer state, version,
 //   counters, and each worker's next seq) to Options::on_checkpoint; restored,
 //   its first REPLY to each worker carries that worker's next seq, from which
@@ -170,8 +212,11 @@ enum class PullMode {
   Inconsistent,
 };
 
+// Options::servers: every rank trains and serves a shard (see Roles).
+constexpr int kColocated = -1;
+
 struct Options {
-  int servers = 1;
+  int servers = 1;  // K dedicated server ranks (the first K), or kColocated
   std::string consistency = "async";
   std::string codec = "none";  // pushes: none | fp16 | bf16 | int8[:c] | topk:<r>
   // Pulls: "none" sends the shard's float32 values; a codec sends the
@@ -253,14 +298,18 @@ class WorkerImpl;
 
 class Session {
  public:
-  // Collective over MPI_COMM_WORLD (ranks >= 2). params: the model's trainable
-  // parameters, the same list on every rank (float32, contiguous).
+  // Collective over MPI_COMM_WORLD (ranks >= 2; colocated, >= 1). params:
+  // the model's trainable parameters, the same list on every rank (float32,
+  // contiguous).
   Session(std::vector<at::Tensor> params, Options opts);
   ~Session();
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
 
   bool is_server() const;
+  bool is_worker() const;  // colocated: both, on every rank
+  bool colocated() const;
+  int worker_index() const;  // this rank's worker number w, or -1 (a dedicated server)
   int rank() const;
   int num_servers() const;
   int num_workers() const;
@@ -306,10 +355,20 @@ class Session {
 class Server {
  public:
   explicit Server(Session& session);
+  // A server still serving on its thread (start(), then an error before
+  // join()) is stopped: its workers then name it when they time out.
   ~Server();
   // Runs until every worker said BYE or was dropped. on_update (optional) is
-  // called on this thread after every optimizer step.
+  // called on this thread after every optimizer step. Dedicated servers only
+  // (colocated, this rank's own worker needs the calling thread).
   ServerStats serve(const std::function<void(const ServerStats&)>& on_update = {});
+  // Colocated: serve() on a thread of its own (on_update is called there),
+  // so that this rank's Worker, made after start(), trains on the caller's.
+  // join(), after Worker::finish(), waits for it to end and returns what
+  // serve() would have; a failure of that thread is rethrown here (and is
+  // an error of this rank's worker as soon as it waits for its shard).
+  void start(const std::function<void(const ServerStats&)>& on_update = {});
+  ServerStats join();
   // Before serve(): continue from a state on_checkpoint produced (this
   // server's, same model and worker count; otherwise a c10::Error). Returns
   // the restored counters.
