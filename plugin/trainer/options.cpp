@@ -31,7 +31,7 @@ Options parse_options(int argc, char** argv) {
   auto* run = app.add_option_group("schedule");
   run->add_option("--mode", o.mode,
                   "sync: synchronous data parallel; ps: parameter server (the first --servers "
-                  "ranks serve, the others work)")
+                  "ranks serve, the others work; --servers colocated: every rank does both)")
       ->check(CLI::IsMember({"sync", "ps"}))
       ->capture_default_str();
   run->add_option("--epochs", o.epochs, "epochs over the training set")
@@ -140,8 +140,18 @@ Options parse_options(int argc, char** argv) {
       ->capture_default_str();
 
   auto* ps = app.add_option_group("parameter server (--mode ps)");
-  ps->add_option("--servers", o.servers, "server ranks K (the first K); the others are workers")
-      ->check(CLI::PositiveNumber)
+  ps->add_option("--servers", o.servers,
+                 "K: server ranks (the first K), the others are workers; colocated: every rank "
+                 "trains and serves 1/world of the parameters")
+      ->transform(CLI::Transformer(std::map<std::string, int>{{"colocated", kServersColocated}}))
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            char* end = nullptr;
+            const long k = std::strtol(v.c_str(), &end, 10);
+            const bool ok = end && *end == '\0' && (k >= 1 || k == kServersColocated);
+            return ok ? "" : "must be a number of server ranks >= 1 or 'colocated'";
+          },
+          "K|colocated"))
       ->capture_default_str();
   ps->add_option("--consistency", o.consistency,
                  "async | ssp:<S> (a worker at most S steps ahead of the slowest) | sync[:<n>] (n gradients per "

@@ -5,6 +5,9 @@
 
 namespace ddpx::trainer {
 
+// --servers colocated: every rank trains and serves a shard (ps::kColocated).
+constexpr int kServersColocated = -1;
+
 struct Options {
   // What to train on.
   std::string model;          // scripted model (.pt), e.g. build/torchscript_models/lenet.pt
@@ -44,7 +47,7 @@ struct Options {
   double timeout_s = 0;  // 0: DDPX_TIMEOUT_S, else torch's default
 
   // Parameter server (--mode ps; --codec compresses the pushes).
-  int servers = 1;                     // the first K ranks serve
+  int servers = 1;                     // the first K ranks serve, or kServersColocated
   std::string consistency = "async";   // async | ssp:<S> | sync[:<n>]
   std::string ps_pull = "after-push";  // after-push | prefetch | inconsistent
   std::string ps_pull_codec = "none";  // pulls as encoded deltas (ps::Options::pull_codec)

@@ -1,6 +1,7 @@
 // ddpx-train --mode ps: the first --servers ranks serve (ddpx::ps::Server),
-// the others train on their shard of the data and push gradients. Progress
-// lines and metrics come from rank 0, a server, out of what the pushes report
+// the others train on their shard of the data and push gradients; with
+// --servers colocated every rank does both, its server on a thread of its
+// own. Progress lines and metrics come from rank 0's server, out of what the pushes report
 // (loss, correct, samples), so no collective slows the workers; the final
 // test accuracy is scored by every rank on the servers' parameters.
 #include <ddpx/comm.h>
@@ -141,6 +142,8 @@ std::string run_ps(const Options& o) {
   // (async, ssp) or per round (sync), so total_updates is known only once
   // the session knows the worker count.
   int64_t total_updates = 1;
+  static_assert(kServersColocated == ps::kColocated);
+  const bool colocated = o.servers == kServersColocated;
   ps::Options po;
   po.servers = o.servers;
   po.consistency = o.consistency;
@@ -161,7 +164,7 @@ std::string run_ps(const Options& o) {
   Options server_o = o;
   const bool async_like =
       ps::Consistency::parse(o.consistency).kind != ps::Consistency::Kind::Sync;
-  const int n_workers = std::max(1, world - o.servers);
+  const int n_workers = colocated ? world : std::max(1, world - o.servers);
   if (async_like && o.ps_async_momentum == "auto" && o.optimizer == "sgd") {
     server_o.momentum = std::max(0.0, o.momentum - (1.0 - 1.0 / n_workers));
   }
@@ -176,7 +179,7 @@ std::string run_ps(const Options& o) {
   if (!my_checkpoint.empty()) {
     const bool sync_mode =
         ps::Consistency::parse(o.consistency).kind == ps::Consistency::Kind::Sync;
-    po.checkpoint_every = o.checkpoint_every * (sync_mode ? 1 : std::max(1, world - o.servers));
+    po.checkpoint_every = o.checkpoint_every * (sync_mode ? 1 : n_workers);
     po.on_checkpoint = [&my_checkpoint](const std::string& bytes) {
       write_durably(my_checkpoint, bytes);
     };
@@ -213,7 +216,9 @@ std::string run_ps(const Options& o) {
   }
   if (lead && !o.quiet) {
     std::cout << "[ddpx-train] " << o.model << ": " << params.size() << " parameter tensors, "
-              << o.servers << " server(s) + " << workers << " worker(s), consistency "
+              << (colocated ? "colocated servers on every rank, "
+                            : std::to_string(o.servers) + " server(s) + ")
+              << workers << " worker(s), consistency "
               << session.consistency().str() << ", " << total << " steps of " << o.batch_size
               << " samples per worker, push codec " << o.codec
               << ", pull codec " << o.ps_pull_codec << std::endl;
@@ -229,61 +234,69 @@ std::string run_ps(const Options& o) {
   double last_loss = 0, last_acc = 0;  // of the last progress window, as --mode sync reports
   ps::ServerStats mine;
   ps::WorkerStats wstats;
+  // Rank 0's server reports progress after each update (colocated: on its
+  // server's thread, which alone touches what it captures until join()).
+  auto t_window = t_start;
+  ps::ServerStats prev;
+  auto on_update = [&](const ps::ServerStats& st) {
+    if (!lead) return;
+    const int64_t every = o.log_every * per_step;
+    if (st.updates % every != 0 && st.updates != total_updates) return;
+    const auto now = Clock::now();
+    const double dt = std::chrono::duration<double>(now - t_window).count();
+    const double elapsed = std::chrono::duration<double>(now - t_start).count();
+    const double n = std::max(1.0, st.samples - prev.samples);
+    const double loss = last_loss = (st.loss_sum - prev.loss_sum) / n;
+    const double acc = last_acc = (st.correct - prev.correct) / n;
+    const double rate = (st.samples - prev.samples) / std::max(dt, 1e-9);
+    const int64_t step = st.updates / per_step;
+    if (!o.quiet) {
+      char line[256];
+      std::snprintf(
+          line, sizeof line,
+          "[ddpx-train] step %lld/%lld  loss %.4f  acc %5.1f%%  %.0f samples/s  "
+          "staleness mean %.2f max %lld  ETA %s",
+          (long long)step, (long long)total, loss, 100 * acc, rate, st.staleness.mean(),
+          (long long)st.staleness.max(),
+          eta(elapsed / double(std::max<int64_t>(1, step)) * double(total - step)).c_str());
+      std::cout << line << std::endl;
+    }
+    if (metrics.is_open()) {
+      metrics << nlohmann::json{{"step", step},
+                                {"version", st.version},
+                                {"loss", loss},
+                                {"accuracy", acc},
+                                {"samples_per_s", rate},
+                                {"lr", lr_at(st.version - 1, total_updates, o)},
+                                {"elapsed_s", elapsed},
+                                {"applied", st.applied},
+                                {"dropped", st.dropped},
+                                {"bytes_received", st.bytes_received},
+                                {"staleness", staleness_json(st.staleness)}}
+                     .dump()
+              << std::endl;
+    }
+    prev = st;
+    t_window = now;
+  };
+  std::unique_ptr<ps::Server> server;  // stopped by its destructor if the worker fails
   if (session.is_server()) {
-    auto t_window = t_start;
-    ps::ServerStats prev;
-    auto on_update = [&](const ps::ServerStats& st) {
-      if (!lead) return;
-      const int64_t every = o.log_every * per_step;
-      if (st.updates % every != 0 && st.updates != total_updates) return;
-      const auto now = Clock::now();
-      const double dt = std::chrono::duration<double>(now - t_window).count();
-      const double elapsed = std::chrono::duration<double>(now - t_start).count();
-      const double n = std::max(1.0, st.samples - prev.samples);
-      const double loss = last_loss = (st.loss_sum - prev.loss_sum) / n;
-      const double acc = last_acc = (st.correct - prev.correct) / n;
-      const double rate = (st.samples - prev.samples) / std::max(dt, 1e-9);
-      const int64_t step = st.updates / per_step;
-      if (!o.quiet) {
-        char line[256];
-        std::snprintf(
-            line, sizeof line,
-            "[ddpx-train] step %lld/%lld  loss %.4f  acc %5.1f%%  %.0f samples/s  "
-            "staleness mean %.2f max %lld  ETA %s",
-            (long long)step, (long long)total, loss, 100 * acc, rate, st.staleness.mean(),
-            (long long)st.staleness.max(),
-            eta(elapsed / double(std::max<int64_t>(1, step)) * double(total - step)).c_str());
-        std::cout << line << std::endl;
-      }
-      if (metrics.is_open()) {
-        metrics << nlohmann::json{{"step", step},
-                                  {"version", st.version},
-                                  {"loss", loss},
-                                  {"accuracy", acc},
-                                  {"samples_per_s", rate},
-                                  {"lr", lr_at(st.version - 1, total_updates, o)},
-                                  {"elapsed_s", elapsed},
-                                  {"applied", st.applied},
-                                  {"dropped", st.dropped},
-                                  {"bytes_received", st.bytes_received},
-                                  {"staleness", staleness_json(st.staleness)}}
-                       .dump()
-                << std::endl;
-      }
-      prev = st;
-      t_window = now;
-    };
-    ps::Server server(session);
+    server = std::make_unique<ps::Server>(session);
     if (!restored.empty()) {
-      prev = server.restore(restored);  // progress windows go on from there
+      prev = server->restore(restored);  // progress windows go on from there
       if (lead && !o.quiet) {
         std::cout << "[ddpx-train] resumed the servers from " << o.checkpoint << ".server<k>"
                   << std::endl;
       }
     }
-    mine = server.serve(on_update);
-  } else {
-    const int w = session.rank() - session.num_servers();
+    if (colocated) {
+      server->start(on_update);
+    } else {
+      mine = server->serve(on_update);
+    }
+  }
+  if (session.is_worker()) {
+    const int w = session.worker_index();
     ps::Worker worker(session);
     at::Tensor idx;
     int64_t epoch = -1;
@@ -311,6 +324,7 @@ std::string run_ps(const Options& o) {
     }
     worker.finish();
     wstats = worker.stats();
+    if (colocated) mine = server->join();
   }
   session.share_final(params);
   const ps::ServerStats st = session.gather_stats(mine);
@@ -342,8 +356,8 @@ std::string run_ps(const Options& o) {
                   "[ddpx-train] parameter server: %lld updates, %lld gradients applied, %lld "
                   "dropped, %lld worker(s) lost; pushes %.0f B each (x%.3f of float32), "
                   "pulls x%.3f; workers waited %.1f ms per step for parameters",
-                  (long long)st.version, (long long)(st.applied / o.servers),
-                  (long long)(st.dropped / o.servers), (long long)session.lost_ranks().size(),
+                  (long long)st.version, (long long)(st.applied / session.num_servers()),
+                  (long long)(st.dropped / session.num_servers()), (long long)session.lost_ranks().size(),
                   pushes > 0 ? w[1].item<double>() / pushes : 0.0, compression, pull_ratio,
                   pushes > 0 ? w[3].item<double>() / pushes / 1000 : 0.0);
     std::cout << line << std::endl;
@@ -362,8 +376,8 @@ std::string run_ps(const Options& o) {
                           {"test_accuracy", test_acc},
                           {"elapsed_s", elapsed},
                           {"updates", st.version},
-                          {"applied", st.applied / o.servers},
-                          {"dropped", st.dropped / o.servers},
+                          {"applied", st.applied / session.num_servers()},
+                          {"dropped", st.dropped / session.num_servers()},
                           {"workers_lost", session.lost_ranks().size()},
                           {"bytes_sent_per_step", pushes > 0 ? w[1].item<double>() / pushes : 0},
                           {"compression", compression},

@@ -23,15 +23,12 @@ Stated targets (CPU, generated data):
 - MLP, sync, stopped and resumed from the server's checkpoint:
   the same logged losses and test accuracy, exactly.
 """
-import os
 import re
 import signal
-import time
 
 import pytest
 
-from trainer_util import (ddpx_run_cmd, env, kill_group, model, mpirun_cmd, rank_pid,
-                          read_metrics, run, start, wait_for)
+from trainer_util import mpirun_cmd, model, read_metrics, run, signal_rank_mid_run
 
 
 @pytest.fixture(scope="module")
@@ -173,41 +170,6 @@ def test_bad_input_is_an_error_naming_it(data_cache, args, np, message):
                        "--steps", 2, *args), timeout=120)
     assert r.returncode != 0
     assert message in r.stderr, r.stderr
-
-
-def signal_rank_mid_run(tmp_path, data_cache, steps, rank, sig):
-    """Starts MLP async on 1 server + 2 workers (DDPX_TIMEOUT_S 5), sends
-    `sig` to `rank` once step 20 is logged, and waits for the job: (output,
-    returncode, seconds from the signal, the metrics file, the status line).
-    kill -9 runs under ddpx-run (mpirun in recovery mode, the exit code from
-    the status file), SIGSTOP under plain mpirun with --status-file."""
-    marker = str(tmp_path / "marker")  # the metrics file; also finds this run's ranks
-    status_file = tmp_path / "status"
-    args = ["--mode", "ps", "--model", model("mlp"), "--data-cache", data_cache, "--steps", steps,
-            "--batch-size", 16, "--log-every", 20, "--metrics", marker]
-    if sig == signal.SIGKILL:
-        cmd = ddpx_run_cmd(3, *args, status_file=status_file)
-    else:
-        cmd = mpirun_cmd(3, *args, "--status-file", status_file)
-    p = start(cmd, env=env(DDPX_TIMEOUT_S=5))
-    lines = []
-
-    def progressing():
-        line = p.stdout.readline()
-        lines.append(line)
-        return "step 20/" in line or (line == "" and p.poll() is not None and "exited")
-    try:
-        wait_for(progressing, 120, "training to start")
-        assert p.poll() is None, "".join(lines)
-        pid = wait_for(lambda: rank_pid(marker, rank, "OMPI_COMM_WORLD_RANK"), 30, f"rank {rank}'s pid")
-        t0 = time.monotonic()
-        os.kill(pid, sig)
-        out, _ = p.communicate(timeout=120)
-        elapsed = time.monotonic() - t0
-    finally:
-        kill_group(p)
-    status = status_file.read_text().strip() if status_file.exists() else "(none)"
-    return "".join(lines) + out, p.returncode, elapsed, marker, status
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["sigstop", "kill-9"])

@@ -110,3 +110,40 @@ def checkpoint_tensors(path):
     import torch
     m = torch.jit.load(str(path))
     return dict(zip(m.model_names, m.model_tensors)), m.position.tolist()
+
+
+def signal_rank_mid_run(tmp_path, data_cache, steps, rank, sig, np=3, extra=()):
+    """Starts MLP --mode ps (async; 1 server + 2 workers unless `extra` says
+    otherwise) on `np` ranks with DDPX_TIMEOUT_S 5, sends `sig` to `rank`
+    once step 20 is logged, and waits for the job: (output, returncode,
+    seconds from the signal, the metrics file, the status line). kill -9
+    runs under ddpx-run (mpirun in recovery mode, the exit code from the
+    status file), SIGSTOP under plain mpirun with --status-file."""
+    marker = str(tmp_path / "marker")  # the metrics file; also finds this run's ranks
+    status_file = tmp_path / "status"
+    args = ["--mode", "ps", "--model", model("mlp"), "--data-cache", data_cache, "--steps", steps,
+            "--batch-size", 16, "--log-every", 20, "--metrics", marker, *extra]
+    if sig == signal.SIGKILL:
+        cmd = ddpx_run_cmd(np, *args, status_file=status_file)
+    else:
+        cmd = mpirun_cmd(np, *args, "--status-file", status_file)
+    p = start(cmd, env=env(DDPX_TIMEOUT_S=5))
+    lines = []
+
+    def progressing():
+        line = p.stdout.readline()
+        lines.append(line)
+        return "step 20/" in line or (line == "" and p.poll() is not None and "exited")
+    try:
+        wait_for(progressing, 120, "training to start")
+        assert p.poll() is None, "".join(lines)
+        pid = wait_for(lambda: rank_pid(marker, rank, "OMPI_COMM_WORLD_RANK"), 30,
+                       f"rank {rank}'s pid")
+        t0 = time.monotonic()
+        os.kill(pid, sig)
+        out, _ = p.communicate(timeout=120)
+        elapsed = time.monotonic() - t0
+    finally:
+        kill_group(p)
+    status = status_file.read_text().strip() if status_file.exists() else "(none)"
+    return "".join(lines) + out, p.returncode, elapsed, marker, status
