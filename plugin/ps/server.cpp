@@ -115,8 +115,15 @@ class ServerImpl {
   void run(const std::function<void(const ServerStats&)>& on_update) {
     const auto timeout = std::chrono::duration<double>(s_.timeout_s());
     auto last_beat = Clock::now();
+    size_t sending = 0;  // replies MPI has not finished
     while (!stop_) {
-      if (auto m = inbox_.pop(std::chrono::microseconds(20000))) handle(*m);
+      // Open MPI moves a large reply (rendezvous: several round trips) only
+      // inside MPI calls. While one is in flight, come back within 50 us to
+      // drive it: waiting for the next message instead left each reply to
+      // the Inbox thread's paced probes, and a worker's wait for its
+      // parameters grew by a few of its naps per reply.
+      const auto wait = std::chrono::microseconds(sending ? 50 : 20000);
+      if (auto m = inbox_.pop(wait)) handle(*m);
       while (auto d = gate_.next(stats_.version)) apply(*d, on_update);
       const auto now = Clock::now();
       drop_silent(now, timeout);
@@ -130,7 +137,7 @@ class ServerImpl {
         }
         last_beat = now;
       }
-      out_.progress();
+      sending = out_.progress();
       if (gate_.live_count() == 0) break;
     }
     inbox_.stop();

@@ -181,6 +181,16 @@ def _fmt(v):
     return str(v)
 
 
+def rate_bytes(rate):
+    """tc's rate text ("1gbit", "100mbit", "10gbit") in bytes per second."""
+    import re
+
+    m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", rate.lower())
+    if not m:
+        raise ValueError(f"not a tc rate in bits: {rate!r}")
+    return float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m[2]] / 8
+
+
 def link_text(rate="1gbit"):
     return f"emulated {rate} link (netns loopback, tc tbf rate {rate} burst 256kb latency 50ms)"
 
