@@ -8,7 +8,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 namespace ddpx::trainer {
@@ -81,6 +83,23 @@ void injected_failure(int64_t step, int rank) {
   std::cerr << "[ddpx-train] DDPX_TRAIN_FAIL_AT=" << spec << ": rank " << rank
             << " exits after step " << step << std::endl;
   std::_Exit(1);
+}
+
+void log_samples(int64_t step, int rank, int world, const at::Tensor& rows) {
+  static const char* base = std::getenv("DDPX_TRAIN_SAMPLE_LOG");
+  if (base == nullptr) return;
+  static std::ofstream out(std::string(base) + "." + std::to_string(elastic_restart()) + "." +
+                           std::to_string(rank));
+  TORCH_CHECK(out, "ddpx-train: cannot write DDPX_TRAIN_SAMPLE_LOG ", base);
+  const at::Tensor ids = rows.to(at::kLong).contiguous();
+  const int64_t* p = ids.data_ptr<int64_t>();
+  out << nlohmann::json{{"restart", elastic_restart()},
+                        {"step", step},
+                        {"rank", rank},
+                        {"world", world},
+                        {"samples", std::vector<int64_t>(p, p + ids.numel())}}
+             .dump()
+      << std::endl;
 }
 
 std::string eta(double seconds) {

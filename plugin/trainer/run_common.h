@@ -37,6 +37,13 @@ int elastic_restart();
 // that a restarted job runs through): a worker failing mid-run, on cue.
 void injected_failure(int64_t step, int rank);
 
+// A test hook: with DDPX_TRAIN_SAMPLE_LOG=PATH each rank appends one JSON
+// line per step to PATH.<restart>.<rank>: {"restart", "step", "rank",
+// "world", "samples": the training set's indices it trained on}, flushed at
+// once (a killed rank keeps what it wrote). Tests account for every sample
+// of an epoch across restarts and world sizes with it.
+void log_samples(int64_t step, int rank, int world, const at::Tensor& rows);
+
 // --straggler: sleeps the step's delay when `rank` is the slowed one.
 void straggle(const Options& o, int rank);
 

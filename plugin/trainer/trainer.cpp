@@ -235,6 +235,7 @@ std::string run(const Options& o) {
       idx_epoch = pos.epoch;
     }
     const at::Tensor rows = idx.narrow(0, pos.batch * batch, batch);
+    log_samples(pos.step, rank, world, rows);
     const at::Tensor x = data.train.inputs.index_select(0, rows).to(device);
     const at::Tensor y = data.train.targets.index_select(0, rows).to(device);
     set_lr(*opt, lr_at(pos.step, total, o));  // (GradSync takes it when backward begins)

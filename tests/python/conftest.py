@@ -1,5 +1,7 @@
 """Shared pytest set-up: every test loads the plugin the way a user does."""
 import os
+import random
+import subprocess
 
 import pytest
 import torch
@@ -37,3 +39,35 @@ def pytest_runtest_makereport(item, call):
     if REQUIRE_GPU and report.skipped:
         report.outcome = "failed"
         report.longrepr = f"skipped under DDPX_REQUIRE_GPU=1: {report.longrepr}"
+
+
+# Two hosts for the multi-node tests (test_trainer_hosts, test_trainer_elastic_hosts):
+def sh(*cmd, check=True):
+    return subprocess.run(cmd, capture_output=True, text=True, check=check)
+
+
+@pytest.fixture
+def two_hosts():
+    tag = f"{os.getpid() % 100000}"
+    ns = [f"ddpxh{tag}a", f"ddpxh{tag}b"]
+    veth = [f"dvx{tag}a", f"dvx{tag}b"]
+    net = f"10.{random.randint(64, 250)}.{random.randint(1, 250)}"
+    addrs = [f"{net}.1", f"{net}.2"]
+    try:
+        for n in ns:
+            sh("ip", "netns", "add", n)
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        for n in ns:
+            sh("ip", "netns", "del", n, check=False)
+        pytest.skip(f"cannot create network namespaces here: {getattr(e, 'stderr', e)}")
+    try:
+        sh("ip", "link", "add", veth[0], "netns", ns[0], "type", "veth", "peer", "name", veth[1],
+           "netns", ns[1])
+        for n, v, a in zip(ns, veth, addrs):
+            sh("ip", "-n", n, "link", "set", "lo", "up")
+            sh("ip", "-n", n, "addr", "add", f"{a}/24", "dev", v)
+            sh("ip", "-n", n, "link", "set", v, "up")
+        yield ns, veth, addrs
+    finally:
+        for n in ns:
+            sh("ip", "netns", "del", n, check=False)

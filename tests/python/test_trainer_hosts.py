@@ -1,47 +1,13 @@
 """Two ranks as two hosts: two network namespaces joined by a veth pair, with
-addresses the test picks, launched by torchrun's multi-node form. Nothing may
-assume one host: not shared memory, not 127.0.0.1. Skipped with a message
-where namespaces cannot be made (needs root / CAP_NET_ADMIN)."""
-import os
+addresses the test picks (conftest.py's two_hosts), launched by torchrun's
+multi-node form. Nothing may assume one host: not shared memory, not
+127.0.0.1. Skipped with a message where namespaces cannot be made (needs
+root / CAP_NET_ADMIN)."""
 import random
-import subprocess
-
-import pytest
 
 from trainer_util import env, model, read_metrics, start, kill_group, TRAIN
 
 import sys
-
-
-def sh(*cmd, check=True):
-    return subprocess.run(cmd, capture_output=True, text=True, check=check)
-
-
-@pytest.fixture
-def two_hosts():
-    tag = f"{os.getpid() % 100000}"
-    ns = [f"ddpxh{tag}a", f"ddpxh{tag}b"]
-    veth = [f"dvx{tag}a", f"dvx{tag}b"]
-    net = f"10.{random.randint(64, 250)}.{random.randint(1, 250)}"
-    addrs = [f"{net}.1", f"{net}.2"]
-    try:
-        for n in ns:
-            sh("ip", "netns", "add", n)
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        for n in ns:
-            sh("ip", "netns", "del", n, check=False)
-        pytest.skip(f"cannot create network namespaces here: {getattr(e, 'stderr', e)}")
-    try:
-        sh("ip", "link", "add", veth[0], "netns", ns[0], "type", "veth", "peer", "name", veth[1],
-           "netns", ns[1])
-        for n, v, a in zip(ns, veth, addrs):
-            sh("ip", "-n", n, "link", "set", "lo", "up")
-            sh("ip", "-n", n, "addr", "add", f"{a}/24", "dev", v)
-            sh("ip", "-n", n, "link", "set", v, "up")
-        yield ns, veth, addrs
-    finally:
-        for n in ns:
-            sh("ip", "netns", "del", n, check=False)
 
 
 def test_two_hosts_over_veth(tmp_path, two_hosts):
