@@ -272,7 +272,8 @@ def trainer_env():
 def ddpx_train(np_, model, steps, extra, prefix=(), log_every=10, batch=32):
     """Runs ddpx-train on np_ ranks (MPI over TCP loopback, so a ShapedLink
     shapes it; `prefix` runs it inside one) on build/torchscript_models/<model>.pt;
-    returns (the progress records, the end record) of its --metrics."""
+    returns (the progress records, the end record) of its --metrics. batch
+    None: no --batch-size (extra says --global-batch)."""
     import subprocess
     import tempfile
 
@@ -281,7 +282,7 @@ def ddpx_train(np_, model, steps, extra, prefix=(), log_every=10, batch=32):
         metrics = Path(tmp) / "m.jsonl"
         cmd = list(prefix) + mpirun_tcp_loopback(np_) + ["--bind-to", "none"] + [
             str(build / "ddpx-train"), "--model", str(build / "torchscript_models" / f"{model}.pt"),
-            "--steps", str(steps), "--batch-size", str(batch), "--threads", "1",
+            "--steps", str(steps), *(["--batch-size", str(batch)] if batch else []), "--threads", "1",
             "--log-every", str(log_every), "--quiet", "--metrics", str(metrics),
             *map(str, extra)]
         r = subprocess.run(cmd, capture_output=True, text=True, env=trainer_env())

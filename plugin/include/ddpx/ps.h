@@ -274,7 +274,7 @@ struct ServerStats {
   int64_t applied = 0;         // gradients applied
   int64_t dropped = 0;         // gradients dropped (sync: late)
   int64_t updates = 0;         // optimizer steps
-  int64_t bytes_received = 0;  // push payload + headers
+  int64_t bytes_received = 0;  // push payload + headers (colocated: the rank's own too)
   int64_t bytes_raw = 0;       // float32-equivalent of the pushed gradients
   int64_t workers_lost = 0;
   double loss_sum = 0, correct = 0, samples = 0;  // as the workers reported
