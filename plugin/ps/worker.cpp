@@ -11,9 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
-#include <mutex>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -22,6 +20,7 @@
 #include "plugin/comm/codec_message.h"
 #include "plugin/comm/mpi_env.h"
 #include "plugin/comm/wait_pacer.h"
+#include "plugin/ps/heartbeat.h"
 #include "plugin/ps/layout.h"
 #include "plugin/ps/session_state.h"
 #include "plugin/ps/transport.h"
@@ -32,53 +31,6 @@ namespace detail {
 
 using comm::detail::WaitPacer;
 using Clock = std::chrono::steady_clock;
-
-// Sends a HEARTBEAT to every server but this rank's own (colocated) each
-// timeout/4 until stopped.
-class Heartbeat {
- public:
-  Heartbeat(MPI_Comm comm, int worker, int servers, int skip, double timeout_s)
-      : comm_(comm), worker_(worker), servers_(servers), skip_(skip), period_(timeout_s / 4) {
-    thread_ = std::thread([this] { loop(); });
-  }
-  ~Heartbeat() { stop(); }
-  void stop() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_one();
-    if (thread_.joinable()) thread_.join();
-  }
-
- private:
-  void loop() {
-    Outbox out(comm_);
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!cv_.wait_for(lock, period_, [&] { return stop_; })) {
-      try {
-        for (int k = 0; k < servers_; ++k) {
-          if (k != skip_) out.send(pack_note(kHeartbeat, worker_, 0), k, kHeartbeat);
-        }
-        out.progress();
-      } catch (const std::exception&) {
-        return;  // the main thread meets the same failure and reports it
-      }
-    }
-    // A dead server never takes its heartbeats: give up on them quickly.
-    if (!out.drain(std::chrono::seconds(1))) {
-      comm::detail::MpiEnv::get().mark_broken("ddpx ps: heartbeats to a server never completed");
-    }
-  }
-
-  MPI_Comm comm_;
-  int worker_, servers_, skip_;
-  std::chrono::duration<double> period_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;
-  std::thread thread_;
-};
 
 class WorkerImpl {
  public:
