@@ -11,9 +11,12 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "plugin/comm/mpi_env.h"
@@ -95,10 +98,11 @@ struct RunResult {
 // worker before each push (delays), `after_push` after it, `on_start` after
 // its first pull; a server restores `state` when given.
 inline RunResult run_ps(ps::Options o, int64_t steps,
-                 const std::function<void(int w, int64_t s)>& before_push = {},
-                 const std::string& state = "",
-                 const std::function<void(ps::Worker&)>& after_push = {},
-                 const std::function<void(ps::Worker&)>& on_start = {}) {
+                        const std::function<void(int w, int64_t s)>& before_push = {},
+                        const std::string& state = "",
+                        const std::function<void(ps::Worker&)>& after_push = {},
+                        const std::function<void(ps::Worker&)>& on_start = {},
+                        const std::function<void(ps::Worker&, int w, int64_t s)>& at_step = {}) {
   std::vector<at::Tensor> params = make_params();
   ps::Session session(params, std::move(o));
   ps::ServerStats mine;
@@ -119,6 +123,7 @@ inline RunResult run_ps(ps::Options o, int64_t steps,
     worker.pull();
     if (on_start) on_start(worker);
     for (int64_t s = worker.start_step(); s < steps; ++s) {
+      if (at_step) at_step(worker, w, s);
       const double loss = compute_grads(params, w, s);
       if (before_push) before_push(w, s);
       worker.push(loss, 0, 8);
@@ -175,6 +180,32 @@ inline std::vector<at::Tensor> sequential_round_robin(int workers, int64_t steps
     }
   }
   return global;
+}
+
+// ssp:S for S = 0, 1 and N - 1, worker 0 up to 4 ms slower per step than
+// the others: a worker is given the parameters for its step s only once
+// every live worker has pushed at least s - S times, so (server 0's shard)
+// the version it gets is at least s + (N - 1)(s - S); and no applied
+// gradient is more than (2N - 1) S + N - 1 versions stale; with S = N - 1
+// none more than S. servers: K, or ps::kColocated.
+inline void expect_ssp_bounds(int servers, int workers, int64_t steps = 30) {
+  const int k = servers == ps::kColocated ? world_size() : servers;
+  for (int64_t S : {int64_t{0}, int64_t{1}, int64_t{workers - 1}}) {
+    SCOPED_TRACE(::testing::Message() << "ssp:" << S);
+    std::mt19937 rng(7 + world_size() + ddpx::comm::detail::MpiEnv::get().world_rank());
+    const auto got = run_ps(
+        options(servers, "ssp:" + std::to_string(S)), steps,
+        [&](int w, int64_t) {
+          if (w == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 4000));
+        },
+        "", {}, {},
+        [&](ps::Worker& worker, int w, int64_t s) {
+          EXPECT_GE(worker.version(), s + (workers - 1) * (s - S)) << "worker " << w << ", step " << s;
+        });
+    EXPECT_EQ(got.stats.applied, k * workers * steps);  // every push reaches every server
+    EXPECT_LE(got.stats.staleness.max(), (2 * workers - 1) * S + workers - 1);
+    if (S >= workers - 1) EXPECT_LE(got.stats.staleness.max(), S);  // pushes held too
+  }
 }
 
 }  // namespace ddpx::test::ps_util

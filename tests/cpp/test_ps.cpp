@@ -113,41 +113,6 @@ TEST(Ps, InconsistentReadsNeverIncludeTheWorkersLastPush) {
   }
 }
 
-// Round robin: worker w's push s is computed on the parameters right after
-// its own push s - 1, and applied after every push (s, w' < w).
-// staleness_lr: the rate is divided by tau = version - base when tau > 1.
-// delay_comp: DC-ASGD, g + lambda * (g * g * w_now - g * g * w_base).
-std::vector<at::Tensor> sequential_round_robin(int workers, int64_t steps,
-                                               bool staleness_lr = false, double delay_comp = 0) {
-  auto global = make_params();
-  auto opt = make_opt("sgd", global);
-  std::vector<std::vector<at::Tensor>> seen(workers);
-  for (auto& v : seen) v = clone_params(global);
-  std::vector<int64_t> base(workers, 0);
-  auto scratch = clone_params(global);
-  int64_t version = 0;
-  for (int64_t s = 0; s < steps; ++s) {
-    for (int w = 0; w < workers; ++w) {
-      copy_params(scratch, seen[w]);
-      compute_grads(scratch, w, s);
-      for (size_t i = 0; i < global.size(); ++i) {
-        const at::Tensor g = scratch[i].grad();
-        global[i].mutable_grad() =
-            delay_comp > 0
-                ? g + (g * g * global[i].detach() - g * g * seen[w][i].detach()) * delay_comp
-                : g;
-      }
-      const int64_t tau = version - base[w];
-      const double scale = staleness_lr && tau > 1 ? 1.0 / static_cast<double>(tau) : 1.0;
-      set_lr(*opt, lr_at(version++) * scale);
-      opt->step();
-      copy_params(seen[w], global);
-      base[w] = version;
-    }
-  }
-  return global;
-}
-
 // np 3: 1 server, 2 workers; np 4: 2 servers (a split tensor), 2 workers.
 // Random delays scramble the arrival order; the result must not change.
 // And with delay compensation (DC-ASGD): bitwise the sequential application
@@ -255,44 +220,11 @@ TEST(Ps, SyncQuorumDropsLatePushes) {
   EXPECT_EQ(got.stats.staleness.max(), 0);
 }
 
-// ssp:S, worker 0 up to 4 ms slower per step than the others, S = 0 and 1
-// (below N - 1 with 3 workers): a worker is given the parameters for its
-// step s only once every live worker has pushed at least s - S times, so
-// (one server) the version it gets is at least s + (N - 1)(s - S); and no
-// applied gradient is more than (2N - 1) S + N - 1 versions stale; with
-// S = N - 1 none more than S.
+// ssp:S with one server and 2 or 3 workers (expect_ssp_bounds).
 TEST(Ps, SspHoldsEachWorkerWithinSStepsOfTheSlowest) {
   const int n = world_size();
   if (n < 3) GTEST_SKIP() << "needs two workers";
-  const int workers = n - 1;
-  const int64_t steps = 30;
-  for (int64_t S : {int64_t{0}, int64_t{1}, int64_t{workers - 1}}) {
-    SCOPED_TRACE(::testing::Message() << "ssp:" << S);
-    std::vector<at::Tensor> params = make_params();
-    ps::Session session(params, options(1, "ssp:" + std::to_string(S)));
-    ps::ServerStats mine;
-    if (session.is_server()) {
-      mine = ps::Server(session).serve();
-    } else {
-      const int w = session.rank() - 1;
-      std::mt19937 rng(7 + n + w);
-      ps::Worker worker(session);
-      worker.pull();
-      for (int64_t s = 0; s < steps; ++s) {
-        EXPECT_GE(worker.version(), s + (workers - 1) * (s - S)) << "worker " << w << ", step " << s;
-        compute_grads(params, w, s);
-        if (w == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 4000));
-        worker.push(0, 0, 8);
-        worker.pull();
-      }
-      worker.finish();
-    }
-    session.share_final(params);
-    const auto stats = session.gather_stats(mine);
-    EXPECT_EQ(stats.applied, workers * steps);
-    EXPECT_LE(stats.staleness.max(), (2 * workers - 1) * S + workers - 1);
-    if (S >= workers - 1) EXPECT_LE(stats.staleness.max(), S);  // pushes held too
-  }
+  expect_ssp_bounds(1, n - 1);
 }
 
 // N workers of equal speed (a 2 ms step each): each gradient is applied after

@@ -145,41 +145,11 @@ TEST(PsColocated, DeterministicEqualsSequentialApplication) {
   }
 }
 
-// ssp:S with worker 0 up to 4 ms slower per step: a worker gets the
-// parameters for step s only once every worker pushed s - S times, and no
-// applied gradient is more than (2N - 1) S + N - 1 versions stale (S = N - 1:
-// none more than S).
+// ssp:S, every rank a worker (expect_ssp_bounds).
 TEST(PsColocated, SspHoldsEachWorkerWithinSStepsOfTheSlowest) {
   const int n = world_size();
   if (n < 2) GTEST_SKIP() << "needs two workers";
-  const int64_t steps = 30;
-  for (int64_t S : {int64_t{0}, int64_t{1}, int64_t{n - 1}}) {
-    SCOPED_TRACE(::testing::Message() << "ssp:" << S);
-    std::vector<at::Tensor> params = make_params();
-    ps::Session session(params, colocated("ssp:" + std::to_string(S)));
-    ps::Server server(session);
-    server.start();
-    const int w = my_rank();
-    std::mt19937 rng(7 + n + w);
-    {
-      ps::Worker worker(session);
-      worker.pull();
-      for (int64_t s = 0; s < steps; ++s) {
-        EXPECT_GE(worker.version(), s + (n - 1) * (s - S)) << "worker " << w << ", step " << s;
-        compute_grads(params, w, s);
-        if (w == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng() % 4000));
-        worker.push(0, 0, 8);
-        worker.pull();
-      }
-      worker.finish();
-    }
-    const auto mine = server.join();
-    session.share_final(params);
-    const auto stats = session.gather_stats(mine);
-    EXPECT_EQ(stats.applied, n * n * steps);
-    EXPECT_LE(stats.staleness.max(), (2 * n - 1) * S + n - 1);
-    if (S >= n - 1) EXPECT_LE(stats.staleness.max(), S);
-  }
+  expect_ssp_bounds(ps::kColocated, n);
 }
 
 // Every push codec under sync, the first weight split between shards.
