@@ -11,6 +11,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
+#include <cctype>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -180,6 +181,15 @@ inline std::vector<at::Tensor> sequential_round_robin(int workers, int64_t steps
     }
   }
   return global;
+}
+
+// A codec spec as a GoogleTest parameter name ("int8:16" -> "int8_16").
+inline std::string codec_test_name(const ::testing::TestParamInfo<std::string>& info) {
+  std::string s = info.param;
+  for (char& c : s) {
+    if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+  }
+  return s;
 }
 
 // ssp:S for S = 0, 1 and N - 1, worker 0 up to 4 ms slower per step than

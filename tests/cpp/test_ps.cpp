@@ -21,7 +21,6 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/sgd.h>
 
-#include <cctype>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -345,12 +344,7 @@ TEST_P(PsCodec, TwoServersSplitTensor) {
 }
 INSTANTIATE_TEST_SUITE_P(Ps, PsCodec,
                          ::testing::Values("none", "fp16", "bf16", "int8:16", "topk:0.3"),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           for (char& c : s)
-                             if (!isalnum(c)) c = '_';
-                           return s;
-                         });
+                         codec_test_name);
 
 // Pulls through a codec, one worker, every other rank a server (np 3, 4:
 // tensors split, one delta message per shard): the worker computes on what
@@ -408,12 +402,7 @@ TEST_P(PsPullCodec, OneWorkerEqualsLocalTrainingOnTheDecodedCopy) {
   EXPECT_EQ(got.worker.pull_bytes_raw, (steps + 1) * 4 * 120);
 }
 INSTANTIATE_TEST_SUITE_P(Ps, PsPullCodec, ::testing::Values("fp16", "bf16", "int8:16", "topk:0.3"),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           for (char& c : s)
-                             if (!isalnum(c)) c = '_';
-                           return s;
-                         });
+                         codec_test_name);
 
 TEST(PsErrors, BadOptionsNameTheArgument) {
   const int n = world_size();

@@ -16,7 +16,6 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
-#include <cctype>
 #include <map>
 #include <random>
 #include <thread>
@@ -165,12 +164,7 @@ TEST_P(ColocatedCodec, SyncEqualsDataParallelOnTheDecodedGradients) {
 }
 INSTANTIATE_TEST_SUITE_P(Ps, ColocatedCodec,
                          ::testing::Values("none", "fp16", "bf16", "int8:16", "topk:0.3"),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           for (char& c : s)
-                             if (!isalnum(c)) c = '_';
-                           return s;
-                         });
+                         codec_test_name);
 
 // Pulls through a codec, one rank: local training on the copy the deltas
 // build (test_ps.cpp's PsPullCodec, in memory).

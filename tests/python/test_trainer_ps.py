@@ -28,7 +28,8 @@ import signal
 
 import pytest
 
-from trainer_util import mpirun_cmd, model, read_metrics, run, signal_rank_mid_run
+from trainer_util import (mpirun_cmd, model, ps_stop_and_resume, read_metrics, run,
+                          signal_rank_mid_run)
 
 
 @pytest.fixture(scope="module")
@@ -134,27 +135,13 @@ def test_resume_equals_uninterrupted(tmp_path, data_cache):
     servers too, and that without the residuals int8 would not)."""
     common = ["--mode", "ps", "--consistency", "sync", "--model", model("mlp"), "--codec", "int8",
               "--data-cache", data_cache, "--batch-size", 16, "--log-every", 4]
-    ref = tmp_path / "ref.jsonl"
-    r = run(mpirun_cmd(3, *common, "--steps", 20, "--metrics", ref))
-    assert r.returncode == 0, r.stdout + r.stderr
-    ckpt, m = tmp_path / "run.ckpt", tmp_path / "m.jsonl"
-    r = run(mpirun_cmd(3, *common, "--steps", 12, "--checkpoint", ckpt, "--checkpoint-every", 4,
-                       "--metrics", m))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert (tmp_path / "run.ckpt.server0").exists()
-    r = run(mpirun_cmd(3, *common, "--steps", 12, "--checkpoint", ckpt, "--metrics", m))
-    assert r.returncode != 0 and "already exists; pass --resume" in r.stderr, r.stderr
-    r = run(mpirun_cmd(3, *common, "--steps", 20, "--checkpoint", ckpt, "--resume",
-                       "--metrics", m))
-    assert r.returncode == 0, r.stdout + r.stderr
+
+    def fresh_run_refuses(ckpt, m):
+        r = run(mpirun_cmd(3, *common, "--steps", 12, "--checkpoint", ckpt, "--metrics", m))
+        assert r.returncode != 0 and "already exists; pass --resume" in r.stderr, r.stderr
+    r, end = ps_stop_and_resume(tmp_path, 3, common, fresh_run_refuses)
     assert "resumed the servers" in r.stdout
-    for w in (0, 1):
-        assert f"worker {w} restored its codec residuals of step 12" in r.stdout, r.stdout
-    want, got = read_metrics(ref), read_metrics(m)
-    assert [x["loss"] for x in got if "event" not in x] == \
-        [x["loss"] for x in want if "event" not in x]
-    assert got[-1]["test_accuracy"] == want[-1]["test_accuracy"]
-    assert got[-1]["updates"] == 20
+    assert end["updates"] == 20
 
 
 @pytest.mark.parametrize("args,np,message", [

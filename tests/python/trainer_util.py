@@ -147,3 +147,30 @@ def signal_rank_mid_run(tmp_path, data_cache, steps, rank, sig, np=3, extra=()):
         kill_group(p)
     status = status_file.read_text().strip() if status_file.exists() else "(none)"
     return "".join(lines) + out, p.returncode, elapsed, marker, status
+
+
+def ps_stop_and_resume(tmp_path, np_, common, between=None):
+    """--mode ps, sync, int8 pushes (in `common`): 20 steps straight; then 12
+    steps with checkpoints every 4, `between(ckpt, metrics)` (more checks on
+    the saved state), and a --resume to 20. Asserts that the resume restored
+    each worker's codec residuals and ended with the straight run's logged
+    losses and test accuracy; returns (the resume's result, its end record)."""
+    ref, ckpt, m = tmp_path / "ref.jsonl", tmp_path / "run.ckpt", tmp_path / "m.jsonl"
+    r = run(mpirun_cmd(np_, *common, "--steps", 20, "--metrics", ref))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run(mpirun_cmd(np_, *common, "--steps", 12, "--checkpoint", ckpt, "--checkpoint-every", 4,
+                       "--metrics", m))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "run.ckpt.server0").exists()
+    if between:
+        between(ckpt, m)
+    r = run(mpirun_cmd(np_, *common, "--steps", 20, "--checkpoint", ckpt, "--resume",
+                       "--metrics", m))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for w in (0, 1):
+        assert f"worker {w} restored its codec residuals of step 12" in r.stdout, r.stdout
+    want, got = read_metrics(ref), read_metrics(m)
+    assert [x["loss"] for x in got if "event" not in x] == \
+        [x["loss"] for x in want if "event" not in x]
+    assert got[-1]["test_accuracy"] == want[-1]["test_accuracy"]
+    return r, got[-1]
