@@ -100,6 +100,9 @@ if [ "$rehearse" = 0 ] && [ "${DDPX_CHECK_DEPS:-1}" = 1 ]; then
 fi
 # No ssh there: Open MPI's launcher must not look for it (one host only).
 export OMPI_MCA_plm_rsh_agent=/bin/false OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# A gVisor machine (KINDS.md: the H200s) has no cross-memory attach; the
+# shared-memory transport then copies through its buffers instead.
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
 
 # --- configure + build ----------------------------------------------------------------
 configure() {
@@ -131,13 +134,38 @@ build_targets() {
 bail() { python3 "$here/scripts/device/summarize.py" "$out" "$steps"; exit 1; }
 # DDPX_CHECK_GROUPS: which groups run (a rerun on the warm machine names the
 # ones the first call did not reach; the build is still there).
-groups=",${DDPX_CHECK_GROUPS:-build,tests,bench,sanitize,ddp},"
+groups=",${DDPX_CHECK_GROUPS:-build,tests,bench,sanitize,ddp,pip},"
 want() { [[ "$groups" == *",$1,"* ]]; }
 if want build; then
   [ -f "$build/build.ninja" ] || step configure 30 120 configure || bail
   step build 60 420 build_targets || bail
 fi
 export DDPX_LIB=$build/libddpx.so DDPX_REQUIRE_GPU=1 DDPX_BUILD=$build
+
+# --- the pip package's CUDA build: the wheel built there (scikit-build-core is
+# in the image) on the CPU cores while the GPU tests run, installed outside
+# the checkout, then its ops on CUDA tensors (the `pip` group) ----------------------------
+pip_build() {
+  local nvcc; nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  rm -rf /tmp/ddpx-wheel /tmp/ddpx-pkg
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) nice python3 -m pip wheel -q --no-build-isolation \
+    --no-deps -w /tmp/ddpx-wheel -Cbuild-dir=/tmp/ddpx-pip-build -Ccmake.define.DDPX_WITH_CUDA=ON \
+    -Ccmake.define.DDPX_CUDA_ARCH_LIST=9.0 -Ccmake.define.CMAKE_CUDA_COMPILER="$nvcc" "$here" &&
+    ls -l /tmp/ddpx-wheel &&
+    python3 -m pip install -q --no-index --no-deps --target /tmp/ddpx-pkg /tmp/ddpx-wheel/*.whl
+}
+pip_check() {
+  local t0=$SECONDS
+  while [ ! -f /tmp/ddpx-pip.rc ]; do sleep 2; done
+  echo "(waited $((SECONDS - t0)) s for the wheel)"; tail -20 /tmp/ddpx-pip.log
+  [ "$(cat /tmp/ddpx-pip.rc)" = 0 ] || return 1
+  (cd /tmp && env -u DDPX_LIB PYTHONPATH="/tmp/ddpx-pkg:${PYTHONPATH:-}" \
+     python3 "$here/scripts/device/pip_cuda_check.py")
+}
+rm -f /tmp/ddpx-pip.rc
+if want pip && [ "$has_gpu" = 1 ]; then
+  (pip_build >/tmp/ddpx-pip.log 2>&1; echo $? >/tmp/ddpx-pip.rc) &
+fi
 
 # --- correctness: the tests labelled gpu, four at a time (the trainer's, the
 # longest, among them) ---------------------------------------------------------------------
@@ -148,6 +176,9 @@ fi
 if want bench; then
   gpu_step "bench conv2d --device cuda" 30 150 python3 "$here/scripts/bench/conv2d" --device cuda
   gpu_step "bench gru --cuda" 30 120 python3 "$here/scripts/bench/gru" --cuda
+fi
+if want pip; then
+  gpu_step "pip wheel (CUDA) + import" 20 200 pip_check
 fi
 # --- compute-sanitizer over the op kernels' tests (the cases marked `sanitizer`:
 # under the sanitizer every launch is instrumented) -------------------------------------------
