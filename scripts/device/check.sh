@@ -104,6 +104,14 @@ export OMPI_MCA_plm_rsh_agent=/bin/false OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN
 # shared-memory transport then copies through its buffers instead.
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 
+# The image's CC/CXX (/opt/gcc, a newer GCC over the system's libstdc++)
+# link parts of libstdc++ statically: libddpx.so then held its own copies of
+# std::call_once's thread-locals, and torch's call_once ran our copy with a
+# null callable (SIGSEGV in every CUDA test on the H200, 2026-11-28). Build
+# with the system compiler, whose libstdc++ is the one torch loads.
+if [ -x /usr/bin/g++ ]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+fi
 # --- configure + build ----------------------------------------------------------------
 configure() {
   local prefix; prefix=$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')

@@ -39,8 +39,8 @@ torch.testing.assert_close(h_gpu.cpu(), h_cpu, rtol=1e-9, atol=1e-9)
 print("fused_gru: CUDA equals the CPU (double)")
 
 v = torch.randn(1000, generator=g)
-packed_cpu = ops._int8_pack(v, 64)
-packed_gpu = ops._int8_pack(v.cuda(), 64)
+packed_cpu = torch.ops.ddpx._int8_pack(v, 64)
+packed_gpu = torch.ops.ddpx._int8_pack(v.cuda(), 64)
 assert torch.equal(packed_gpu.cpu().view(torch.uint8), packed_cpu.view(torch.uint8)), "int8 pack"
 print("int8 codec: CUDA pack equals the CPU bit for bit")
 
