@@ -89,6 +89,17 @@ std::string MpiEnv::broken_why() const {
   return broken_why_;
 }
 
+void MpiEnv::recover() {
+  std::lock_guard<std::mutex> lock(mu_);
+  broken_why_.clear();
+  ++epoch_;
+}
+
+uint64_t MpiEnv::epoch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return epoch_;
+}
+
 void MpiEnv::end_job_at_exit(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (end_why_.empty()) end_why_ = why;

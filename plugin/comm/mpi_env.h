@@ -32,6 +32,12 @@ class MpiEnv {
   bool broken() const;
   // Why (the first failure's message), "" while not broken.
   std::string broken_why() const;
+  // Shrink (comm::shrink_group): ranks were lost and the survivors agreed
+  // on a new group. The failure stops counting against new calls, and every
+  // call posted before (on the old communicators, waiting on the lost ranks)
+  // is abandoned: await_request throws once the epoch has moved on.
+  void recover();
+  uint64_t epoch() const;
   // The job finished, but some of its ranks never will (a frozen worker the
   // parameter server dropped): end them with MPI_Abort(code 0) at exit
   // instead of MPI_Finalize, whose fence would wait for them. Call it on one
@@ -52,6 +58,7 @@ class MpiEnv {
   bool we_initialised_ = false;
   mutable std::mutex mu_;
   std::string broken_why_;
+  uint64_t epoch_ = 0;
   std::string end_why_;
   std::vector<std::function<bool()>> shutdown_;
 };

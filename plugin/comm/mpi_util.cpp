@@ -25,6 +25,7 @@ void HostView::write_back() const {
 void await_request(MPI_Request& request) {
   using Clock = WaitPacer::Clock;
   WaitPacer pacer(Clock::now());
+  const uint64_t epoch = MpiEnv::get().epoch();
   for (;;) {
     const auto t0 = Clock::now();
     int done = 0;
@@ -35,6 +36,12 @@ void await_request(MPI_Request& request) {
     // The first failure's message rides along: the watchdog may have timed
     // out another Work than the one the user waits on, and this error may be
     // the only one the user sees (naming the rank that stopped answering).
+    if (MpiEnv::get().epoch() != epoch) {
+      // Posted before a shrink, on a communicator with lost ranks: it will
+      // never complete, and MPI goes on without it.
+      C10_THROW_ERROR(DistBackendError,
+                      "ddpx_mpi: abandoning a collective of a group that lost ranks (shrunk)");
+    }
     if (MpiEnv::get().broken()) {
       C10_THROW_ERROR(DistBackendError,
                       "ddpx_mpi: abandoning a collective: an earlier call timed out or failed: " +

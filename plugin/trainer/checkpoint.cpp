@@ -29,9 +29,11 @@ at::Tensor int64_tensor(const std::vector<int64_t>& v) {
   return at::tensor(c10::ArrayRef<int64_t>(v), at::kLong);
 }
 
-void broadcast(c10d::ProcessGroup& pg, at::Tensor t) {
+void broadcast(c10d::ProcessGroup& pg, at::Tensor t, int root = 0) {
   std::vector<at::Tensor> v{std::move(t)};
-  pg.broadcast(v)->wait();
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  pg.broadcast(v, o)->wait();
 }
 
 // Reads archive `ar` into the run's objects; throws naming what does not fit.
@@ -224,6 +226,11 @@ void save_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjec
     pg.gather(out, in, go)->wait();
   }
   if (pg.getRank() != 0) return;
+  write_durably(path, serialize(t, pos, s, residuals));
+}
+
+std::string serialize(TrainObjects& t, const Position& pos, const GradSync::State& s,
+                      const at::Tensor& residuals) {
   torch::serialize::OutputArchive ar;
   ar.write("format", c10::IValue(kFormat));
   c10::List<std::string> names;
@@ -268,7 +275,21 @@ void save_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjec
     bytes.append(static_cast<const char*>(data), n);
     return n;
   });
-  write_durably(path, bytes);
+  return bytes;
+}
+
+void share_state(c10d::ProcessGroup& pg, int root, TrainObjects& t, Position& pos) {
+  std::string bytes;
+  if (pg.getRank() == root) bytes = serialize(t, pos, t.sync.state(), at::Tensor());
+  at::Tensor size = at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong);
+  broadcast(pg, size, root);
+  at::Tensor buf = at::empty({size.item<int64_t>()}, at::kByte);
+  if (pg.getRank() == root) std::memcpy(buf.data_ptr(), bytes.data(), bytes.size());
+  broadcast(pg, buf, root);
+  if (pg.getRank() == root) return;
+  restore_checkpoint(reinterpret_cast<const char*>(buf.data_ptr()),
+                     static_cast<size_t>(buf.numel()),
+                     "the state rank " + std::to_string(root) + " shared", t, pos);
 }
 
 bool load_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjects& t,

@@ -51,6 +51,17 @@ struct TrainObjects {
 void save_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjects& t,
                      const Position& pos);
 
+// The checkpoint's bytes of this rank's objects: `s` is t.sync's state and
+// `residuals` every rank's codec residuals, one row each (undefined: none).
+std::string serialize(TrainObjects& t, const Position& pos, const GradSync::State& s,
+                      const at::Tensor& residuals);
+
+// Collective: rank `root` of `pg` hands everyone its model, optimizer state,
+// GradSync's learnt state, data position and RNG, as a checkpoint would,
+// without a file (the survivors of a shrink take the most advanced one's).
+// Codec residuals stay each rank's own.
+void share_state(c10d::ProcessGroup& pg, int root, TrainObjects& t, Position& pos);
+
 // Writes `bytes` to a temporary file beside `path`, fsyncs it, renames it
 // over `path` and fsyncs the directory: a crash leaves the old file or the
 // new one, never a part. (Also the parameter server's checkpoints.)

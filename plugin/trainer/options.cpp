@@ -40,8 +40,8 @@ Options parse_options(int argc, char** argv) {
   run->add_option("--steps", o.steps, "stop after this many steps (overrides --epochs)")
       ->check(CLI::NonNegativeNumber);
   auto* per_rank_batch = run->add_option("--batch-size", o.batch_size, "samples per rank per step")
-                            ->check(CLI::PositiveNumber)
-                            ->capture_default_str();
+                             ->check(CLI::PositiveNumber)
+                             ->capture_default_str();
   run->add_option("--global-batch", o.global_batch,
                   "samples per step over all ranks instead (divisible by the world size): the "
                   "same global batches, in the same order, at any world size")
@@ -102,8 +102,7 @@ Options parse_options(int argc, char** argv) {
                    "optimizer); 0: exact")
       ->check(CLI::Range(0, 1))
       ->capture_default_str();
-  sync->add_option("--stale-warmup", o.stale_warmup,
-                   "with --staleness 1: synchronous steps first")
+  sync->add_option("--stale-warmup", o.stale_warmup, "with --staleness 1: synchronous steps first")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   sync->add_option("--stale-lookahead", o.stale_lookahead,
@@ -117,6 +116,17 @@ Options parse_options(int argc, char** argv) {
   sync->add_option("--timeout-s", o.timeout_s,
                    "collective timeout (default: DDPX_TIMEOUT_S, else 30 min)")
       ->check(CLI::NonNegativeNumber);
+  sync->add_option("--on-rank-loss", o.on_rank_loss,
+                   "when a rank dies or freezes (found by the timeout): abort the job, or shrink: "
+                   "the survivors agree on who is left, redo the step at the smaller size and go "
+                   "on (mpirun with --mca orte_enable_recovery 1, as ddpx-run runs it; needs "
+                   "--global-batch and --overlap none)")
+      ->check(CLI::IsMember({"abort", "shrink"}))
+      ->capture_default_str();
+  sync->add_option("--min-ranks", o.min_ranks,
+                   "with --on-rank-loss shrink: fewer ranks left than this end the job")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
 
   auto* drop = app.add_option_group("layer dropping (models with blocks, e.g. transformer.pt)");
   drop->add_option("--layer-drop", o.layer_drop,
@@ -154,7 +164,8 @@ Options parse_options(int argc, char** argv) {
           "K|colocated"))
       ->capture_default_str();
   ps->add_option("--consistency", o.consistency,
-                 "async | ssp:<S> (a worker at most S steps ahead of the slowest) | sync[:<n>] (n gradients per "
+                 "async | ssp:<S> (a worker at most S steps ahead of the slowest) | sync[:<n>] (n "
+                 "gradients per "
                  "update, default all workers)")
       ->capture_default_str();
   ps->add_option("--ps-pull", o.ps_pull,
@@ -206,9 +217,10 @@ Options parse_options(int argc, char** argv) {
 
   auto* bench = app.add_option_group("benchmarking");
   std::string straggler;
-  bench->add_option("--straggler", straggler,
-                    "RANK:MS: rank RANK sleeps MS milliseconds in every step, before backward "
-                    "(an emulated slow worker, as scripts/bench/ps injects)")
+  bench
+      ->add_option("--straggler", straggler,
+                   "RANK:MS: rank RANK sleeps MS milliseconds in every step, before backward "
+                   "(an emulated slow worker, as scripts/bench/ps injects)")
       ->check([](const std::string& v) -> std::string {
         int rank = -1;
         double ms = -1;
@@ -237,7 +249,8 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.device != "cpu" && o.mode == "ps") {
     std::exit(app.exit(CLI::ValidationError(
-        "--device", "the parameter server (--mode ps) trains on the CPU only; drop --device cuda")));
+        "--device",
+        "the parameter server (--mode ps) trains on the CPU only; drop --device cuda")));
   }
   if (o.resume && o.checkpoint.empty()) {
     std::exit(app.exit(CLI::ValidationError("--resume", "needs --checkpoint PATH")));

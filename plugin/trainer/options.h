@@ -30,7 +30,7 @@ struct Options {
   std::string lr_schedule = "constant";  // constant | cosine | step
   int64_t warmup_steps = 0;
   uint64_t seed = 1;
-  int threads = 0;  // intra-op threads; 0: cores / local ranks
+  int threads = 0;             // intra-op threads; 0: cores / local ranks
   std::string device = "cpu";  // cpu | cuda (each rank its local GPU)
   std::string amp = "off";     // off | bf16 (CUDA autocast around forward and loss)
 
@@ -44,16 +44,20 @@ struct Options {
   int staleness = 0;             // 1: each update one step late (implies --overlap optimizer)
   int stale_warmup = 10;         // synchronous steps before the stale ones
   bool stale_lookahead = true;   // the next forward one local step ahead
-  double timeout_s = 0;  // 0: DDPX_TIMEOUT_S, else torch's default
+  double timeout_s = 0;          // 0: DDPX_TIMEOUT_S, else torch's default
+  // A lost rank (mpirun): abort the job, or shrink (the survivors agree and
+  // go on in place; needs --global-batch and mpirun's recovery mode).
+  std::string on_rank_loss = "abort";
+  int min_ranks = 1;  // shrink: fewer survivors than this end the job
 
   // Parameter server (--mode ps; --codec compresses the pushes).
-  int servers = 1;                     // the first K ranks serve, or kServersColocated
-  std::string consistency = "async";   // async | ssp:<S> | sync[:<n>]
-  std::string ps_pull = "after-push";  // after-push | prefetch | inconsistent
-  std::string ps_pull_codec = "none";  // pulls as encoded deltas (ps::Options::pull_codec)
-  bool ps_deterministic = false;       // async: fixed application order
-  bool ps_staleness_lr = false;        // lr / staleness for stale gradients
-  double ps_delay_comp = 0;            // DC-ASGD's lambda (ps::Options::delay_comp); 0: off
+  int servers = 1;                         // the first K ranks serve, or kServersColocated
+  std::string consistency = "async";       // async | ssp:<S> | sync[:<n>]
+  std::string ps_pull = "after-push";      // after-push | prefetch | inconsistent
+  std::string ps_pull_codec = "none";      // pulls as encoded deltas (ps::Options::pull_codec)
+  bool ps_deterministic = false;           // async: fixed application order
+  bool ps_staleness_lr = false;            // lr / staleness for stale gradients
+  double ps_delay_comp = 0;                // DC-ASGD's lambda (ps::Options::delay_comp); 0: off
   std::string ps_async_momentum = "auto";  // auto | as-given (see trainer_ps.cpp)
 
   // Layer dropping (layer_drop.h): models with a block_scale attribute.

@@ -13,7 +13,10 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <numeric>
+#include <optional>
 #include <thread>
 
 #include "plugin/trainer/checkpoint.h"
@@ -21,6 +24,7 @@
 #include "plugin/trainer/model.h"
 #include "plugin/trainer/optim.h"
 #include "plugin/trainer/run_common.h"
+#include "plugin/trainer/shrink.h"
 
 namespace ddpx::trainer {
 namespace {
@@ -106,8 +110,9 @@ std::string run(const Options& o) {
   // The GPU first: NCCL binds each rank to the current device.
   const at::Device device = select_device(o);
   auto pg = comm::init_from_env(timeout);
-  const int rank = pg->getRank(), world = pg->getSize();
-  const bool lead = rank == 0;
+  int rank = pg->getRank(), world = pg->getSize();
+  bool lead = rank == 0;
+  check_shrink_options(o, world);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   at::set_num_threads(o.threads > 0 ? o.threads : std::max(1, cores / local_ranks()));
   torch::manual_seed(o.seed);
@@ -131,7 +136,7 @@ std::string run(const Options& o) {
   // Samples per rank per step. (shard_indices deals the epoch's permutation
   // round-robin, so a step's global batch is the same at any world size.)
   const bool global = o.global_batch > 0;
-  const int64_t batch = global ? o.global_batch / world : o.batch_size;
+  int64_t batch = global ? o.global_batch / world : o.batch_size;
   const int64_t steps_per_epoch = per_rank / batch;
   TORCH_CHECK(steps_per_epoch > 0, "ddpx-train: ", global ? "--global-batch " : "--batch-size ",
               global ? o.global_batch : o.batch_size, " takes ", batch * world,
@@ -171,11 +176,16 @@ std::string run(const Options& o) {
     mo.name = "channel" + std::to_string(c);
     so.channels.push_back(comm::make(backend, mo));
   }
-  GradSync sync(model, pg, so);  // (next-forward: gates the model's reads of its parameters)
-  if (stepped_by_sync) sync.set_optimizer(*opt);
+  // (next-forward: gates the model's reads of its parameters)
+  auto sync = std::make_unique<GradSync>(model, pg, so);
+  if (stepped_by_sync) sync->set_optimizer(*opt);
 
-  TrainObjects objs{model,  *opt,          o.optimizer,   sync,         drop.describe(),
-                    device, pg->getRank(), pg->getSize(), batch * world};
+  std::optional<TrainObjects> objs;
+  const auto make_objs = [&] {
+    objs.emplace(TrainObjects{model, *opt, o.optimizer, *sync, drop.describe(), device, rank, world,
+                              batch * world});
+  };
+  make_objs();
   Position pos;
   // Restarted by torchrun (elastic): the checkpoint is where to go on from,
   // at whatever world size the restart has, with no --resume to add.
@@ -186,7 +196,7 @@ std::string run(const Options& o) {
         std::cout << "[ddpx-train] torchrun restart " << restart << " with " << world
                   << " rank(s): resuming from " << o.checkpoint << std::endl;
       }
-      const bool resumed = load_checkpoint(o.checkpoint, *pg, objs, pos);
+      const bool resumed = load_checkpoint(o.checkpoint, *pg, *objs, pos);
       if (lead) {
         std::cout << (resumed ? "[ddpx-train] resumed from " : "[ddpx-train] no checkpoint at ")
                   << o.checkpoint
@@ -225,7 +235,8 @@ std::string run(const Options& o) {
   double w_kept = 0, w_steps = 0, last_kept = 1;
   at::Tensor idx;
   int64_t idx_epoch = -1;
-  while (pos.step < total) {
+  // One step (a lambda: --on-rank-loss shrink redoes a failed one).
+  const auto train_step = [&] {
     if (pos.batch >= steps_per_epoch) {
       ++pos.epoch;
       pos.batch = 0;
@@ -247,7 +258,7 @@ std::string run(const Options& o) {
       for (int b = 0; b < depth; ++b) {
         if (scales[b] == 0) dropped.push_back(units[b]);
       }
-      if (!drop.per_rank) sync.declare_unused(dropped);
+      if (!drop.per_rank) sync->declare_unused(dropped);
       w_kept += 1.0 - static_cast<double>(dropped.size()) / depth;
     }
     w_steps += 1;
@@ -258,10 +269,10 @@ std::string run(const Options& o) {
       loss = torch::nn::functional::cross_entropy(logits, y);
     }
     straggle(o, rank);
-    if (so.unused_ == Unused::Exact) sync.prepare_for_backward({loss});
+    if (so.unused_ == Unused::Exact) sync->prepare_for_backward({loss});
     loss.backward();
     if (!stepped_by_sync) {
-      auto in_trace = sync.phase("optimizer_step");
+      auto in_trace = sync->phase("optimizer_step");
       opt->step();
     }
     ++pos.step;
@@ -275,7 +286,7 @@ std::string run(const Options& o) {
     // pg, and a checkpoint must hold the updated parameters and state (stale:
     // the pending update lands here, a step early).
     const bool save_now = o.checkpoint_every > 0 && pos.step % o.checkpoint_every == 0;
-    if (log_now || save_now || pos.step == total) sync.synchronize();
+    if (log_now || save_now || pos.step == total) sync->synchronize();
     if (log_now) {
       auto w = allreduce_sum(*pg, at::cat({w_stats.cpu(), at::tensor({w_count}, at::kDouble)}));
       const auto now = Clock::now();
@@ -298,7 +309,7 @@ std::string run(const Options& o) {
         std::cout << line << kept << std::endl;
       }
       if (metrics.is_open()) {
-        const auto& st = sync.last_step();
+        const auto& st = sync->last_step();
         metrics << nlohmann::json{{"step", pos.step},
                                   {"epoch", pos.epoch},
                                   {"loss", last_loss},
@@ -321,12 +332,86 @@ std::string run(const Options& o) {
       w_count = w_kept = w_steps = 0;
     }
     if (!o.checkpoint.empty() && (save_now || pos.step == total)) {
-      save_checkpoint(o.checkpoint, *pg, objs, pos);
+      save_checkpoint(o.checkpoint, *pg, *objs, pos);
     }
     injected_failure(pos.step, rank);
+  };
+  // --on-rank-loss shrink: the world ranks still in the job.
+  std::vector<int> members(world);
+  std::iota(members.begin(), members.end(), 0);
+  std::vector<comm::ProcessGroupPtr> retired;  // the old groups: never called again, never freed
+  const Procs procs = o.on_rank_loss == "shrink" ? gather_procs(*pg) : Procs{};
+  std::vector<int> lost_all;
+  const auto shrink_now = [&](const std::string& why) {
+    const auto t0 = Clock::now();
+    GradSync::State own;  // this rank's codec residuals go on with it
+    try {
+      own = sync->state();
+    } catch (const c10::Error&) {
+    }
+    const Shrunk sh = shrink_after_loss(o, why, members, pos.step, timeout, procs);
+    retired.push_back(pg);
+    sync.reset();  // its collectives on the old group were abandoned
+    pg = sh.pg;
+    rank = pg->getRank();
+    world = pg->getSize();
+    lead = rank == 0;
+    TORCH_CHECK(o.global_batch % world == 0, "ddpx-train: --global-batch ", o.global_batch,
+                " is not divisible by the ", world, " rank(s) left");
+    batch = o.global_batch / world;
+    sync = std::make_unique<GradSync>(model, pg, so);
+    make_objs();
+    share_state(*pg, sh.leader, *objs, pos);  // the most advanced survivor's step, for all
+    if (!own.residuals.empty()) {
+      GradSync::State st = sync->state();
+      st.residuals = own.residuals;
+      sync->load_state(st);
+    }
+    idx_epoch = -1;  // the same global batches, sliced among `world`
+    lost_all.insert(lost_all.end(), sh.lost.begin(), sh.lost.end());
+    const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (lead && !o.metrics.empty() && !metrics.is_open()) {  // rank 0 was lost: this one logs
+      metrics.open(o.metrics, std::ios::app);
+      TORCH_CHECK(metrics, "ddpx-train: cannot write --metrics ", o.metrics);
+    }
+    if (lead) {
+      std::string lost;
+      for (int r : sh.lost) lost += (lost.empty() ? "" : " ") + std::to_string(r);
+      std::cout << "[ddpx-train] lost rank(s) " << lost << ": going on with " << world
+                << " rank(s) from step " << pos.step << " (" << batch << " samples each; agreed in "
+                << sh.agree_s << " s, state shared in " << took - sh.agree_s << " s)" << std::endl;
+      if (metrics.is_open()) {
+        metrics << nlohmann::json{{"event", "shrink"},
+                                  {"step", pos.step},
+                                  {"lost", sh.lost},
+                                  {"world", world},
+                                  {"agree_s", sh.agree_s},
+                                  {"recover_s", took},
+                                  {"unix_time",
+                                   std::chrono::duration<double>(
+                                       std::chrono::system_clock::now().time_since_epoch())
+                                       .count()}}
+                       .dump()
+                << std::endl;
+      }
+    }
+    w_stats = zero_stats();
+    w_count = w_kept = w_steps = 0;
+    t_window = Clock::now();
+  };
+  while (pos.step < total) {
+    if (o.on_rank_loss != "shrink") {
+      train_step();
+      continue;
+    }
+    try {
+      train_step();
+    } catch (const c10::Error& e) {
+      shrink_now(e.what_without_backtrace());
+    }
   }
 
-  sync.flush_trace();  // collective: every rank, before anything can fail alone
+  sync->flush_trace();  // collective: every rank, before anything can fail alone
   if (drop.active()) set_block_scale(model, std::vector<double>(depth, 1.0));  // every block
   const double test_acc = evaluate(model, data.test, *pg, 256);
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
@@ -339,12 +424,12 @@ std::string run(const Options& o) {
                     (long long)(pos.step - first_step), elapsed, last_loss, 100 * last_acc,
                     100 * test_acc);
       std::cout << line << std::endl;
-      std::cout << "[ddpx-train] GradSync profile (rank 0):\n" << sync.profile_summary();
+      std::cout << "[ddpx-train] GradSync profile (rank 0):\n" << sync->profile_summary();
       if (!o.trace.empty()) std::cout << "[ddpx-train] trace: " << o.trace << std::endl;
     }
     if (metrics.is_open()) {
       // What the codec achieved (a codec that compresses nothing shows 1).
-      const auto prof = sync.profile();
+      const auto prof = sync->profile();
       metrics << nlohmann::json{{"event", "end"},
                                 {"step", pos.step},
                                 {"loss", last_loss},
@@ -361,7 +446,10 @@ std::string run(const Options& o) {
               << std::endl;
     }
   }
-  return lead ? "ok" : "";
+  if (!lead) return "";
+  std::string lost;
+  for (int r : lost_all) lost += " " + std::to_string(r);
+  return lost_all.empty() ? "ok" : "ok, ranks lost:" + lost;
 }
 
 }  // namespace ddpx::trainer

@@ -23,6 +23,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -83,6 +84,41 @@ std::string process_label();
 // store stops answering too, says so after grace + 2 s.
 std::string roll_call(c10d::ProcessGroup& pg, int64_t seq,
                       std::chrono::milliseconds grace = std::chrono::milliseconds(0));
+
+// ---- Losing ranks under mpirun (ddpx-train --on-rank-loss shrink) ----------
+// Open MPI 4 keeps the other ranks running when one dies only under
+// `mpirun --mca orte_enable_recovery 1` (ddpx-run passes it); this says
+// whether this job runs so.
+bool mpi_recovery_mode();
+
+// After a collective failed because ranks died or froze, the ranks still
+// running agree on who is left, in bounded time, with point-to-point
+// messages only (the lost ranks would never join a collective):
+//   1. each of `members` (world ranks, this one among them) sends the others
+//      its `progress` (e.g. the steps it completed) and keeps those it hears
+//      from within `window`;
+//   2. each sends what it heard to those it heard from, and keeps the ranks
+//      that every answer names;
+//   3. each sends that set; a different one, or none within `window`, is an
+//      error on every rank that sees it.
+// Every survivor calls it after the same failure with the same members and
+// within `window` of the others (the groups' timeout is a safe window: the
+// survivors all fail the collective the lost rank never joined). Throws a
+// c10::Error when the others left this rank out or the survivors disagree.
+struct Survivors {
+  std::vector<int> world_ranks;   // ascending
+  std::vector<int64_t> progress;  // each one's, in that order
+  std::vector<int> lost;          // the members not among them
+};
+Survivors agree_on_survivors(const std::vector<int>& members, int64_t progress,
+                             std::chrono::milliseconds window);
+
+// A ddpx_mpi group of the survivors (ranked in world-rank order; collective
+// over them only). The failure that led here stops failing new calls, and
+// every call posted on the old groups is abandoned: call nothing more on them.
+// The new group's rank 0 ends the MPI job at exit with MPI_Abort (code 0):
+// MPI_Finalize would wait for the lost ranks, a frozen one for ever.
+ProcessGroupPtr shrink_group(const Survivors& survivors, std::chrono::milliseconds timeout);
 
 // Names of the backends this build can make.
 std::vector<std::string> available_backends();
