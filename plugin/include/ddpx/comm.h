@@ -120,6 +120,18 @@ Survivors agree_on_survivors(const std::vector<int>& members, int64_t progress,
 // MPI_Finalize would wait for the lost ranks, a frozen one for ever.
 ProcessGroupPtr shrink_group(const Survivors& survivors, std::chrono::milliseconds timeout);
 
+// A C++ trainer that goes on without a lost rank (what ddpx-train's
+// --on-rank-loss shrink does, plugin/trainer/trainer.cpp): catch the step's
+// c10::Error; take the GradSync's state() (grad_sync.h) and destroy it;
+// agree_on_survivors(members, steps_done, timeout) and shrink_group; build a
+// new GradSync over the new group and load_state the old state (buckets
+// re-planned, each rank's codec residuals kept); give every survivor the
+// model and optimizer of the one with the most progress (a broadcast on the
+// new group); and take each step's rows with ddpx::data's
+// global_batch_slice(permutation, step, global_batch, rank, size) at the new
+// size, so the global batches stay the same. Nothing more may be called on
+// the old group.
+
 // Names of the backends this build can make.
 std::vector<std::string> available_backends();
 

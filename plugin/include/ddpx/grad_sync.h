@@ -364,6 +364,8 @@ class GradSync {
     std::vector<at::Tensor> residuals;
     std::vector<at::Tensor> warm_starts;
   };
+  // After ranks are lost (comm::shrink_group, comm.h): state() of the old
+  // GradSync, then a new one over the survivors' group and load_state().
   State state() const;
   void load_state(const State& s);
 
