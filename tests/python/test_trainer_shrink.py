@@ -149,6 +149,37 @@ def test_killed_or_frozen_rank(tmp_path, data_cache, rank, sig):
     assert step >= 15
 
 
+def test_frozen_rank_where_no_survivor_runs(tmp_path, data_cache):
+    # DDPX_TRAIN_KEEP_LOST: the survivors leave the frozen rank alone, as on
+    # another host. They finish and write the outcome; mpirun would wait for
+    # the frozen rank for ever, so ddpx-run ends it --linger-s later.
+    marker = str(tmp_path / "m.jsonl")
+    status = tmp_path / "status"
+    cmd = ddpx_run_cmd(3, *COMMON, *SHRINK, "--data-cache", data_cache, "--metrics", marker,
+                       status_file=status)
+    cmd.insert(cmd.index("--"), "--linger-s=4")
+    p = start(cmd, env=env(DDPX_TRAIN_KEEP_LOST="1"))
+    lines = []
+    try:
+        def progressing():
+            line = p.stdout.readline()
+            lines.append(line)
+            return "step 15/" in line or (line == "" and p.poll() is not None and "exited")
+        wait_for(progressing, 120, "training to start")
+        pid = wait_for(lambda: rank_pid(marker, 1, "OMPI_COMM_WORLD_RANK"), 30, "the pid")
+        os.kill(pid, signal.SIGSTOP)
+        out, _ = p.communicate(timeout=120)
+        stat = Path(f"/proc/{pid}/stat")
+        gone = not stat.exists() or stat.read_text().split()[2] in ("Z", "X")
+    finally:
+        kill_group(p)
+    out = "".join(lines) + out
+    assert p.returncode == 0, out
+    assert status.read_text().strip() == "ok, ranks lost: 1", out
+    assert "mpirun has not ended 4 s later" in out, out
+    assert gone, "the frozen rank outlived the job"
+
+
 def test_below_min_ranks_fails_clearly(tmp_path, data_cache):
     r, status, _ = shrink_run(tmp_path, data_cache, {"DDPX_TRAIN_FAIL_AT": "10:1"},
                               ["--min-ranks", 3])
