@@ -348,6 +348,7 @@ std::string run(const Options& o) {
     try {
       own = sync->state();
     } catch (const c10::Error&) {
+      // (The failed step left nothing to carry: the new GradSync starts clean.)
     }
     const Shrunk sh = shrink_after_loss(o, why, members, pos.step, timeout, procs);
     retired.push_back(pg);
