@@ -71,3 +71,10 @@ def two_hosts():
     finally:
         for n in ns:
             sh("ip", "netns", "del", n, check=False)
+
+
+# The generated datasets of the trainer tests, written once per test module
+# (each module's runs share them).
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugin" / "python"))
-import ddpx  # noqa: E402,F401  (loads the ops)
-from ddpx.nn import FusedGRU, TiledConv2d  # noqa: E402
+from ddpx.nn import FusedGRU, TiledConv2d  # noqa: E402  (loads the ops)
 
 
 def lenet_convs():

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugin" / "python"))
-import ddpx  # noqa: E402,F401
 from conftest import needs_cuda  # noqa: E402
-from ddpx.nn import FusedGRU, TiledConv2d  # noqa: E402
+from ddpx.nn import FusedGRU, TiledConv2d  # noqa: E402  (loads the ops)
 
 pytestmark = needs_cuda
 

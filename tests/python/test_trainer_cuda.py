@@ -21,11 +21,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
 def train(tmp_path, tag, cmd):
     metrics = tmp_path / f"{tag}.jsonl"
     r = run(cmd + ["--metrics", metrics, "--log-every", 50])

@@ -17,20 +17,10 @@ run does, bit for bit (same world size, codec none).
 import pytest
 import torch
 
-from trainer_util import checkpoint_tensors, env, model, mpirun_cmd, run, torchrun_cmd
+from trainer_util import checkpoint_params, env, model, mpirun_cmd, run, torchrun_cmd
 
 COMMON = ["--global-batch", 12, "--lr", 0.05, "--lr-schedule", "constant", "--seed", 5,
           "--log-every", 4]
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
-def params(path):
-    tensors, (step, _, _) = checkpoint_tensors(path)
-    return {k: v for k, v in tensors.items() if v.is_floating_point()}, step
 
 
 @pytest.mark.parametrize("name,first,then", [("lenet", 2, 3), ("han", 3, 1)])
@@ -48,7 +38,7 @@ def test_resume_at_another_world_size(tmp_path, data_cache, name, first, then):
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"written by {first} rank(s); going on at {then}" in r.stdout, r.stdout
     assert f"resumed from {ckpt} at step 8" in r.stdout
-    (got, gstep), (want, wstep) = params(ckpt), params(straight)
+    (got, gstep), (want, wstep) = checkpoint_params(ckpt), checkpoint_params(straight)
     assert gstep == wstep == 16
     assert got.keys() == want.keys()
     for k in want:
@@ -89,7 +79,7 @@ def test_torchrun_restart_resumes_by_itself(tmp_path, data_cache):
     assert "rank 1 exits after step 7" in out
     assert "torchrun restart 1 with 2 rank(s): resuming from" in out, out
     assert f"resumed from {ckpt} at step 6" in out, out
-    (got, gstep), (want, wstep) = params(ckpt), params(straight)
+    (got, gstep), (want, wstep) = checkpoint_params(ckpt), checkpoint_params(straight)
     assert gstep == wstep == 12
     for k in want:
         assert torch.equal(got[k], want[k]), k

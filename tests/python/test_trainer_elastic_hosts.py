@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer_util import (TRAIN, checkpoint_tensors, env, kill_group, model, mpirun_cmd, run,
+from trainer_util import (TRAIN, checkpoint_params, env, kill_group, model, mpirun_cmd, run,
                           start, wait_for)
 
 SAMPLES, GLOBAL = 600, 12  # one epoch: 50 steps
@@ -32,11 +32,6 @@ COMMON = ["--model", model("han"), "--train-samples", SAMPLES, "--global-batch",
           "--log-every", 5, "--checkpoint-every", 5]
 # (SGD: Adam's normalisation blew float32 summation differences of rarely
 # seen embedding rows up to 8e-5 in 35 steps.)
-
-
-def params(path):
-    tensors, (step, _, _) = checkpoint_tensors(path)
-    return {k: v for k, v in tensors.items() if v.is_floating_point()}, step
 
 
 def read_log(base):
@@ -147,7 +142,7 @@ def test_lost_host_restarts_smaller_and_every_sample_counts_once(tmp_path, two_h
     assert r.returncode == 0, r.stdout + r.stderr
     r = run(mpirun_cmd(1, *common, "--steps", steps, "--checkpoint", ref, "--resume"))
     assert r.returncode == 0, r.stdout + r.stderr
-    (got, gstep), (want, wstep) = params(ckpt), params(ref)
+    (got, gstep), (want, wstep) = checkpoint_params(ckpt), checkpoint_params(ref)
     assert gstep == wstep == steps
     assert got.keys() == want.keys()
     for k in want:

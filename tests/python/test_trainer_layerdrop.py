@@ -17,11 +17,6 @@ DEPTH = 6
 
 
 @pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture(scope="module")
 def sizes():
     """Bytes (float32) of one block, and of everything outside the blocks."""
     m = torch.jit.load(model("transformer"))

@@ -14,11 +14,6 @@ from trainer_util import checkpoint_tensors, model, mpirun_cmd, read_metrics, ru
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.load
 
 
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
 CASES = {
     # model: (flags, steps)
     "lenet": (["--batch-size", 16, "--lr", 0.05, "--momentum", 0.9], 60),

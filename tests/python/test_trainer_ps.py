@@ -32,11 +32,6 @@ from trainer_util import (mpirun_cmd, model, ps_stop_and_resume, read_metrics, r
                           signal_rank_mid_run)
 
 
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
 def test_lenet_async(tmp_path, data_cache):
     metrics = tmp_path / "m.jsonl"
     # Worker 2 sleeps 20 ms a step, so worker 1 pushes while it computes and

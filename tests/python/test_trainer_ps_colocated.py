@@ -24,11 +24,6 @@ from trainer_util import (mpirun_cmd, model, ps_stop_and_resume, read_metrics, r
                           signal_rank_mid_run)
 
 
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
 @pytest.mark.parametrize("np", [2, 3])
 def test_sync_equals_gradsync(tmp_path, data_cache, np):
     common = ["--model", model("mlp"), "--data-cache", data_cache, "--steps", 20,

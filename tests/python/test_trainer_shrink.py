@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_util import (checkpoint_tensors, ddpx_run_cmd, env, kill_group, model, mpirun_cmd,
+from trainer_util import (checkpoint_params, ddpx_run_cmd, env, kill_group, model, mpirun_cmd,
                           rank_pid, read_metrics, run, start, wait_for)
 
 SAMPLES, GLOBAL, STEPS = 600, 12, 50
@@ -41,16 +41,6 @@ def replaced(args, flag, value):
     return out
 
 
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
-def params(path):
-    tensors, (step, _, _) = checkpoint_tensors(path)
-    return {k: v for k, v in tensors.items() if v.is_floating_point()}, step
-
-
 def switched_at(tmp_path, data_cache, step):
     """The reference: 3 ranks to `step`, then 2 ranks to the end."""
     ckpt = tmp_path / f"ref{step}.ckpt"
@@ -59,7 +49,7 @@ def switched_at(tmp_path, data_cache, step):
     assert r.returncode == 0, r.stdout + r.stderr
     r = run(mpirun_cmd(2, *common, "--resume"))
     assert r.returncode == 0, r.stdout + r.stderr
-    return params(ckpt)
+    return checkpoint_params(ckpt)
 
 
 def read_samples(base):
@@ -89,7 +79,7 @@ def check_run(tmp_path, data_cache, out, status, metrics, samples):
     used = [s for st in range(STEPS) for r in log[st].values() for s in r]
     assert sorted(used) == list(range(SAMPLES)), "a sample missed or used twice"
     assert all(len(log[st]) == (3 if st < step else 2) for st in range(STEPS)), log
-    got, gstep = params(tmp_path / "run.ckpt")
+    got, gstep = checkpoint_params(tmp_path / "run.ckpt")
     want, wstep = switched_at(tmp_path, data_cache, step)
     assert gstep == wstep == STEPS
     for k in want:
@@ -117,17 +107,11 @@ def test_a_rank_that_exits_is_left_behind(tmp_path, data_cache):
     assert check_run(tmp_path, data_cache, out, status, tmp_path / "m.jsonl", samples) == 20
 
 
-@pytest.mark.parametrize("rank,sig", [(0, signal.SIGKILL), (1, signal.SIGSTOP)])
-def test_killed_or_frozen_rank(tmp_path, data_cache, rank, sig):
-    # kill -9 of rank 0 (the lead, which writes the metrics: rank 1 takes
-    # over) or SIGSTOP of rank 1 (alive to MPI, silent: found by the timeout
-    # alone; ended at exit by the survivors' MPI_Abort(0)).
-    marker = str(tmp_path / "m.jsonl")
-    status = tmp_path / "status"
-    samples = tmp_path / "samples"
-    cmd = ddpx_run_cmd(3, *COMMON, *SHRINK, "--data-cache", data_cache, "--checkpoint",
-                       tmp_path / "run.ckpt", "--metrics", marker, status_file=status)
-    p = start(cmd, env=env(DDPX_TRAIN_SAMPLE_LOG=str(samples)))
+def signal_mid_run(cmd, marker, rank, sig, run_env):
+    """Starts `cmd`, sends `sig` to world rank `rank` once step 15 is logged,
+    waits for the job: (output, exit code, whether that rank's process is
+    gone when the job has ended)."""
+    p = start(cmd, env=run_env)
     lines = []
     try:
         def progressing():
@@ -139,11 +123,27 @@ def test_killed_or_frozen_rank(tmp_path, data_cache, rank, sig):
         pid = wait_for(lambda: rank_pid(marker, rank, "OMPI_COMM_WORLD_RANK"), 30, "the pid")
         os.kill(pid, sig)
         out, _ = p.communicate(timeout=180)
+        stat = Path(f"/proc/{pid}/stat")
+        gone = not stat.exists() or stat.read_text().split()[2] in ("Z", "X")
     finally:
         kill_group(p)
-    out = "".join(lines) + out
+    return "".join(lines) + out, p.returncode, gone
+
+
+@pytest.mark.parametrize("rank,sig", [(0, signal.SIGKILL), (1, signal.SIGSTOP)])
+def test_killed_or_frozen_rank(tmp_path, data_cache, rank, sig):
+    # kill -9 of rank 0 (the lead, which writes the metrics: rank 1 takes
+    # over) or SIGSTOP of rank 1 (alive to MPI, silent: found by the timeout
+    # alone; the survivors end it once they have agreed).
+    marker = str(tmp_path / "m.jsonl")
+    status = tmp_path / "status"
+    samples = tmp_path / "samples"
+    cmd = ddpx_run_cmd(3, *COMMON, *SHRINK, "--data-cache", data_cache, "--checkpoint",
+                       tmp_path / "run.ckpt", "--metrics", marker, status_file=status)
+    out, rc, gone = signal_mid_run(cmd, marker, rank, sig, env(DDPX_TRAIN_SAMPLE_LOG=str(samples)))
     text = status.read_text().strip()
-    assert p.returncode == 0, out
+    assert rc == 0, out
+    assert gone, "the lost rank outlived the job"
     assert text == f"ok, ranks lost: {rank}", (text, out)
     step = check_run(tmp_path, data_cache, out, text, marker, samples)
     assert step >= 15
@@ -158,23 +158,8 @@ def test_frozen_rank_where_no_survivor_runs(tmp_path, data_cache):
     cmd = ddpx_run_cmd(3, *COMMON, *SHRINK, "--data-cache", data_cache, "--metrics", marker,
                        status_file=status)
     cmd.insert(cmd.index("--"), "--linger-s=4")
-    p = start(cmd, env=env(DDPX_TRAIN_KEEP_LOST="1"))
-    lines = []
-    try:
-        def progressing():
-            line = p.stdout.readline()
-            lines.append(line)
-            return "step 15/" in line or (line == "" and p.poll() is not None and "exited")
-        wait_for(progressing, 120, "training to start")
-        pid = wait_for(lambda: rank_pid(marker, 1, "OMPI_COMM_WORLD_RANK"), 30, "the pid")
-        os.kill(pid, signal.SIGSTOP)
-        out, _ = p.communicate(timeout=120)
-        stat = Path(f"/proc/{pid}/stat")
-        gone = not stat.exists() or stat.read_text().split()[2] in ("Z", "X")
-    finally:
-        kill_group(p)
-    out = "".join(lines) + out
-    assert p.returncode == 0, out
+    out, rc, gone = signal_mid_run(cmd, marker, 1, signal.SIGSTOP, env(DDPX_TRAIN_KEEP_LOST="1"))
+    assert rc == 0, out
     assert status.read_text().strip() == "ok, ranks lost: 1", out
     assert "mpirun has not ended 4 s later" in out, out
     assert gone, "the frozen rank outlived the job"

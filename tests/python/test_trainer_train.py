@@ -9,18 +9,12 @@ import hashlib
 import json
 import os
 import signal
-import time
 
 import pytest
 import torch
 
-from trainer_util import (TRAIN, checkpoint_tensors, env, kill_group, model, mpirun_cmd,
+from trainer_util import (TRAIN, checkpoint_tensors, kill_group, model, mpirun_cmd,
                           rank_pid, read_metrics, run, start, wait_for)
-
-
-@pytest.fixture(scope="module")
-def data_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
 
 
 def test_lenet_reaches_accuracy(tmp_path, data_cache):

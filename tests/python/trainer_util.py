@@ -174,3 +174,9 @@ def ps_stop_and_resume(tmp_path, np_, common, between=None):
         [x["loss"] for x in want if "event" not in x]
     assert got[-1]["test_accuracy"] == want[-1]["test_accuracy"]
     return r, got[-1]
+
+
+def checkpoint_params(path):
+    """(name -> floating-point tensor, step) of a ddpx-train checkpoint."""
+    tensors, (step, _, _) = checkpoint_tensors(path)
+    return {k: v for k, v in tensors.items() if v.is_floating_point()}, step
