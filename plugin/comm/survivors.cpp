@@ -10,6 +10,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <deque>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -43,10 +46,11 @@ std::vector<std::vector<int64_t>> exchange(const std::vector<int64_t>& mine,
   std::vector<std::vector<int64_t>> got(n);
   std::vector<MPI_Request> sends, recvs;
   std::vector<int> recv_from;
+  const auto payload = std::make_shared<const std::vector<int64_t>>(mine);
   for (int r : to) {
     if (r == me) continue;
     MPI_Request q;
-    DDPX_MPI_CHECK(MPI_Isend(mine.data(), n, MPI_INT64_T, r, tag, MPI_COMM_WORLD, &q));
+    DDPX_MPI_CHECK(MPI_Isend(payload->data(), n, MPI_INT64_T, r, tag, MPI_COMM_WORLD, &q));
     sends.push_back(q);
   }
   for (int r : from) {
@@ -73,14 +77,26 @@ std::vector<std::vector<int64_t>> exchange(const std::vector<int64_t>& mine,
   }
   for (size_t i = 0; i < recvs.size(); ++i) {
     if (done[i]) continue;
+    // A receive's cancel completes locally: after the wait MPI writes no
+    // more into the buffer. A message that matched first still counts.
+    MPI_Status st;
     MPI_Cancel(&recvs[i]);
-    MPI_Request_free(&recvs[i]);
-    got[recv_from[i]].clear();
+    MPI_Wait(&recvs[i], &st);
+    int cancelled = 0;
+    MPI_Test_cancelled(&st, &cancelled);
+    if (cancelled) got[recv_from[i]].clear();
   }
+  // A send to a lost rank may never complete, and MPI may still read its
+  // buffer: those buffers live as long as the process (a few bytes each).
+  static std::mutex mu;
+  static std::deque<std::shared_ptr<const std::vector<int64_t>>> unsent;
   for (auto& q : sends) {
     int flag = 0;
     MPI_Test(&q, &flag, MPI_STATUS_IGNORE);
-    if (!flag) MPI_Request_free(&q);
+    if (flag) continue;
+    MPI_Request_free(&q);
+    std::lock_guard<std::mutex> lock(mu);
+    unsent.push_back(payload);
   }
   got[me] = mine;
   return got;
