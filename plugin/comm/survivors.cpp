@@ -4,6 +4,7 @@
 // tags of their own (nothing else in ddpx sends on WORLD itself), each round
 // bounded by the window: a collective would wait for the lost ranks forever.
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <ddpx/comm.h>
 #include <mpi.h>
 
@@ -27,12 +28,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr int kTagBase = 0x5d7100;  // + 4 * agreement + round
 constexpr int64_t kAbsent = -1;     // "not heard from" in a view
-
-std::string list(const std::vector<int>& v) {
-  std::string s;
-  for (int r : v) s += (s.empty() ? "" : " ") + std::to_string(r);
-  return s;
-}
 
 // One round: sends `mine` (world-size int64s) to each rank of `to`, and waits
 // until every rank of `from` has sent its own, or the deadline. Returns each
@@ -110,8 +105,8 @@ Survivors agree_on_survivors(const std::vector<int>& members, int64_t progress,
   const int me = env.world_rank(), n = env.world_size();
   TORCH_CHECK(progress >= 0, "agree_on_survivors: progress must be >= 0, got ", progress);
   TORCH_CHECK(std::find(members.begin(), members.end(), me) != members.end(),
-              "agree_on_survivors: members must include this rank (", me, "), got [", list(members),
-              "]");
+              "agree_on_survivors: members must include this rank (", me, "), got [",
+              c10::Join(" ", members), "]");
   for (int r : members) {
     TORCH_CHECK(r >= 0 && r < n, "agree_on_survivors: members entry ", r,
                 " is not a world rank (world size ", n, ")");
@@ -157,9 +152,9 @@ Survivors agree_on_survivors(const std::vector<int>& members, int64_t progress,
   auto check = exchange(agreed, kept, kept, tag + 2, Clock::now() + window);
   for (int r : kept) {
     TORCH_CHECK(!check[r].empty(), "agree_on_survivors: rank ", r,
-                " stopped answering while the survivors [", list(kept), "] agreed");
+                " stopped answering while the survivors [", c10::Join(" ", kept), "] agreed");
     TORCH_CHECK(check[r] == agreed, "agree_on_survivors: rank ", r,
-                " kept other ranks than this one ([", list(kept),
+                " kept other ranks than this one ([", c10::Join(" ", kept),
                 "]): the survivors disagree, so none can go on");
   }
   Survivors s;
@@ -175,7 +170,7 @@ ProcessGroupPtr shrink_group(const Survivors& s, std::chrono::milliseconds timeo
   const int me = detail::MpiEnv::get().world_rank();
   const auto it = std::find(s.world_ranks.begin(), s.world_ranks.end(), me);
   TORCH_CHECK(it != s.world_ranks.end(), "shrink_group: this rank (", me,
-              ") is not among the survivors [", list(s.world_ranks), "]");
+              ") is not among the survivors [", c10::Join(" ", s.world_ranks), "]");
   // Calls posted on the old groups wait on the lost ranks: abandon them.
   detail::MpiEnv::get().recover();
   BackendPtr be = detail::MpiBackend::create(s.world_ranks, timeout);
@@ -188,7 +183,7 @@ ProcessGroupPtr shrink_group(const Survivors& s, std::chrono::milliseconds timeo
   pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
   pg->setGroupName("shrunk" + std::to_string(detail::MpiEnv::get().epoch()));
   // MPI_Finalize would wait for the lost ranks (a frozen one for ever).
-  if (rank == 0) detail::MpiEnv::get().end_job_at_exit("ranks lost: " + list(s.lost));
+  if (rank == 0) detail::MpiEnv::get().end_job_at_exit("ranks lost: " + c10::Join(" ", s.lost));
   return pg;
 }
 

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,16 +12,6 @@
 #include <iostream>
 
 namespace ddpx::trainer {
-namespace {
-
-std::string rank_list(const std::vector<int>& v) {
-  std::string s;
-  for (int r : v) s += (s.empty() ? "" : " ") + std::to_string(r);
-  return s;
-}
-
-}  // namespace
-
 void check_shrink_options(const Options& o, int world) {
   if (o.on_rank_loss != "shrink") return;
   TORCH_CHECK(comm::detect_launcher() == comm::Launcher::Mpi,
@@ -64,15 +55,15 @@ Shrunk shrink_after_loss(const Options& o, const std::string& why, std::vector<i
                          int64_t progress, std::chrono::milliseconds timeout, const Procs& procs) {
   const auto t0 = std::chrono::steady_clock::now();
   std::cerr << "[ddpx-train] " << comm::process_label() << ": after step " << progress << ": "
-            << why.substr(0, why.find('\n')) << "; agreeing with ranks [" << rank_list(members)
+            << why.substr(0, why.find('\n')) << "; agreeing with ranks [" << c10::Join(" ", members)
             << "] on who is left" << std::endl;
   // The window: every survivor fails the collective the lost rank never
   // joined within one timeout of the first (a rank that got its result
   // fails the next step's).
   const comm::Survivors s = comm::agree_on_survivors(members, progress, timeout);
   TORCH_CHECK(static_cast<int>(s.world_ranks.size()) >= o.min_ranks, "ddpx-train: lost rank(s) [",
-              rank_list(s.lost), "]; ", s.world_ranks.size(), " left ([", rank_list(s.world_ranks),
-              "]), fewer than --min-ranks ", o.min_ranks);
+              c10::Join(" ", s.lost), "]; ", s.world_ranks.size(), " left ([",
+              c10::Join(" ", s.world_ranks), "]), fewer than --min-ranks ", o.min_ranks);
   TORCH_CHECK(!s.lost.empty(), "ddpx-train: step ", progress + 1,
               " failed but every rank still answers (", why.substr(0, why.find('\n')),
               "): not a lost rank, so no shrink");
@@ -95,7 +86,6 @@ Shrunk shrink_after_loss(const Options& o, const std::string& why, std::vector<i
   // before the loss applied that step; the others take its state.
   const auto best = std::max_element(s.progress.begin(), s.progress.end());
   out.leader = static_cast<int>(best - s.progress.begin());
-  out.leader_step = *best;
   out.pg = comm::shrink_group(s, timeout);
   members = s.world_ranks;
   out.agree_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

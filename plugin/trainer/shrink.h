@@ -33,9 +33,8 @@ Procs gather_procs(c10d::ProcessGroup& pg);
 struct Shrunk {
   comm::ProcessGroupPtr pg;  // the survivors' group
   int leader = 0;            // its rank whose state everyone takes (most steps done)
-  int64_t leader_step = 0;
-  std::vector<int> lost;  // world ranks lost in this event
-  double agree_s = 0;     // the agreement and the new group, in seconds
+  std::vector<int> lost;     // world ranks lost in this event
+  double agree_s = 0;        // the agreement and the new group, in seconds
 };
 
 // After step `progress` failed with `why`: agree with the other `members`

@@ -1,6 +1,7 @@
 #include "plugin/trainer/trainer.h"
 
 #include <ATen/autocast_mode.h>
+#include <c10/util/StringUtil.h>
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
 #include <ddpx/layer_drop.h>
@@ -376,11 +377,10 @@ std::string run(const Options& o) {
       TORCH_CHECK(metrics, "ddpx-train: cannot write --metrics ", o.metrics);
     }
     if (lead) {
-      std::string lost;
-      for (int r : sh.lost) lost += (lost.empty() ? "" : " ") + std::to_string(r);
-      std::cout << "[ddpx-train] lost rank(s) " << lost << ": going on with " << world
-                << " rank(s) from step " << pos.step << " (" << batch << " samples each; agreed in "
-                << sh.agree_s << " s, state shared in " << took - sh.agree_s << " s)" << std::endl;
+      std::cout << "[ddpx-train] lost rank(s) " << c10::Join(" ", sh.lost) << ": going on with "
+                << world << " rank(s) from step " << pos.step << " (" << batch
+                << " samples each; agreed in " << sh.agree_s << " s, state shared in "
+                << took - sh.agree_s << " s)" << std::endl;
       if (metrics.is_open()) {
         metrics << nlohmann::json{{"event", "shrink"},
                                   {"step", pos.step},
@@ -448,9 +448,7 @@ std::string run(const Options& o) {
     }
   }
   if (!lead) return "";
-  std::string lost;
-  for (int r : lost_all) lost += " " + std::to_string(r);
-  return lost_all.empty() ? "ok" : "ok, ranks lost:" + lost;
+  return lost_all.empty() ? "ok" : "ok, ranks lost: " + c10::Join(" ", lost_all);
 }
 
 }  // namespace ddpx::trainer
