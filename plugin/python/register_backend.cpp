@@ -1,5 +1,6 @@
 // Python glue, loaded by libddpx.so only inside a Python process (see
-// plugin/register.cpp): torch.ops.load_library("libddpx.so") then makes
+// plugin/register.cpp). It creates ddpx._C (fast_ops.cpp), and
+// torch.ops.load_library("libddpx.so") then makes
 //   torch.distributed.init_process_group(backend="ddpx_mpi")
 // work under mpirun with a stock wheel. It
 //   1. registers the ddpx_mpi creator with torch.distributed.Backend, and
@@ -17,6 +18,7 @@
 #include "plugin/comm/mpi_env.h"
 #include "plugin/comm/mpi_store.h"
 #include "plugin/comm/mpi_work.h"
+#include "plugin/python/fast_ops.h"
 
 namespace py = pybind11;
 
@@ -97,6 +99,12 @@ void install() {
 struct Installer {
   Installer() {
     py::gil_scoped_acquire gil;
+    try {
+      ddpx::python::install_fast_ops();
+    } catch (const std::exception& e) {
+      // ddpx.ops and ddpx.nn then call torch.ops.ddpx.* (correct, slower).
+      std::fprintf(stderr, "ddpx: could not create ddpx._C: %s\n", e.what());
+    }
     try {
       install();
     } catch (py::error_already_set& e) {

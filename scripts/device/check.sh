@@ -182,7 +182,8 @@ if want tests; then
 fi
 # --- speed: ours vs cuDNN on the same card, ratios per case -------------------------------
 if want bench; then
-  gpu_step "bench conv2d --device cuda" 30 150 python3 "$here/scripts/bench/conv2d" --device cuda
+  # --aa: cuDNN against itself per case, the noise a ratio carries on the card
+  gpu_step "bench conv2d --device cuda --aa" 30 150 python3 "$here/scripts/bench/conv2d" --device cuda --aa
   gpu_step "bench gru --cuda" 30 120 python3 "$here/scripts/bench/gru" --cuda
 fi
 if want pip; then

@@ -94,6 +94,8 @@ ours = ddpx.nn.TiledConv2d(3, 5, 3, padding=1)
 ours.load_state_dict(ref.state_dict())
 x = torch.randn(2, 3, 9, 7)
 torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+# the eager calls' direct entry, from the package's own glue library
+assert ddpx.ops._C is not None and ddpx.ops._fast_ok(x, ours.weight, ours.bias)
 gru = torch.nn.GRU(4, 6, batch_first=True)
 y, h = ddpx.ops.fused_gru(torch.randn(2, 5, 4), None, gru._flat_weights, batch_first=True)
 assert y.shape == (2, 5, 6) and h.shape == (1, 2, 6)

@@ -116,6 +116,29 @@ def test_cuda_channels_last_and_unbatched():
     _close(op(x[0], w, None, [1, 1], [1, 1]), F.conv2d(x[0], w, None, 1, 1), torch.float32, "3-D")
 
 
+@pytest.mark.auto_path
+@pytest.mark.parametrize("path", ["auto", "tiled"])
+def test_cuda_direct_entry_equals_torch_ops(path, monkeypatch):
+    """ddpx.ops.tiled_conv2d and ddpx.nn.TiledConv2d in eager mode reach the op
+    through ddpx._C (plugin/python/fast_ops.cpp): the same outputs and
+    gradients as torch.ops, on the path rule's choice and on our kernels."""
+    monkeypatch.setenv("DDPX_CONV_PATH", path)
+    import ddpx
+    assert ddpx.ops._C is not None
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 19, 17, device="cuda", requires_grad=True)
+    conv = ddpx.nn.TiledConv2d(8, 6, 3, padding=1, stride=(1, 2)).cuda()
+    y = conv(x)
+    want = op(x, conv.weight, conv.bias, [1, 2], [1, 1])
+    go = torch.randn_like(y)
+    params = (x, conv.weight, conv.bias)
+    for got, ref in zip((y,) + torch.autograd.grad(y, params, go),
+                        (want,) + torch.autograd.grad(want, params, go)):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch.testing.assert_close(ddpx.ops.tiled_conv2d(x, conv.weight, conv.bias, (1, 2), 1), want,
+                               rtol=0, atol=0)
+
+
 def test_cuda_device_mismatch_is_named():
     with pytest.raises(RuntimeError, match="weight must be on the same device as input"):
         op(torch.randn(1, 1, 5, 5, device="cuda"), torch.randn(1, 1, 3, 3))

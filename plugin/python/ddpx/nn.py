@@ -4,7 +4,8 @@ on ddpx's ops, and ``convert`` / ``revert`` to swap them into a model.
 ``TiledConv2d`` and ``FusedGRU`` subclass the torch modules: same constructor
 arguments, parameter names, shapes and initialisation, so state_dicts load
 either way and ``isinstance(m, nn.Conv2d)`` still holds. Only ``forward``
-differs: it calls ``torch.ops.ddpx.tiled_conv2d`` / ``torch.ops.ddpx.fused_gru``.
+differs: it calls ``torch.ops.ddpx.tiled_conv2d`` (eager: the same op through
+``ddpx._C``, see ``ddpx.ops``) / ``torch.ops.ddpx.fused_gru``.
 Both script (``torch.jit.script``), trace, ``torch.compile`` and
 ``torch.export`` (the ops have autograd and Meta kernels).
 """
@@ -14,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.common_types import _size_2_t
+from torch.overrides import has_torch_function
+
+from . import ops as _ops
 
 __all__ = ["TiledConv2d", "FusedGRU", "convert", "revert"]
 
@@ -72,11 +76,25 @@ class TiledConv2d(nn.Conv2d):
 
     def _conv_forward(self, input: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         # input [N, C_in, H, W] or [C_in, H, W] -> [N, C_out, H', W'] or [C_out, H', W']
+        if not torch.jit.is_scripting():
+            if not torch.compiler.is_compiling() and has_torch_function((input, weight, bias)):
+                # FX proxies, subclasses, __torch_function__ modes: no Python
+                # branch on the input (FX cannot trace one); the op takes a
+                # 3-D input as it is and checks the rest.
+                x = F.pad(input, self._pre_pad, mode=self._pre_pad_mode) if self._pre_pad else input
+                return torch.ops.ddpx.tiled_conv2d(x, weight, bias, list(self.stride),
+                                                   self._op_padding, list(self.dilation),
+                                                   self.groups)
         if input.dim() != 3 and input.dim() != 4:
             raise ValueError("TiledConv2d: input must be 4-D [N, C_in, H, W] or 3-D [C_in, H, W] "
                              "(unbatched), got {}-D".format(input.dim()))
+        if not torch.jit.is_scripting():
+            # Eager: the op's direct entry (ddpx.ops._fast_ok says when).
+            if len(self._pre_pad) == 0 and _ops._fast_ok(input, weight, bias):
+                return _ops._C.tiled_conv2d(input, weight, bias, self.stride, self._op_padding,
+                                            self.dilation, self.groups)
         unbatched = input.dim() == 3
-        x = input.unsqueeze(0) if unbatched else input  # the op takes 4-D only
+        x = input.unsqueeze(0) if unbatched else input
         if len(self._pre_pad) > 0:
             x = F.pad(x, self._pre_pad, mode=self._pre_pad_mode)
         out = torch.ops.ddpx.tiled_conv2d(x, weight, bias, list(self.stride), self._op_padding,

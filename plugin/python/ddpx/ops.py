@@ -1,13 +1,32 @@
 """The ddpx ops with keyword arguments and the defaults of the functions they
 mirror (``F.conv2d``, ``torch._VF.gru``, ``dist.all_reduce``). Each is one
-call of ``torch.ops.ddpx.*``: scriptable, traceable and ``torch.compile``-able
-as the op itself is."""
+call of ``torch.ops.ddpx.*``: traceable and ``torch.compile``-able as the op
+itself is. An eager ``tiled_conv2d`` reaches the same op through
+``ddpx._C``'s direct entry (``_fast_ok``), as ``F.conv2d`` reaches ATen's."""
+import sys
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.overrides import has_torch_function
+
+# The direct entries (plugin/python/fast_ops.cpp), created by the library's
+# Python glue; None where the glue was not built (no MPI or no Python
+# headers): then every call takes torch.ops.
+_C = sys.modules.get("ddpx._C")
 
 __all__ = ["tiled_conv2d", "fused_gru", "compressed_allreduce", "codec_stats", "codec_reset"]
+
+
+def _fast_ok(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether an eager call may take ddpx._C's direct entry: the same
+    dispatcher call as torch.ops less its Python argument matching (8-12 us).
+    Not while torch.compile traces the caller (it must see the op), nor with
+    a __torch_function__ override or mode in play (FX's proxies, tensor
+    subclasses): torch.ops dispatches those. Callers check
+    torch.jit.is_scripting() first (TorchScript cannot compile this)."""
+    return (_C is not None and not torch.compiler.is_compiling()
+            and not has_torch_function((input, weight, bias)))
 
 _IntOr2 = Union[int, Sequence[int]]
 
@@ -35,6 +54,8 @@ def tiled_conv2d(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     if isinstance(padding, str):
         raise ValueError("ddpx.ops.tiled_conv2d: padding must be an int or 2 ints; "
                          "ddpx.nn.TiledConv2d takes 'same' and 'valid'")
+    if _fast_ok(input, weight, bias):
+        return _C.tiled_conv2d(input, weight, bias, stride, padding, dilation, groups)
     unbatched = input.dim() == 3
     if unbatched:
         input = input.unsqueeze(0)
