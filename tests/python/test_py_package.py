@@ -17,7 +17,6 @@ rebuilds what changed. The CUDA kernels are left out unless a GPU is present
 (DDPX_PIP_CUDA overrides): this checks the packaging, the CUDA tests check them.
 """
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
