@@ -1,5 +1,6 @@
 #pragma once
-// Tile, halo and index math of the CUDA tiled_conv2d kernels, as
+// Tile, halo and index math of the CUDA tiled_conv2d kernels (the fast paths:
+// conv_tile_small.h), as
 // __host__ __device__ functions: kernels/cuda/tiled_conv2d_kernel.cu calls
 // them with threadIdx/blockIdx, and tests/cpp/test_conv_tiles.cpp calls the
 // very same functions for every emulated (block, thread) on the CPU.
@@ -211,18 +212,6 @@ DDPX_HD Acc grad_input_element(const ConvGeom& g, const T* go, const T* wt, int6
   return s;
 }
 
-// One term of grad_weight[oc, icg, i, j] = sum over q in [0, n*oh*ow) of
-// grad_out[nn, oc, oy, ox] * x[nn, grp*cig + icg, oy*sh - ph + i*dh, ox*sw - pw + j*dw].
-template <typename T, typename Acc>
-DDPX_HD Acc grad_weight_term(const ConvGeom& g, const T* go, const T* x, int64_t oc, int64_t icg,
-                             int64_t i, int64_t j, int64_t q) {
-  int64_t nn, oy, ox;
-  gemm_pixel(g, q, &nn, &oy, &ox);
-  const int64_t iy = oy * g.sh - g.ph + i * g.dh, ix = ox * g.sw - g.pw + j * g.dw;
-  if (iy < 0 || iy >= g.h || ix < 0 || ix >= g.w) return Acc(0);
-  const int64_t c = (oc / g.cog) * g.cig + icg;
-  return static_cast<Acc>(go[((nn * g.cout + oc) * g.oh + oy) * g.ow + ox]) *
-         static_cast<Acc>(x[((nn * g.c + c) * g.h + iy) * g.w + ix]);
-}
+// grad_weight: conv_tile_small.h's grad_weight_rows (row runs, any geometry).
 
 }  // namespace ddpx::detail::tile

@@ -20,6 +20,12 @@
 //   depthwise 8x32..64x56, k3/k5 g=C          1.6-2.4     1.3-2.1
 //   resnet 8x64x56 .. 32x256x14, k3           8-23        13-99
 //
+// (Our kernels then: the general direct path, one thread per output with
+// run-time loops, and a weight gradient of one block per tap. The small-filter
+// kernels that replaced them for 3x3/5x5 at stride 1 (conv_tile_small.h) have
+// not run on a GPU yet; the rule stays until the device check measures them:
+// the bench's own_fwd_ratio / own_ratio columns.)
+//
 // So the rule (auto): the forward of a single filter over single-channel
 // images (the seed's case: groups 1, one input and at most two output
 // channels) is ours, every other forward cuDNN's; the backward is ours only

@@ -2,12 +2,16 @@
 // launch shells over the tile/index math of kernels/common/conv_tile.h (which
 // the CPU tests drive by emulating blocks and threads).
 //
-// Forward: direct path (filter in __constant__ memory when it fits, input
-// tile + halo in shared memory, one thread per output) for few input channels
-// per group; an implicit-GEMM path with shared-memory tiles for the rest.
-// Backward: grad_input one thread per input element (gather form, no atomics),
-// grad_weight one block per filter tap with a block reduction, grad_bias a
-// reduction over (n, h, w).
+// Forward: for 3x3 and 5x5 filters at stride 1 and dilation 1 with few input
+// channels per group (the seed's case, depthwise), the small-filter path of
+// kernels/common/conv_tile_small.h (taps in registers, kRows outputs per
+// thread); other few-channel cases the general direct path (filter in
+// __constant__ memory when it fits, input tile + halo in shared memory, one
+// thread per output); an implicit-GEMM path with shared-memory tiles for the
+// rest. Backward: grad_input as that small-filter forward over grad_output
+// where it applies, elsewhere one thread per input element (gather form, no
+// atomics); grad_weight per tap in row runs (one block each) and a second
+// pass adding each tap's runs in order, grad_bias a reduction over (n, h, w).
 #include <ATen/ATen.h>
 #include <ATen/AccumulateType.h>
 #include <ATen/Dispatch.h>
@@ -21,6 +25,7 @@
 #include <type_traits>
 
 #include "kernels/common/conv_tile.h"
+#include "kernels/common/conv_tile_small.h"
 #include "kernels/common/tiled_conv2d_args.h"
 #include "kernels/common/tiled_conv2d_aten.h"
 #include "kernels/common/tiled_conv2d_cuda_path.h"
@@ -88,6 +93,41 @@ __global__ void __launch_bounds__(TH* TW) direct_fwd_kernel(const FwdParams<T> p
   }
 }
 
+template <typename T, typename Acc, int K>
+__global__ void __launch_bounds__(tile::SmallTile::kThreadsX* tile::SmallTile::kThreadsY)
+    small_direct_fwd_kernel(const FwdParams<T> p) {
+  using tile::SmallTile;
+  __shared__ Acc patch[tile::SmallPatch<K>::kH][tile::SmallPatch<K>::kW];
+  const ConvGeom& g = p.g;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t iy0 = tile::small_origin_y(g, blockIdx.y);
+  const int64_t ix0 = tile::small_origin_x(g, blockIdx.x);
+  // z covers n*cout planes, striding when there are more than the grid allows.
+  for (int64_t plane = blockIdx.z; plane < g.n * g.cout; plane += gridDim.z) {
+    const int64_t nn = plane / g.cout, oc = plane % g.cout, grp = oc / g.cog;
+    const Acc b = p.bias != nullptr ? static_cast<Acc>(p.bias[oc]) : Acc(0);
+    Acc acc[SmallTile::kRows];
+#pragma unroll
+    for (int r = 0; r < SmallTile::kRows; ++r) acc[r] = b;
+    for (int64_t icg = 0; icg < g.cig; ++icg) {
+      Acc wk[K][K];
+      tile::small_load_taps<K>(p.wt + (oc * g.cig + icg) * K * K, wk);
+      __syncthreads();  // everyone is done reading the previous patch
+      tile::small_load_patch<K>(p.x + (nn * g.c + grp * g.cig + icg) * g.h * g.w, g.h, g.w, iy0,
+                                ix0, patch, tx, ty);
+      __syncthreads();
+      tile::small_strip_dot<K>(patch, wk, tx, ty, acc);
+    }
+#pragma unroll
+    for (int r = 0; r < SmallTile::kRows; ++r) {
+      int64_t oy, ox;
+      if (tile::small_output(g, blockIdx.y, blockIdx.x, tx, ty, r, &oy, &ox)) {
+        p.out[(plane * g.oh + oy) * g.ow + ox] = static_cast<T>(acc[r]);
+      }
+    }
+  }
+}
+
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(kGemmThreads) gemm_fwd_kernel(const FwdParams<T> p) {
   __shared__ Acc As[kBK][kBM];
@@ -143,26 +183,37 @@ __global__ void grad_input_kernel(const ConvGeom g, const T* go, const T* wt, T*
   }
 }
 
+// Block (split, tap): the partial sum of tap `tap` over its run of rows
+// (tile::grad_weight_run), into partial[tap * splits + split].
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(kReduceThreads)
-    grad_weight_kernel(const ConvGeom g, const T* go, const T* x, T* gw) {
-  __shared__ Acc partial[kReduceThreads];
-  const int64_t taps = g.cout * g.cig * g.kh * g.kw, pixels = g.n * g.oh * g.ow;
-  for (int64_t e = blockIdx.x; e < taps; e += gridDim.x) {
-    const int64_t j = e % g.kw, i = (e / g.kw) % g.kh, icg = (e / (g.kw * g.kh)) % g.cig;
-    const int64_t oc = e / (g.kw * g.kh * g.cig);
-    Acc s = 0;
-    for (int64_t q = threadIdx.x; q < pixels; q += kReduceThreads) {
-      s += tile::grad_weight_term<T, Acc>(g, go, x, oc, icg, i, j, q);
-    }
-    partial[threadIdx.x] = s;
+    grad_weight_runs_kernel(const ConvGeom g, const T* go, const T* x, int64_t splits,
+                            Acc* partial) {
+  __shared__ Acc part[kReduceThreads];
+  const int64_t taps = g.cout * g.cig * g.kh * g.kw;
+  int64_t begin, end;
+  tile::grad_weight_run(g, blockIdx.x, splits, &begin, &end);
+  for (int64_t tap = blockIdx.y; tap < taps; tap += gridDim.y) {
+    part[threadIdx.x] =
+        tile::grad_weight_rows<T, Acc>(g, go, x, tap, begin, end, threadIdx.x, kReduceThreads);
     __syncthreads();
     for (int half = kReduceThreads / 2; half > 0; half /= 2) {
-      if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+      if (threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
       __syncthreads();
     }
-    if (threadIdx.x == 0) gw[e] = static_cast<T>(partial[0]);
-    __syncthreads();  // partial[0] is read before the next tap overwrites it
+    if (threadIdx.x == 0) partial[tap * splits + blockIdx.x] = part[0];
+    __syncthreads();  // part[0] is read before the next tap overwrites it
+  }
+}
+
+// gw[tap] = the sum of tap's runs, in run order (the same every call).
+template <typename T, typename Acc>
+__global__ void grad_weight_sum_kernel(int64_t taps, int64_t splits, const Acc* partial, T* gw) {
+  for (int64_t tap = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; tap < taps;
+       tap += int64_t(gridDim.x) * blockDim.x) {
+    Acc s = 0;
+    for (int64_t k = 0; k < splits; ++k) s += partial[tap * splits + k];
+    gw[tap] = static_cast<T>(s);
   }
 }
 
@@ -207,6 +258,19 @@ void launch_forward(const ConvGeom& g, const at::Tensor& x, const at::Tensor& wt
                     const at::Tensor& bias, at::Tensor& out, cudaStream_t stream) {
   const FwdParams<T> p{x.data_ptr<T>(), wt.data_ptr<T>(),
                        bias.defined() ? bias.data_ptr<T>() : nullptr, out.data_ptr<T>(), g};
+  if (const int k = tile::small_direct_k(g); k != 0) {
+    const dim3 blocks(tile::ceil_div(g.ow, tile::SmallTile::kTileW),
+                      tile::ceil_div(g.oh, tile::SmallTile::kTileH),
+                      std::min(g.n * g.cout, kMaxGridZ));
+    const dim3 threads(tile::SmallTile::kThreadsX, tile::SmallTile::kThreadsY);
+    if (k == 3) {
+      small_direct_fwd_kernel<T, Acc, 3><<<blocks, threads, 0, stream>>>(p);
+    } else {
+      small_direct_fwd_kernel<T, Acc, 5><<<blocks, threads, 0, stream>>>(p);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   const int64_t smem_limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlock;
   if (tile::direct_can_implement(g, kTileH, kTileW, sizeof(Acc), smem_limit)) {
     const auto grid = tile::direct_grid(g, kTileH, kTileW);
@@ -296,7 +360,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_cuda(
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, x.scalar_type(), "tiled_conv2d_backward_cuda", [&] {
           using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-          if (gx.defined()) {
+          if (gx.defined() && tile::small_grad_input_k(g) != 0) {
+            // A small-filter forward over grad_output (conv_tile_small.h).
+            launch_forward<scalar_t, acc_t>(tile::grad_input_as_forward(g), go,
+                                            tile::grad_input_filter(wt, g.groups), at::Tensor(),
+                                            gx, stream);
+          } else if (gx.defined()) {
             const int threads = 256;
             const int64_t blocks = std::min<int64_t>(tile::ceil_div(gx.numel(), threads), 65535);
             grad_input_kernel<scalar_t, acc_t><<<blocks, threads, 0, stream>>>(
@@ -304,9 +373,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_cuda(
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }
           if (gw.defined()) {
-            const int64_t blocks = std::min<int64_t>(gw.numel(), 1 << 20);
-            grad_weight_kernel<scalar_t, acc_t><<<blocks, kReduceThreads, 0, stream>>>(
-                g, go.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), gw.data_ptr<scalar_t>());
+            // About 8 blocks per SM in all: the seed's 25 taps get ~40 runs each.
+            const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+            const int64_t splits = tile::grad_weight_splits(g, 8 * sms);
+            const int64_t taps = gw.numel();
+            at::Tensor partial = at::empty({taps * splits}, x.options().dtype(
+                                                                 c10::CppTypeToScalarType<acc_t>::value));
+            const dim3 blocks(splits, std::min<int64_t>(taps, kMaxGridZ));
+            grad_weight_runs_kernel<scalar_t, acc_t><<<blocks, kReduceThreads, 0, stream>>>(
+                g, go.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), splits,
+                partial.data_ptr<acc_t>());
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            const int64_t sum_blocks = std::min<int64_t>(tile::ceil_div(taps, 256), 65535);
+            grad_weight_sum_kernel<scalar_t, acc_t><<<sum_blocks, 256, 0, stream>>>(
+                taps, splits, partial.data_ptr<acc_t>(), gw.data_ptr<scalar_t>());
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }
         });

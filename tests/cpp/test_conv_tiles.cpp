@@ -8,12 +8,15 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "kernels/common/conv_tile.h"
+#include "kernels/common/conv_tile_small.h"
 
 namespace {
 
@@ -168,18 +171,44 @@ TEST_P(ConvTiles, BackwardElementsMatchAten) {
         for (int64_t xx = 0; xx < g.w; ++xx)
           gxp[((nn * g.c + c) * g.h + y) * g.w + xx] =
               tile::grad_input_element<double, double>(g, gop, wp, nn, c, y, xx);
-  double* gwp = gw.data_ptr<double>();
-  for (int64_t oc = 0; oc < g.cout; ++oc)
-    for (int64_t icg = 0; icg < g.cig; ++icg)
-      for (int64_t i = 0; i < g.kh; ++i)
-        for (int64_t j = 0; j < g.kw; ++j) {
-          double s = 0;
-          for (int64_t q = 0; q < g.n * g.oh * g.ow; ++q)
-            s += tile::grad_weight_term<double, double>(g, gop, xp, oc, icg, i, j, q);
-          gwp[((oc * g.cig + icg) * g.kh + i) * g.kw + j] = s;
-        }
   EXPECT_TRUE(at::allclose(gx, gx_ref, 1e-10, 1e-10));
-  EXPECT_TRUE(at::allclose(gw, gw_ref, 1e-10, 1e-10));
+  // grad_weight as grad_weight_runs_kernel and grad_weight_sum_kernel do it:
+  // block (split, tap) sums its run over every thread, then the runs in
+  // order; thread counts that are and are not multiples of a row's width.
+  double* gwp = gw.data_ptr<double>();
+  const int64_t taps = gw.numel(), rows = g.n * g.oh;
+  for (int64_t target : {int64_t{1}, int64_t{5}, 3 * taps, 1000 * taps}) {
+    const int64_t splits = tile::grad_weight_splits(g, target);
+    ASSERT_GE(splits, 1);
+    ASSERT_LE(splits, std::max<int64_t>(rows, 1));
+    std::vector<int> covered(rows, 0);
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      int64_t begin, end;
+      tile::grad_weight_run(g, sp, splits, &begin, &end);
+      for (int64_t r = begin; r < end; ++r) ++covered[r];
+    }
+    for (int64_t r = 0; r < rows; ++r) ASSERT_EQ(covered[r], 1) << "row " << r;
+    for (int nthreads : {32, 96, 256}) {
+      gw.fill_(std::numeric_limits<double>::quiet_NaN());
+      for (int64_t tap = 0; tap < taps; ++tap) {
+        double sum = 0;
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          int64_t begin, end;
+          tile::grad_weight_run(g, sp, splits, &begin, &end);
+          double part = 0;
+          for (int tid = 0; tid < nthreads; ++tid) {
+            part += tile::grad_weight_rows<double, double>(g, gop, xp, tap, begin, end, tid,
+                                                           nthreads);
+          }
+          sum += part;
+        }
+        gwp[tap] = sum;
+      }
+      EXPECT_TRUE(at::allclose(gw, gw_ref, 1e-10, 1e-10))
+          << "splits " << splits << ", threads " << nthreads << ": "
+          << (gw - gw_ref).abs().max().item<double>();
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -197,6 +226,146 @@ INSTANTIATE_TEST_SUITE_P(
         Case{2, 20, 9, 11, 70, 3, 3, 1, 1, 1, 1, 1, 1, 1},  // GEMM-sized channels
         Case{1, 12, 7, 6, 18, 2, 3, 2, 1, 1, 3, 1, 2, 3}),  // grouped GEMM, ragged tiles
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
+
+// The small-filter forward (conv_tile_small.h), block by block, each
+// block's threads phase by phase between the kernel's __syncthreads().
+class ConvTilesSmall : public ConvTiles {
+ protected:
+  // The emulated small-filter forward of (x, wt) with geometry g, against ref.
+  template <int K>
+  void run(const ConvGeom& g, const at::Tensor& x, const at::Tensor& wt, const at::Tensor& ref) {
+    using tile::SmallTile;
+    constexpr int PH = tile::SmallPatch<K>::kH, PW = tile::SmallPatch<K>::kW;
+    constexpr int NT = SmallTile::kThreadsX * SmallTile::kThreadsY;
+    const double* xp = x.data_ptr<double>();
+    const double* wp = wt.data_ptr<double>();
+    at::Tensor out = at::zeros_like(ref);
+    std::vector<int> writes(out.numel(), 0);
+    double* op = out.data_ptr<double>();
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    const int64_t by_n = tile::ceil_div(g.oh, SmallTile::kTileH);
+    const int64_t bx_n = tile::ceil_div(g.ow, SmallTile::kTileW);
+    std::vector<double> patch_store(PH * PW);
+    auto* patch = reinterpret_cast<double(*)[PW]>(patch_store.data());
+    for (int64_t plane = 0; plane < g.n * g.cout; ++plane) {
+      const int64_t nn = plane / g.cout, oc = plane % g.cout, grp = oc / g.cog;
+      for (int64_t by = 0; by < by_n; ++by) {
+        for (int64_t bx = 0; bx < bx_n; ++bx) {
+          std::vector<std::array<double, SmallTile::kRows>> acc(NT);
+          for (auto& a : acc) a.fill(0.0);
+          const int64_t iy0 = tile::small_origin_y(g, by), ix0 = tile::small_origin_x(g, bx);
+          for (int64_t icg = 0; icg < g.cig; ++icg) {
+            std::fill(patch_store.begin(), patch_store.end(), nan);
+            const double* src = xp + (nn * g.c + grp * g.cig + icg) * g.h * g.w;
+            for (int ty = 0; ty < SmallTile::kThreadsY; ++ty) {
+              for (int tx = 0; tx < SmallTile::kThreadsX; ++tx) {
+                tile::small_load_patch<K>(src, g.h, g.w, iy0, ix0, patch, tx, ty);
+              }
+            }
+            for (int r = 0; r < PH; ++r) {
+              for (int c = 0; c < PW; ++c) {
+                const int64_t iy = iy0 + r, ix = ix0 + c;
+                const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
+                ASSERT_FALSE(std::isnan(patch[r][c])) << "patch (" << r << "," << c << ") not loaded";
+                ASSERT_EQ(patch[r][c], inside ? src[iy * g.w + ix] : 0.0);
+              }
+            }
+            double wk[K][K];
+            tile::small_load_taps<K>(wp + (oc * g.cig + icg) * K * K, wk);
+            for (int ty = 0; ty < SmallTile::kThreadsY; ++ty) {
+              for (int tx = 0; tx < SmallTile::kThreadsX; ++tx) {
+                double a[SmallTile::kRows];
+                std::copy(acc[ty * SmallTile::kThreadsX + tx].begin(),
+                          acc[ty * SmallTile::kThreadsX + tx].end(), a);
+                tile::small_strip_dot<K>(patch, wk, tx, ty, a);
+                std::copy(a, a + SmallTile::kRows, acc[ty * SmallTile::kThreadsX + tx].begin());
+              }
+            }
+          }
+          for (int ty = 0; ty < SmallTile::kThreadsY; ++ty) {
+            for (int tx = 0; tx < SmallTile::kThreadsX; ++tx) {
+              for (int r = 0; r < SmallTile::kRows; ++r) {
+                int64_t oy, ox;
+                if (!tile::small_output(g, by, bx, tx, ty, r, &oy, &ox)) continue;
+                const int64_t off = (plane * g.oh + oy) * g.ow + ox;
+                op[off] = acc[ty * SmallTile::kThreadsX + tx][r];
+                ++writes[off];
+              }
+            }
+          }
+        }
+      }
+    }
+    for (size_t i = 0; i < writes.size(); ++i) ASSERT_EQ(writes[i], 1) << "output " << i;
+    EXPECT_TRUE(at::allclose(out, ref, 1e-10, 1e-10)) << (out - ref).abs().max().item<double>();
+  }
+};
+
+TEST_P(ConvTilesSmall, SmallFilterEmulationMatchesAten) {
+  using tile::SmallTile;
+  const int k = tile::small_direct_k(g);
+  ASSERT_TRUE(k == 3 || k == 5) << "not a small-filter case";
+  if (k == 3) {
+    run<3>(g, x, wt, ref);
+  } else {
+    run<5>(g, x, wt, ref);
+  }
+}
+
+// grad_input as the small-filter forward over grad_output with the flipped,
+// channel-swapped filter (grad_input_as_forward, grad_input_filter).
+TEST_P(ConvTilesSmall, SmallFilterGradInputMatchesAten) {
+  const Case& c = GetParam();
+  const int k = tile::small_grad_input_k(g);
+  ASSERT_TRUE(k == 3 || k == 5) << "not a small-filter case";
+  at::Tensor go = at::randn_like(ref);
+  const at::Tensor gx_ref = std::get<0>(at::convolution_backward(
+      go, x, wt, std::nullopt, {1, 1}, {c.ph, c.pw}, {1, 1}, false, {0, 0}, c.groups,
+      {true, false, false}));
+  const ConvGeom t = tile::grad_input_as_forward(g);
+  const at::Tensor wflip = tile::grad_input_filter(wt, c.groups);
+  EXPECT_TRUE(at::allclose(at::conv2d(go, wflip, {}, {1, 1}, {t.ph, t.pw}, {1, 1}, c.groups),
+                           gx_ref, 1e-10, 1e-10));
+  if (k == 3) {
+    run<3>(t, go, wflip, gx_ref);
+  } else {
+    run<5>(t, go, wflip, gx_ref);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, ConvTilesSmall,
+    ::testing::Values(
+        // n, c, h, w, cout, kh, kw, sh, sw, ph, pw, dh, dw, groups
+        Case{1, 1, 17, 19, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1},   // the seed's case, odd sizes
+        Case{2, 1, 97, 70, 2, 5, 5, 1, 1, 2, 2, 1, 1, 1},   // several tiles both ways, ragged
+        Case{1, 1, 1, 1, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1},     // all halo, one output
+        Case{1, 1, 5, 5, 1, 5, 5, 1, 1, 0, 0, 1, 1, 1},     // no padding: one output
+        Case{2, 3, 33, 65, 3, 3, 3, 1, 1, 0, 2, 1, 1, 3},   // depthwise, padding 0 / 2
+        Case{1, 8, 40, 31, 8, 5, 5, 1, 1, 4, 1, 1, 1, 2},   // 4 channels per group, pad > k/2
+        Case{3, 2, 9, 34, 4, 3, 3, 1, 1, 1, 0, 1, 1, 1}),   // 2 channels, 2 filters
+    [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
+
+TEST(ConvTilesDecisions, SmallFilterPath) {
+  EXPECT_EQ(tile::small_direct_k(geom(Case{1, 1, 2048, 2048, 1, 5, 5, 1, 1, 2, 2, 1, 1, 1})), 5);
+  EXPECT_EQ(tile::small_direct_k(geom(Case{8, 32, 56, 56, 32, 3, 3, 1, 1, 1, 1, 1, 1, 32})), 3);
+  // grad_input: its padding K-1-p must not be negative.
+  EXPECT_EQ(tile::small_grad_input_k(geom(Case{1, 1, 64, 64, 1, 3, 3, 1, 1, 2, 2, 1, 1, 1})), 3);
+  EXPECT_EQ(tile::small_grad_input_k(geom(Case{1, 1, 64, 64, 1, 3, 3, 1, 1, 3, 1, 1, 1, 1})), 0);
+  // Not small-filter: strided, dilated, other or non-square filters, many channels.
+  EXPECT_EQ(tile::small_direct_k(geom(Case{1, 1, 64, 64, 1, 3, 3, 2, 2, 1, 1, 1, 1, 1})), 0);
+  EXPECT_EQ(tile::small_direct_k(geom(Case{1, 1, 64, 64, 1, 3, 3, 1, 1, 2, 2, 2, 2, 1})), 0);
+  EXPECT_EQ(tile::small_direct_k(geom(Case{1, 1, 64, 64, 1, 7, 7, 1, 1, 3, 3, 1, 1, 1})), 0);
+  EXPECT_EQ(tile::small_direct_k(geom(Case{1, 1, 64, 64, 1, 3, 5, 1, 1, 1, 2, 1, 1, 1})), 0);
+  EXPECT_EQ(tile::small_direct_k(geom(Case{8, 64, 56, 56, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1})), 0);
+  // The seed's weight gradient: 25 taps, ~40 runs each for 1056 blocks.
+  const ConvGeom seed = geom(Case{1, 1, 2048, 2048, 1, 5, 5, 1, 1, 2, 2, 1, 1, 1});
+  EXPECT_EQ(tile::grad_weight_splits(seed, 1056), 43);
+  // Never more runs than rows, never fewer than one.
+  EXPECT_EQ(tile::grad_weight_splits(geom(Case{1, 1, 3, 3, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1}), 1056), 3);
+  EXPECT_EQ(tile::grad_weight_splits(geom(Case{8, 64, 56, 56, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1}), 1056),
+            1);
+}
 
 TEST(ConvTilesDecisions, FilterFitsConstantMemory) {
   EXPECT_TRUE(tile::filter_fits_constant(1 * 1 * 3 * 3, sizeof(float)));   // the seed's 3x3

@@ -78,7 +78,7 @@ def test_cuda_matches_cudnn(c, dtype):
 @pytest.mark.parametrize("shape", [(1, 1, 512, 512, 1, 3), (1, 1, 300, 301, 1, 5),
                                    (4, 64, 28, 28, 64, 3), (2, 32, 40, 40, 32, 3)])
 def test_cuda_paths(shape):
-    """Seed's case (constant-memory filter), many channels (GEMM path), depthwise."""
+    """Seed's cases and depthwise 3x3 (the small-filter path), many channels (GEMM path)."""
     n, c, h, w_, oc, k = shape
     groups = c if shape[1] == 32 else 1
     x = torch.randn(n, c, h, w_, device="cuda", requires_grad=True)
@@ -94,17 +94,55 @@ def test_cuda_paths(shape):
 
 @pytest.mark.sanitizer
 def test_constant_filter_across_streams():
-    """Launches with different filters on two streams must not see each other's."""
+    """Launches with different filters on two streams must not see each other's
+    (7x7: the general direct path, whose filter goes to __constant__ memory)."""
     x = torch.randn(1, 1, 1024, 1024, device="cuda")
-    ws = [torch.randn(1, 1, 3, 3, device="cuda") for _ in range(8)]
+    ws = [torch.randn(1, 1, 7, 7, device="cuda") for _ in range(8)]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     outs = []
     for i, w in enumerate(ws):
         with torch.cuda.stream(streams[i % 2]):
-            outs.append(op(x, w, None, [1, 1], [1, 1]))
+            outs.append(op(x, w, None, [1, 1], [3, 3]))
     torch.cuda.synchronize()
     for w, y in zip(ws, outs):
-        _close(y, F.conv2d(x, w, None, 1, 1), torch.float32, "output")
+        _close(y, F.conv2d(x, w, None, 1, 3), torch.float32, "output")
+
+
+# The small-filter path (kernels/common/conv_tile_small.h): 3x3 and 5x5 at
+# stride 1 and dilation 1 with at most 4 input channels per group, its
+# grad_input the same kernel over grad_output (padding <= K-1), its
+# grad_weight in row runs. Sizes around its 32x32 tiles; (n, cin, cout,
+# groups, h, w, k, padding, bias).
+SMALL = [(1, 1, 1, 1, 33, 65, 3, (1, 1), True), (3, 1, 2, 1, 97, 31, 5, (2, 2), False),
+         (2, 4, 4, 4, 32, 32, 3, (0, 2), True), (1, 8, 8, 2, 40, 31, 5, (4, 1), True),
+         (0, 2, 2, 2, 9, 9, 3, (1, 1), True), (2, 3, 6, 3, 1, 1, 3, (1, 1), False),
+         (1, 2, 3, 1, 70, 7, 5, (0, 0), True),
+         (1, 1, 1, 1, 20, 20, 3, (3, 0), True)]  # padding > K-1: the general grad_input
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", SMALL, ids=[f"n{c[0]}c{c[1]}o{c[2]}g{c[3]}_{c[4]}x{c[5]}_k{c[6]}"
+                                             f"p{c[7][0]}{c[7][1]}" for c in SMALL])
+def test_cuda_small_filter_path(case, dtype):
+    n, cin, cout, groups, h, w_, k, pad, bias = case
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(n, cin, h, w_ + 3, generator=gen, dtype=torch.float64)[..., 1:w_ + 1]
+    x = x.to("cuda", dtype).requires_grad_()  # non-contiguous: a column slice
+    wt = torch.randn(cout, cin // groups, k, k, generator=gen, dtype=torch.float64)
+    wt = wt.to("cuda", dtype).requires_grad_()
+    b = (torch.randn(cout, generator=gen, dtype=torch.float64).to("cuda", dtype).requires_grad_()
+         if bias else None)
+    ins = [x, wt] + ([b] if bias else [])
+    y = op(x, wt, b, [1, 1], list(pad), [1, 1], groups)
+    ref_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    refs = [t.detach().to(ref_dtype).requires_grad_() for t in ins]
+    r = F.conv2d(refs[0], refs[1], refs[2] if bias else None, 1, pad, 1, groups)
+    _close(y, r, dtype, "output")
+    go = torch.randn(r.shape, generator=gen, dtype=torch.float64).to("cuda")
+    got = torch.autograd.grad(y, ins, go.to(dtype))
+    want = torch.autograd.grad(r, refs, go.to(ref_dtype))
+    for name, g, gr in zip(["grad_input", "grad_weight", "grad_bias"], got, want):
+        _close(g, gr, dtype, name)
 
 
 def test_cuda_channels_last_and_unbatched():
