@@ -12,6 +12,8 @@
 #                                                report "no GPU", deps not unpacked
 # DDPX_CHECK_BUDGET_S (default 540): a step that cannot start with its
 # minimum time left is recorded as "not run: out of time" instead of being cut.
+# DDPX_CHECK_GROUPS (default build,tests,bench,sanitize,ddp,pip; also ddpfull,
+# the whole DDP suite): which groups run.
 set -uo pipefail
 out=${1:?usage: check.sh OUT_DIR [--rehearse]}
 rehearse=0; [ "${2:-}" = --rehearse ] && rehearse=1
@@ -202,6 +204,11 @@ fi
 if want ddp; then
   gpu_step "bench ddp --device cuda --quick" 60 200 python3 "$here/scripts/bench/ddp" --quick \
     --device cuda
+fi
+# Not in the default groups: the whole DDP suite on CUDA, for a second call
+# on the warm machine (DDPX_CHECK_GROUPS=ddpfull) when the first left time.
+if want ddpfull; then
+  gpu_step "bench ddp --device cuda" 60 540 python3 "$here/scripts/bench/ddp" --device cuda
 fi
 
 python3 "$here/scripts/device/summarize.py" "$out" "$steps"
