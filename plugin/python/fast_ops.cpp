@@ -3,8 +3,9 @@
 //
 // Why: torch.ops.ddpx.tiled_conv2d(...) matches its Python arguments against
 // the schema generically (IValues, overload resolution, __torch_function__
-// checks) before it reaches the dispatcher: 8-12 us a call on our 2-core
-// machine where F.conv2d's generated binding costs 1-2, and on CUDA, where
+// checks) before it reaches the dispatcher: 7-16 us a call more than this
+// binding on our 2-core machine (which comes within 1 us of F.conv2d on a
+// 1x1 convolution that both send to ATen), and on CUDA, where
 // cuDNN serves a 10-70 us convolution, that host time is the difference
 // (bench_results/gpu/2026-11-28-h200: the path rule's cuDNN cases at
 // 1.03-1.20 of F.conv2d). This binding converts the arguments itself and
