@@ -202,8 +202,12 @@ if want sanitize; then
   done
 fi
 if want ddp; then
+  # --trace: GradSync's own trace of gradsync_gloo per model (2 files, 25 KB
+  # for the cnn on the CPU; OUT_DIR then holds 7 of the 8 files a call brings
+  # back), for the cnn's 2.12x over DDP on the H200 that nothing on the CPU
+  # explains.
   gpu_step "bench ddp --device cuda --quick" 60 200 python3 "$here/scripts/bench/ddp" --quick \
-    --device cuda
+    --device cuda --trace "$out"
 fi
 # Not in the default groups: the whole DDP suite on CUDA, for a second call
 # on the warm machine (DDPX_CHECK_GROUPS=ddpfull) when the first left time.
