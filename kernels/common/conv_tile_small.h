@@ -7,9 +7,10 @@
 // single-channel 5x5 forward on a 2048x2048 image in 126 us, 16x the
 // memory-bandwidth floor (bench_results/gpu/2026-11-28-h200): per output it
 // ran a run-time kh x kw loop with 64-bit index math and a 64-bit division per
-// loaded element, about 500 instructions for 25 multiply-adds. Its weight
-// gradient gave each filter tap one block, so the seed's 25 taps used 25 of
-// 132 SMs for 4M pixels each (13 ms of the 13.1 ms forward + backward).
+// loaded element (by our count of the source, several hundred instructions
+// for 25 multiply-adds; not profiled). Its weight gradient gave each filter
+// tap one block, so the seed's 25 taps used 25 of 132 SMs for 4M pixels each;
+// that case's backward took 12.9 ms.
 //
 // Small square filters (K = 3 or 5, stride 1, dilation 1, at most 4 input
 // channels per group: the seed, depthwise 3x3/5x5): K is a template
