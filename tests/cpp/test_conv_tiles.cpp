@@ -44,6 +44,25 @@ std::string name(const Case& k) {
                   "_s", k.sh, k.sw, "_p", k.ph, k.pw, "_d", k.dh, k.dw, "_g", k.groups);
 }
 
+// Every element of a row-major ph x pw patch whose origin is input (iy0, ix0)
+// was loaded, and holds the input there, or zero where it hangs over the padding.
+void expect_patch(const ConvGeom& g, const double* src, int64_t iy0, int64_t ix0, int64_t ph,
+                  int64_t pw, const double* patch) {
+  for (int64_t e = 0; e < ph * pw; ++e) {
+    const int64_t iy = iy0 + e / pw, ix = ix0 + e % pw;
+    const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
+    ASSERT_FALSE(std::isnan(patch[e])) << "patch element " << e << " never loaded";
+    ASSERT_EQ(patch[e], inside ? src[iy * g.w + ix] : 0.0) << "at (" << iy << "," << ix << ")";
+  }
+}
+
+// Each output written exactly once (writes counts them), and out equals ref.
+void expect_each_output_once(const std::vector<int>& writes, const at::Tensor& out,
+                             const at::Tensor& ref) {
+  for (size_t i = 0; i < writes.size(); ++i) ASSERT_EQ(writes[i], 1) << "output " << i;
+  EXPECT_TRUE(at::allclose(out, ref, 1e-10, 1e-10)) << (out - ref).abs().max().item<double>();
+}
+
 class ConvTiles : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
@@ -84,14 +103,7 @@ TEST_P(ConvTiles, DirectPathEmulationMatchesAten) {
           for (int tid = 0; tid < TH * TW; ++tid) {
             tile::load_patch(src, g.h, g.w, iy0, ix0, ph_, pw_, patch.data(), tid, TH * TW);
           }
-          // Halo check: every patch element loaded; zero exactly off the input.
-          for (int64_t e = 0; e < ph_ * pw_; ++e) {
-            const int64_t iy = iy0 + e / pw_, ix = ix0 + e % pw_;
-            const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
-            ASSERT_FALSE(std::isnan(patch[e])) << "patch element " << e << " never loaded";
-            ASSERT_EQ(patch[e], inside ? src[iy * g.w + ix] : 0.0)
-                << "at (" << iy << "," << ix << ")";
-          }
+          ASSERT_NO_FATAL_FAILURE(expect_patch(g, src, iy0, ix0, ph_, pw_, patch.data()));
           for (int ly = 0; ly < TH; ++ly) {
             for (int lx = 0; lx < TW; ++lx) {
               acc[ly * TW + lx] +=
@@ -111,8 +123,7 @@ TEST_P(ConvTiles, DirectPathEmulationMatchesAten) {
       }
     }
   }
-  for (size_t i = 0; i < writes.size(); ++i) ASSERT_EQ(writes[i], 1) << "output " << i;
-  EXPECT_TRUE(at::allclose(out, ref, 1e-10, 1e-10)) << (out - ref).abs().max().item<double>();
+  expect_each_output_once(writes, out, ref);
 }
 
 // The implicit-GEMM path with deliberately small tiles (so M, N and K all have
@@ -151,8 +162,7 @@ TEST_P(ConvTiles, GemmPathEmulationMatchesAten) {
       }
     }
   }
-  for (size_t i = 0; i < writes.size(); ++i) ASSERT_EQ(writes[i], 1) << "output " << i;
-  EXPECT_TRUE(at::allclose(out, ref, 1e-10, 1e-10)) << (out - ref).abs().max().item<double>();
+  expect_each_output_once(writes, out, ref);
 }
 
 TEST_P(ConvTiles, BackwardElementsMatchAten) {
@@ -262,14 +272,7 @@ class ConvTilesSmall : public ConvTiles {
                 tile::small_load_patch<K>(src, g.h, g.w, iy0, ix0, patch, tx, ty);
               }
             }
-            for (int r = 0; r < PH; ++r) {
-              for (int c = 0; c < PW; ++c) {
-                const int64_t iy = iy0 + r, ix = ix0 + c;
-                const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
-                ASSERT_FALSE(std::isnan(patch[r][c])) << "patch (" << r << "," << c << ") not loaded";
-                ASSERT_EQ(patch[r][c], inside ? src[iy * g.w + ix] : 0.0);
-              }
-            }
+            ASSERT_NO_FATAL_FAILURE(expect_patch(g, src, iy0, ix0, PH, PW, patch_store.data()));
             double wk[K][K];
             tile::small_load_taps<K>(wp + (oc * g.cig + icg) * K * K, wk);
             for (int ty = 0; ty < SmallTile::kThreadsY; ++ty) {
@@ -296,8 +299,7 @@ class ConvTilesSmall : public ConvTiles {
         }
       }
     }
-    for (size_t i = 0; i < writes.size(); ++i) ASSERT_EQ(writes[i], 1) << "output " << i;
-    EXPECT_TRUE(at::allclose(out, ref, 1e-10, 1e-10)) << (out - ref).abs().max().item<double>();
+    expect_each_output_once(writes, out, ref);
   }
 };
 
