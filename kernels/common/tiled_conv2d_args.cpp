@@ -145,9 +145,10 @@ std::string conv_path_override() {
   const char* env = std::getenv("DDPX_CONV_PATH");
   if (env == nullptr || *env == '\0') return "auto";
   const std::string want = env;
-  TORCH_CHECK(want == "auto" || want == "tiled" || want == "direct" || want == "gemm" ||
-                  want == "aten",
-              "DDPX_CONV_PATH must be one of auto, tiled, direct, gemm, aten; got '", want, "'");
+  TORCH_CHECK(want == "auto" || want == "benchmark" || want == "tiled" || want == "direct" ||
+                  want == "gemm" || want == "aten",
+              "DDPX_CONV_PATH must be one of auto, benchmark, tiled, direct, gemm, aten; got '",
+              want, "'");
   return want;
 }
 

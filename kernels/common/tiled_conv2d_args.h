@@ -51,8 +51,9 @@ at::MemoryFormat conv2d_output_memory_format(const at::Tensor& input, const at::
 bool tiled_conv2d_dtype_supported(c10::DeviceType device_type, at::ScalarType dtype);
 
 // DDPX_CONV_PATH, read on every call (tests switch it): "auto" when unset or
-// empty, else one of tiled, direct, gemm, aten (anything else is an error).
-// The CPU's and CUDA's path rules both take it.
+// empty, else one of benchmark (measured per problem: conv_path_tuner.h),
+// tiled, direct, gemm, aten (anything else is an error). The CPU's and CUDA's
+// path rules both take it.
 std::string conv_path_override();
 
 }  // namespace ddpx::detail

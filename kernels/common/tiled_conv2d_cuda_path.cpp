@@ -7,7 +7,21 @@
 namespace ddpx::detail::cuda {
 namespace {
 
-bool auto_rule_aten(const Conv2dShape& s, Pass pass) {
+const char* choice_name(Choice c) {
+  switch (c) {
+    case Choice::kAten:
+      return "aten";
+    case Choice::kOurs:
+      return "tiled";
+    case Choice::kMeasure:
+      return "measure";
+  }
+  return "?";
+}
+
+}  // namespace
+
+bool rule_aten(const Conv2dShape& s, Pass pass) {
   const bool single_filter = s.groups == 1 && s.c_in.expect_int() == 1 &&
                              s.c_out.expect_int() <= 2;
   if (!single_filter) return true;
@@ -15,18 +29,30 @@ bool auto_rule_aten(const Conv2dShape& s, Pass pass) {
   return s.kh.expect_int() * s.kw.expect_int() < 25;
 }
 
-}  // namespace
-
-bool aten_serves(const Conv2dShape& s, at::ScalarType dtype, Pass pass) {
-  (void)dtype;  // (one rule for every dtype until others are measured)
-  const std::string want = conv_path_override();
-  if (want == "auto") return auto_rule_aten(s, pass);
-  return want == "aten";  // (tiled, direct, gemm: our kernels, which pick their own)
+ConvTuneKey cuda_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarType dtype,
+                          Pass pass) {
+  return conv_tune_key(s, device, dtype, pass == Pass::kForward ? 0 : 1);
 }
 
-std::string conv_paths_name(const Conv2dShape& s, at::ScalarType dtype) {
-  const char* fwd = aten_serves(s, dtype, Pass::kForward) ? "aten" : "tiled";
-  const char* bwd = aten_serves(s, dtype, Pass::kBackward) ? "aten" : "tiled";
+Choice choose(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pass pass) {
+  // (one rule for every dtype until others are measured)
+  if (conv_benchmark_mode(c10::DeviceType::CUDA)) {
+    const auto got = conv_tuned_choice(cuda_tune_key(s, device, dtype, pass));
+    return got ? static_cast<Choice>(*got) : Choice::kMeasure;
+  }
+  const std::string want = conv_path_override();
+  if (want == "auto") return rule_aten(s, pass) ? Choice::kAten : Choice::kOurs;
+  // (tiled, direct, gemm: our kernels, which pick their own)
+  return want == "aten" ? Choice::kAten : Choice::kOurs;
+}
+
+bool aten_serves(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pass pass) {
+  return choose(s, device, dtype, pass) == Choice::kAten;
+}
+
+std::string conv_paths_name(const Conv2dShape& s, c10::Device device, at::ScalarType dtype) {
+  const char* fwd = choice_name(choose(s, device, dtype, Pass::kForward));
+  const char* bwd = choice_name(choose(s, device, dtype, Pass::kBackward));
   if (std::strcmp(fwd, bwd) == 0) return fwd;
   return std::string(fwd) + "/" + bwd;
 }
@@ -38,7 +64,7 @@ std::string tiled_conv2d_path_cuda(const at::Tensor& input, const at::Tensor& we
                                    at::IntArrayRef dilation, int64_t groups) {
   const Conv2dShape s =
       check_tiled_conv2d_args(input, weight, std::nullopt, stride, padding, dilation, groups);
-  return conv_paths_name(s, input.scalar_type());
+  return conv_paths_name(s, input.device(), input.scalar_type());
 }
 
 }  // namespace

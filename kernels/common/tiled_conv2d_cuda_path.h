@@ -34,22 +34,41 @@
 // calls (within 8% either way) go to cuDNN: a rule tuned to noise would not
 // hold on the next card. Other dtypes follow the float32 rule (unmeasured).
 // DDPX_CONV_PATH (read on every call): `aten` forces cuDNN, `tiled` (or the
-// CPU's direct/gemm) forces ours, `auto` or unset is the rule.
+// CPU's direct/gemm) forces ours, `auto` or unset is the rule, and
+// `benchmark` (or `auto` with torch.backends.cudnn.benchmark set) measures
+// both per problem (kernels/common/conv_path_tuner.h).
 #include <ATen/ATen.h>
 
 #include <string>
 
+#include "kernels/common/conv_path_tuner.h"
 #include "kernels/common/tiled_conv2d_args.h"
 
 namespace ddpx::detail::cuda {
 
 enum class Pass { kForward, kBackward };
 
-// Whether cuDNN (ATen) serves `pass` of problem `s` on CUDA.
-bool aten_serves(const Conv2dShape& s, at::ScalarType dtype, Pass pass);
+// Who serves a pass: cuDNN, our kernels, or, in benchmark mode before this
+// pass of this problem was measured, both in turn (the kernel measures them
+// with conv_tune, candidates in the order kAten, kOurs).
+enum class Choice { kAten = 0, kOurs = 1, kMeasure = 2 };
 
-// What ddpx::tiled_conv2d_path reports for a CUDA input: "tiled", "aten", or
-// "<forward>/<backward>" when the passes differ.
-std::string conv_paths_name(const Conv2dShape& s, at::ScalarType dtype);
+Choice choose(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pass pass);
+
+// The fixed rule's answer (what a call to be measured takes when it cannot
+// be: under CUDA graph capture, where syncing is not allowed).
+bool rule_aten(const Conv2dShape& s, Pass pass);
+
+ConvTuneKey cuda_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarType dtype,
+                          Pass pass);
+
+// Whether cuDNN (ATen) is known to serve `pass` of problem `s` on CUDA (a
+// pass still to be measured answers no).
+bool aten_serves(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pass pass);
+
+// What ddpx::tiled_conv2d_path reports for a CUDA input: "tiled", "aten",
+// "measure" (not measured yet), or "<forward>/<backward>" when the passes
+// differ.
+std::string conv_paths_name(const Conv2dShape& s, c10::Device device, at::ScalarType dtype);
 
 }  // namespace ddpx::detail::cuda

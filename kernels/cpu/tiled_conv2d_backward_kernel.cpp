@@ -228,14 +228,13 @@ void gemm_backward(const CpuConv& p, const at::Tensor& x, const at::Tensor& go,
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_cpu(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
-    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-    std::array<bool, 3> output_mask) {
-  const Conv2dShape s = check_tiled_conv2d_backward_args(grad_output, input, weight, stride,
-                                                         padding, dilation, groups);
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+Grads backward_on(ConvPath path, const Conv2dShape& s, const at::Tensor& grad_output,
+                  const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
+                  at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                  std::array<bool, 3> output_mask) {
   const CpuConv p = make_cpu_conv(s);
-  const ConvPath path = choose_conv_path(p, input.scalar_type(), ConvPass::kBackward);
   if (path == ConvPath::kAten) {
     return aten_conv2d_backward(s, grad_output, input, weight, stride, padding, dilation, groups,
                                 output_mask);
@@ -272,6 +271,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_cpu(
   if (gx.defined()) gx = s.unbatched ? gx.squeeze(0) : gx.contiguous(fmt);
   if (gw.defined()) gw = gw.contiguous(fmt);
   return {gx, gw, gb};
+}
+
+Grads tiled_conv2d_backward_cpu(const at::Tensor& grad_output, const at::Tensor& input,
+                                const at::Tensor& weight, at::IntArrayRef stride,
+                                at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                                std::array<bool, 3> output_mask) {
+  const Conv2dShape s = check_tiled_conv2d_backward_args(grad_output, input, weight, stride,
+                                                         padding, dilation, groups);
+  const ConvPath path = choose_conv_path(s, input.scalar_type(), ConvPass::kBackward);
+  if (path != ConvPath::kMeasure) {
+    return backward_on(path, s, grad_output, input, weight, stride, padding, dilation, groups,
+                       output_mask);
+  }
+  return conv_tune<Grads>(cpu_tune_key(s, input.scalar_type(), ConvPass::kBackward),
+                          input.device(), kMeasuredPathCount, [&](int i) {
+                            return backward_on(kMeasuredPaths[i], s, grad_output, input, weight,
+                                               stride, padding, dilation, groups, output_mask);
+                          });
 }
 
 }  // namespace

@@ -153,13 +153,11 @@ void gemm_forward(const CpuConv& p, const at::Tensor& x, const at::Tensor& wt, a
   }
 }
 
-at::Tensor tiled_conv2d_cpu(const at::Tensor& input, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                            at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
-  const Conv2dShape s =
-      check_tiled_conv2d_args(input, weight, bias, stride, padding, dilation, groups);
+at::Tensor forward_on(ConvPath path, const Conv2dShape& s, const at::Tensor& input,
+                      const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                      at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
+                      int64_t groups) {
   const CpuConv p = make_cpu_conv(s);
-  const ConvPath path = choose_conv_path(p, input.scalar_type(), ConvPass::kForward);
   if (path == ConvPath::kAten) {
     return aten_conv2d_forward(s, input, weight, bias, stride, padding, dilation, groups);
   }
@@ -195,6 +193,23 @@ at::Tensor tiled_conv2d_cpu(const at::Tensor& input, const at::Tensor& weight,
   }
   if (s.unbatched) return out.squeeze(0);
   return out_format == at::MemoryFormat::Contiguous ? out : out.contiguous(out_format);
+}
+
+at::Tensor tiled_conv2d_cpu(const at::Tensor& input, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                            at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
+  const Conv2dShape s =
+      check_tiled_conv2d_args(input, weight, bias, stride, padding, dilation, groups);
+  const ConvPath path = choose_conv_path(s, input.scalar_type(), ConvPass::kForward);
+  if (path != ConvPath::kMeasure) {
+    return forward_on(path, s, input, weight, bias, stride, padding, dilation, groups);
+  }
+  return conv_tune<at::Tensor>(
+      cpu_tune_key(s, input.scalar_type(), ConvPass::kForward), input.device(),
+      kMeasuredPathCount, [&](int i) {
+        return forward_on(kMeasuredPaths[i], s, input, weight, bias, stride, padding, dilation,
+                          groups);
+      });
 }
 
 }  // namespace

@@ -57,26 +57,36 @@ const char* conv_path_name(ConvPath path) {
       return "gemm";
     case ConvPath::kAten:
       return "aten";
+    case ConvPath::kMeasure:
+      return "measure";
   }
   return "?";
 }
 
-ConvPath choose_conv_path(const CpuConv& p, at::ScalarType dtype, ConvPass pass) {
+ConvTuneKey cpu_tune_key(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass) {
+  return conv_tune_key(s, c10::Device(c10::kCPU), dtype, pass == ConvPass::kForward ? 0 : 1);
+}
+
+ConvPath choose_conv_path(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass) {
   const std::string want = conv_path_override();
-  if (want == "auto") return auto_rule(p, dtype, pass);
-  if (want == "tiled") return seed_rule(p);
+  if (want == "auto") return auto_rule(make_cpu_conv(s), dtype, pass);
+  if (want == "benchmark") {
+    const auto got = conv_tuned_choice(cpu_tune_key(s, dtype, pass));
+    return got ? kMeasuredPaths[*got] : ConvPath::kMeasure;
+  }
+  if (want == "tiled") return seed_rule(make_cpu_conv(s));
   if (want == "direct") return ConvPath::kDirect;
   if (want == "gemm") return ConvPath::kGemm;
   return ConvPath::kAten;
 }
 
 bool aten_serves(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass) {
-  return choose_conv_path(make_cpu_conv(s), dtype, pass) == ConvPath::kAten;
+  return choose_conv_path(s, dtype, pass) == ConvPath::kAten;
 }
 
-std::string conv_paths_name(const CpuConv& p, at::ScalarType dtype) {
-  const ConvPath fwd = choose_conv_path(p, dtype, ConvPass::kForward);
-  const ConvPath bwd = choose_conv_path(p, dtype, ConvPass::kBackward);
+std::string conv_paths_name(const Conv2dShape& s, at::ScalarType dtype) {
+  const ConvPath fwd = choose_conv_path(s, dtype, ConvPass::kForward);
+  const ConvPath bwd = choose_conv_path(s, dtype, ConvPass::kBackward);
   if (fwd == bwd) return conv_path_name(fwd);
   return std::string(conv_path_name(fwd)) + "/" + conv_path_name(bwd);
 }
@@ -88,7 +98,7 @@ std::string tiled_conv2d_path_cpu(const at::Tensor& input, const at::Tensor& wei
                                   at::IntArrayRef dilation, int64_t groups) {
   const Conv2dShape s =
       check_tiled_conv2d_args(input, weight, std::nullopt, stride, padding, dilation, groups);
-  return conv_paths_name(make_cpu_conv(s), input.scalar_type());
+  return conv_paths_name(s, input.scalar_type());
 }
 
 }  // namespace

@@ -58,32 +58,48 @@
 //  float64 never reaches oneDNN (ATen's slow im2col path serves it): there the
 //  seed's rule stays (direct for <= 4 input channels per group, else gemm).
 //
-// DDPX_CONV_PATH=auto|tiled|direct|gemm|aten overrides the choice (read on
-// every call, so tests can switch it): `tiled` is the seed's own rule (direct
-// for <= 4 input channels per group, else gemm), the others force one path.
+// DDPX_CONV_PATH=auto|benchmark|tiled|direct|gemm|aten overrides the choice
+// (read on every call, so tests can switch it): `tiled` is the seed's own rule
+// (direct for <= 4 input channels per group, else gemm), `benchmark` measures
+// the three paths per problem (kernels/common/conv_path_tuner.h), the others
+// force one path.
 #include <string>
 
+#include "kernels/common/conv_path_tuner.h"
 #include "kernels/cpu/tiled_conv2d_cpu.h"
 
 namespace ddpx::detail::cpu {
 
-enum class ConvPath { kDirect, kGemm, kAten };
+// kMeasure: benchmark mode, and this pass of this problem not measured yet;
+// the kernel measures the three real paths (conv_tune) and serves the call
+// with the winner.
+enum class ConvPath { kDirect, kGemm, kAten, kMeasure };
 enum class ConvPass { kForward, kBackward };
+
+// The paths benchmark mode measures, in the order of conv_tune's indices.
+inline constexpr ConvPath kMeasuredPaths[] = {ConvPath::kDirect, ConvPath::kGemm,
+                                              ConvPath::kAten};
+inline constexpr int kMeasuredPathCount = 3;
 
 const char* conv_path_name(ConvPath path);
 
-// The path that serves one pass of problem `p`. The passes may differ: each
-// reads only its own arguments (input, weight, grad_output), never a layout
-// the other left behind.
-ConvPath choose_conv_path(const CpuConv& p, at::ScalarType dtype, ConvPass pass);
+// The path that serves one pass of problem `s` (of dtype `dtype`, on the
+// CPU). The passes may differ: each reads only its own arguments (input,
+// weight, grad_output), never a layout the other left behind.
+ConvPath choose_conv_path(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass);
 
-// Whether ATen serves `pass` of problem `s` on the CPU. ddpx::tiled_conv2d's
-// Autograd kernel then calls at::convolution itself, with autograd on, so
-// ATen records its own backward node (see ops/autograd/tiled_conv2d_kernel.cpp).
+// The key under which benchmark mode keeps that pass's choice.
+ConvTuneKey cpu_tune_key(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass);
+
+// Whether ATen serves `pass` of problem `s` on the CPU (known to: a pass
+// still to be measured answers no). ddpx::tiled_conv2d's Autograd kernel then
+// calls at::convolution itself, with autograd on, so ATen records its own
+// backward node (see ops/autograd/tiled_conv2d_kernel.cpp).
 bool aten_serves(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass);
 
 // What ddpx::tiled_conv2d_path reports: "direct", or "<forward>/<backward>"
-// ("aten/direct") when the passes differ.
-std::string conv_paths_name(const CpuConv& p, at::ScalarType dtype);
+// ("aten/direct") when the passes differ; "measure" for a pass that
+// benchmark mode has not measured yet.
+std::string conv_paths_name(const Conv2dShape& s, at::ScalarType dtype);
 
 }  // namespace ddpx::detail::cpu

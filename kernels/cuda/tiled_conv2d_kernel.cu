@@ -17,6 +17,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -307,15 +308,20 @@ void launch_forward(const ConvGeom& g, const at::Tensor& x, const at::Tensor& wt
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor tiled_conv2d_cuda(const at::Tensor& input, const at::Tensor& weight,
-                             const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                             at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
-  const Conv2dShape s =
-      check_tiled_conv2d_args(input, weight, bias, stride, padding, dilation, groups);
-  // Where cuDNN wins (kernels/common/tiled_conv2d_cuda_path.h).
-  if (aten_serves(s, input.scalar_type(), Pass::kForward)) {
-    return aten_conv2d_forward(s, input, weight, bias, stride, padding, dilation, groups);
+// The choice for a pass; a pass to be measured under CUDA graph capture (no
+// syncs allowed) takes the fixed rule instead.
+Choice choose_here(const Conv2dShape& s, const at::Tensor& input, Pass pass) {
+  const Choice c = choose(s, input.device(), input.scalar_type(), pass);
+  if (c != Choice::kMeasure) return c;
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
+    return c;
   }
+  return rule_aten(s, pass) ? Choice::kAten : Choice::kOurs;
+}
+
+at::Tensor ours_forward(const Conv2dShape& s, const at::Tensor& input, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias) {
   const c10::cuda::CUDAGuard device_guard(input.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const ConvGeom g = make_geom(s);
@@ -335,16 +341,27 @@ at::Tensor tiled_conv2d_cuda(const at::Tensor& input, const at::Tensor& weight,
   return fmt == at::MemoryFormat::Contiguous ? out : out.contiguous(fmt);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_cuda(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
-    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
-    std::array<bool, 3> output_mask) {
-  const Conv2dShape s = check_tiled_conv2d_backward_args(grad_output, input, weight, stride,
-                                                         padding, dilation, groups);
-  if (aten_serves(s, input.scalar_type(), Pass::kBackward)) {
-    return aten_conv2d_backward(s, grad_output, input, weight, stride, padding, dilation, groups,
-                                output_mask);
-  }
+at::Tensor tiled_conv2d_cuda(const at::Tensor& input, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
+                             at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
+  const Conv2dShape s =
+      check_tiled_conv2d_args(input, weight, bias, stride, padding, dilation, groups);
+  // Where cuDNN wins (kernels/common/tiled_conv2d_cuda_path.h), or measured.
+  const auto on = [&](Choice c) {
+    return c == Choice::kAten
+               ? aten_conv2d_forward(s, input, weight, bias, stride, padding, dilation, groups)
+               : ours_forward(s, input, weight, bias);
+  };
+  const Choice c = choose_here(s, input, Pass::kForward);
+  if (c != Choice::kMeasure) return on(c);
+  return conv_tune<at::Tensor>(cuda_tune_key(s, input.device(), input.scalar_type(), Pass::kForward),
+                               input.device(), 2, [&](int i) { return on(static_cast<Choice>(i)); });
+}
+
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+Grads ours_backward(const Conv2dShape& s, const at::Tensor& grad_output, const at::Tensor& input,
+                    const at::Tensor& weight, std::array<bool, 3> output_mask) {
   const c10::cuda::CUDAGuard device_guard(input.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const ConvGeom g = make_geom(s);
@@ -394,6 +411,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiled_conv2d_backward_cuda(
   if (gx.defined()) gx = s.unbatched ? gx.squeeze(0) : gx.contiguous(fmt);
   if (gw.defined()) gw = gw.contiguous(fmt);
   return {gx, gw, gb};
+}
+
+Grads tiled_conv2d_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
+                                 const at::Tensor& weight, at::IntArrayRef stride,
+                                 at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                                 std::array<bool, 3> output_mask) {
+  const Conv2dShape s = check_tiled_conv2d_backward_args(grad_output, input, weight, stride,
+                                                         padding, dilation, groups);
+  const auto on = [&](Choice c) {
+    return c == Choice::kAten ? aten_conv2d_backward(s, grad_output, input, weight, stride,
+                                                     padding, dilation, groups, output_mask)
+                              : ours_backward(s, grad_output, input, weight, output_mask);
+  };
+  const Choice c = choose_here(s, input, Pass::kBackward);
+  if (c != Choice::kMeasure) return on(c);
+  return conv_tune<Grads>(cuda_tune_key(s, input.device(), input.scalar_type(), Pass::kBackward),
+                          input.device(), 2, [&](int i) { return on(static_cast<Choice>(i)); });
 }
 
 }  // namespace

@@ -114,6 +114,8 @@ at::Tensor tiled_conv2d_autograd(const at::Tensor& input, const at::Tensor& weig
   const bool concrete = !input.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
                         !weight.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
   // The same on CUDA, where cuDNN serves (kernels/common/tiled_conv2d_cuda_path.h).
+  // In benchmark mode a pass not measured yet is not known to be ATen's, so
+  // its first calls take our Function, whose kernels measure.
   if (concrete && (input.device().is_cpu() || input.device().is_cuda())) {
     const Conv2dShape s =
         check_tiled_conv2d_args(input, weight, bias, stride, padding, dilation, groups);
@@ -122,7 +124,7 @@ at::Tensor tiled_conv2d_autograd(const at::Tensor& input, const at::Tensor& weig
       return input.device().is_cpu()
                  ? cpu::aten_serves(s, dtype,
                                     backward ? cpu::ConvPass::kBackward : cpu::ConvPass::kForward)
-                 : cuda::aten_serves(s, dtype,
+                 : cuda::aten_serves(s, input.device(), dtype,
                                      backward ? cuda::Pass::kBackward : cuda::Pass::kForward);
     };
     if (aten(false) && (!records || aten(true))) {

@@ -12,8 +12,9 @@
 #                                                report "no GPU", deps not unpacked
 # DDPX_CHECK_BUDGET_S (default 540): a step that cannot start with its
 # minimum time left is recorded as "not run: out of time" instead of being cut.
-# DDPX_CHECK_GROUPS (default build,tests,bench,sanitize,ddp,pip; also ddpfull,
-# the whole DDP suite): which groups run.
+# DDPX_CHECK_GROUPS (default build,tests,bench,sanitize,ddp,pip; also
+# benchmode, the conv suite with measured paths, and ddpfull, the whole DDP
+# suite): which groups run.
 set -uo pipefail
 out=${1:?usage: check.sh OUT_DIR [--rehearse]}
 rehearse=0; [ "${2:-}" = --rehearse ] && rehearse=1
@@ -209,8 +210,14 @@ if want ddp; then
   gpu_step "bench ddp --device cuda --quick" 60 200 python3 "$here/scripts/bench/ddp" --quick \
     --device cuda --trace "$out"
 fi
-# Not in the default groups: the whole DDP suite on CUDA, for a second call
-# on the warm machine (DDPX_CHECK_GROUPS=ddpfull) when the first left time.
+# Not in the default groups, for a second call on the warm machine when the
+# first left time (DDPX_CHECK_GROUPS=benchmode,ddpfull): the conv suite with
+# the path measured per case (DDPX_CONV_PATH=benchmark, cuDNN's benchmark mode
+# on for F.conv2d too), and the whole DDP suite on CUDA.
+if want benchmode; then
+  gpu_step "bench conv2d --device cuda --path benchmark" 30 150 \
+    python3 "$here/scripts/bench/conv2d" --device cuda --path benchmark
+fi
 if want ddpfull; then
   gpu_step "bench ddp --device cuda" 60 540 python3 "$here/scripts/bench/ddp" --device cuda
 fi

@@ -232,3 +232,66 @@ def test_cuda_path_override(monkeypatch):
     monkeypatch.setenv("DDPX_CONV_PATH", "sideways")
     with pytest.raises(RuntimeError, match="DDPX_CONV_PATH must be one of"):
         op(x, w, None, [1, 1], [1, 1])
+
+
+# ---- benchmark mode: cuDNN or ours, measured per problem (conv_path_tuner.h) ---------------
+
+
+@pytest.fixture
+def cudnn_benchmark():
+    was = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    yield
+    torch.backends.cudnn.benchmark = was
+
+
+def _passes(path):
+    fwd, _, bwd = path.partition("/")
+    return fwd, bwd or fwd
+
+
+@pytest.mark.auto_path
+@pytest.mark.parametrize("how", ["cudnn_benchmark", "env"])
+@pytest.mark.parametrize("shape,path", RULE, ids=[p + str(s) for s, p in RULE])
+def test_cuda_benchmark_mode(shape, path, how, request, monkeypatch):
+    # torch.backends.cudnn.benchmark turns the rule into a measurement;
+    # DDPX_CONV_PATH=benchmark does so whatever that flag says. The measuring
+    # call returns the winner's result; later calls take the winner.
+    if how == "cudnn_benchmark":
+        monkeypatch.delenv("DDPX_CONV_PATH", raising=False)
+        request.getfixturevalue("cudnn_benchmark")
+    else:
+        monkeypatch.setenv("DDPX_CONV_PATH", "benchmark")
+    n, c, hw, oc, k, g = shape
+    wide = hw + (3 if how == "env" else 1)  # problems of their own: choices live for the process
+    x = torch.randn(n, c, hw, wide, device="cuda", requires_grad=True)
+    w = torch.randn(oc, c // g, k, k, device="cuda", requires_grad=True)
+    b = torch.randn(oc, device="cuda", requires_grad=True)
+    args = ([1, 1], [k // 2, k // 2], [1, 1], g)
+    assert torch.ops.ddpx.tiled_conv2d_path(x, w, *args) == "measure"
+    r = F.conv2d(x, w, b, 1, k // 2, 1, g)
+    go = torch.randn_like(r)
+    refs = torch.autograd.grad(r, (x, w, b), go)
+    for attempt in ("measuring", "measured"):
+        y = op(x, w, b, *args)
+        _close(y, r, torch.float32, f"{attempt} output")
+        for name, got, ref in zip(["grad_input", "grad_weight", "grad_bias"],
+                                  torch.autograd.grad(y, (x, w, b), go), refs):
+            _close(got, ref, torch.float32, f"{attempt} {name}")
+        assert set(_passes(torch.ops.ddpx.tiled_conv2d_path(x, w, *args))) <= {"aten", "tiled"}
+
+
+@pytest.mark.auto_path
+def test_cuda_benchmark_mode_under_graph_capture(monkeypatch):
+    # Measuring syncs the device, which a capturing stream forbids: a problem
+    # first met under capture takes the fixed rule, and stays unmeasured.
+    monkeypatch.setenv("DDPX_CONV_PATH", "benchmark")
+    x = torch.randn(2, 1, 40, 45, device="cuda")
+    w = torch.randn(1, 1, 5, 5, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = op(x, w, None, [1, 1], [2, 2])
+    graph.replay()
+    torch.cuda.synchronize()
+    _close(y, F.conv2d(x, w, padding=2), torch.float32, "captured")
+    assert torch.ops.ddpx.tiled_conv2d_path(x, w, [1, 1], [2, 2]) == "measure"

@@ -1,7 +1,8 @@
 """ddpx::tiled_conv2d's CPU paths (issue 26): each of direct, gemm and aten is
 correct on its own (forced with DDPX_CONV_PATH), the automatic choice follows
-the table of kernels/cpu/tiled_conv2d_path.h, and ddpx::tiled_conv2d_path
-reports it.
+the table of kernels/cpu/tiled_conv2d_path.h, benchmark mode measures the
+three per problem (kernels/common/conv_path_tuner.h), and
+ddpx::tiled_conv2d_path reports the choice.
 
 Tolerances as in test_tiled_conv2d.py: rtol = atol / max(1, max|ref|) = 1e-9 in
 float64, 1e-4 in float32 (only the summation order differs from ATen).
@@ -213,7 +214,7 @@ def test_bad_path_override_names_the_variable(monkeypatch):
         op(torch.randn(1, 1, 5, 5), torch.randn(1, 1, 3, 3))
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", PATHS + ["benchmark"])
 def test_bad_arguments_name_the_argument_on_every_path(path, monkeypatch):
     # The checks run at the door, before the path is chosen.
     monkeypatch.setenv("DDPX_CONV_PATH", path)
@@ -227,3 +228,99 @@ def test_bad_arguments_name_the_argument_on_every_path(path, monkeypatch):
     with pytest.raises(RuntimeError, match="grad_output must have the forward output's shape"):
         torch.ops.ddpx._tiled_conv2d_backward(torch.randn(1, 2, 5, 5), x, torch.randn(2, 4, 3, 3),
                                               [1, 1], [0, 0], [1, 1], 1, [True, True, True])
+
+
+# ---- benchmark mode: the path measured per problem --------------------------------------
+# Measured choices live for the process, so each test below uses shapes of
+# its own (the width) where it asserts that a problem is not measured yet.
+
+MEASURED = {"direct", "gemm", "aten"}
+
+
+def _passes(path):
+    fwd, _, bwd = path.partition("/")
+    return fwd, bwd or fwd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_benchmark_mode_matches_aten(case, dtype, monkeypatch):
+    # The measuring call itself returns the winner's result; later calls take
+    # the winner straight away. Both agree with F.conv2d.
+    monkeypatch.setenv("DDPX_CONV_PATH", "benchmark")
+    _, xs, ws, s, p, d, g, layout = case
+    gen = torch.Generator().manual_seed(len(case[0]) + 1)
+    x = _input(xs, layout, dtype, gen)
+    w = torch.randn(ws, dtype=dtype, generator=gen, requires_grad=True)
+    b = torch.randn(ws[0], dtype=dtype, generator=gen, requires_grad=True)
+    args = (_pair(s), _pair(p), _pair(d), g)
+    r = F.conv2d(x, w, b, *args)
+    go = torch.randn(r.shape, dtype=dtype, generator=gen)
+    refs = torch.autograd.grad(r, (x, w, b), go)
+    for attempt in ("measuring", "measured"):
+        y = op(x, w, b, *args)
+        assert_close(y, r, dtype, f"{attempt} output")
+        for name, got, ref in zip(["grad_input", "grad_weight", "grad_bias"],
+                                  torch.autograd.grad(y, (x, w, b), go), refs):
+            assert_close(got, ref, dtype, f"{attempt} {name}")
+        assert set(_passes(path_of(x, w, *args))) <= MEASURED
+
+
+def test_benchmark_mode_measures_each_pass_once(monkeypatch):
+    monkeypatch.setenv("DDPX_CONV_PATH", "benchmark")
+    x = torch.randn(2, 3, 11, 101, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    assert path_of(x, w) == "measure"
+    with torch.no_grad():
+        op(x, w)                                   # the forward alone
+    fwd, bwd = _passes(path_of(x, w))
+    assert fwd in MEASURED and bwd == "measure"
+    op(x, w).sum().backward()
+    fwd2, bwd2 = _passes(path_of(x, w))
+    assert fwd2 == fwd and bwd2 in MEASURED
+    # Another thread count is another problem on the CPU (ours and oneDNN's
+    # scale differently), and so is another dtype.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        assert path_of(x, w) == "measure"
+    finally:
+        torch.set_num_threads(threads)
+    assert path_of(x.double(), w.double()) == "measure"
+    assert _passes(path_of(x, w)) == (fwd, bwd2)
+
+
+def test_benchmark_mode_leaves_the_slow_path(monkeypatch):
+    # 64 input channels, 3x3: the direct loops are 5-28x ATen's and the GEMM's
+    # (kernels/cpu/tiled_conv2d_path.h), a margin no timing noise crosses.
+    monkeypatch.setenv("DDPX_CONV_PATH", "benchmark")
+    x = torch.randn(2, 64, 28, 27)
+    w = torch.randn(64, 64, 3, 3)
+    with torch.no_grad():
+        y = op(x, w, None, [1, 1], [1, 1])
+    assert_close(y, F.conv2d(x, w, padding=1), torch.float32, "output")
+    assert _passes(path_of(x, w, [1, 1], [1, 1]))[0] in {"gemm", "aten"}
+
+
+def test_benchmark_mode_gradcheck(monkeypatch):
+    monkeypatch.setenv("DDPX_CONV_PATH", "benchmark")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 6, 6, 9, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(4, 3, 2, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: op(x, w, b, [1, 2], [0, 1], [1, 2], 2),
+                                    (x, w, b))
+
+
+def test_benchmark_mode_in_torchscript(monkeypatch):
+    # ddpx-train's models call the op from TorchScript: the same kernels measure.
+    monkeypatch.setenv("DDPX_CONV_PATH", "benchmark")
+
+    @torch.jit.script
+    def conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ddpx.tiled_conv2d(x, w, None, [1, 1], [2, 2], [1, 1], 1)
+
+    x, w = torch.randn(3, 1, 19, 103), torch.randn(6, 1, 5, 5)
+    assert path_of(x, w, [1, 1], [2, 2]) == "measure"
+    assert_close(conv(x, w), F.conv2d(x, w, padding=2), torch.float32, "scripted")
+    assert _passes(path_of(x, w, [1, 1], [2, 2]))[0] in MEASURED

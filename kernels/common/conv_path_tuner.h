@@ -1,0 +1,90 @@
+#pragma once
+// Measured path choice for ddpx::tiled_conv2d, as torch.backends.cudnn.benchmark
+// is for cuDNN's algorithms: the first call of one pass (forward or backward)
+// of one problem runs every candidate path on the caller's own tensors, keeps
+// the fastest, and every later call of that pass and problem takes it.
+//
+// Why: the fixed rules (kernels/cpu/tiled_conv2d_path.h,
+// kernels/common/tiled_conv2d_cuda_path.h) were drawn from one machine of
+// each kind; a shape, a card or a thread count they were not drawn from can
+// be slower than F.conv2d with them. Measuring on the machine that trains
+// cannot lose by more than the measurement's noise.
+//
+// On when DDPX_CONV_PATH=benchmark (CPU and CUDA), or on CUDA when
+// DDPX_CONV_PATH is unset or `auto` and torch.backends.cudnn.benchmark is
+// set (the user's "measure the algorithms for my shapes", which then covers
+// the choice between cuDNN and our kernels too). The cost is the first call
+// per problem (each candidate runs a few times, with device syncs); the
+// paths round differently, so, as with cuDNN's benchmark mode, which one a
+// run takes, and its last bits, can differ between runs and machines.
+//
+// A choice is kept per device, dtype, geometry, pass and (on the CPU) thread
+// count, for the life of the process (conv_path_tuning_clear forgets them).
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <functional>
+#include <limits>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "kernels/common/tiled_conv2d_args.h"
+
+namespace ddpx::detail {
+
+// Whether calls on a device of this type choose their path by measurement.
+bool conv_benchmark_mode(c10::DeviceType type);
+
+// What identifies one measured choice.
+struct ConvTuneKey {
+  std::vector<int64_t> fields;
+  bool operator==(const ConvTuneKey& o) const { return fields == o.fields; }
+};
+
+// `pass`: 0 forward, 1 backward (the callers' own enums differ per device).
+ConvTuneKey conv_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarType dtype,
+                          int pass);
+
+// The measured winner for `key` (an index into the caller's candidates), if
+// it has been measured.
+std::optional<int> conv_tuned_choice(const ConvTuneKey& key);
+
+// Forgets every measured choice (the next call of each problem measures
+// again).
+void conv_path_tuning_clear();
+
+// Seconds per call of `fn` on `device`, device work included: one warm-up
+// call (a first call pays one-time costs: oneDNN's primitive, cuDNN's own
+// algorithm search), one timed call, then, unless that one is already more
+// than 4x `beat` (the best so far), as many back-to-back calls as fit in
+// about a millisecond (1 to 20), whose mean is the figure if lower. The
+// device's current stream is synchronized around each timing.
+double conv_time_candidate(c10::Device device, double beat, const std::function<void()>& fn);
+
+// Records the winner of `key`.
+void conv_remember_choice(const ConvTuneKey& key, int choice);
+
+// Measures candidates 0..count-1 with `run(i)` on `device`, remembers the
+// fastest for `key`, and returns its result (from its last timed call, so the
+// measured call still does the caller's work).
+template <class R>
+R conv_tune(const ConvTuneKey& key, c10::Device device, int count,
+            const std::function<R(int)>& run) {
+  std::optional<R> best_result;
+  int best = -1;
+  double best_s = std::numeric_limits<double>::infinity();
+  for (int c = 0; c < count; ++c) {
+    R result;
+    const double s = conv_time_candidate(device, best_s, [&] { result = run(c); });
+    if (s < best_s) {
+      best_s = s;
+      best = c;
+      best_result = std::move(result);
+    }
+  }
+  conv_remember_choice(key, best);
+  return std::move(*best_result);
+}
+
+}  // namespace ddpx::detail

@@ -1,0 +1,108 @@
+// kernels/common/conv_path_tuner.h: the fastest candidate wins and is kept
+// per key, the measuring call returns the winner's own result, a candidate
+// clearly slower than the best so far is not run again and again, and the
+// switches that turn measuring on. Candidates here sleep for set times, far
+// apart, so the order cannot flip with a busy machine's noise; the real paths
+// are measured in tests/python/test_tiled_conv2d_paths.py (and _cuda.py).
+#include <ATen/Context.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/common/conv_path_tuner.h"
+
+namespace ddpx::detail {
+namespace {
+
+const c10::Device kCpu(c10::kCPU);
+
+ConvTuneKey key(int64_t id) { return ConvTuneKey{{-1, id}}; }  // (no real problem has -1 first)
+
+void sleep_ms(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }
+
+TEST(ConvPathTuner, FastestWinsAndItsResultIsReturned) {
+  conv_path_tuning_clear();
+  std::vector<int> runs(3, 0);
+  const std::vector<int> cost_ms{8, 0, 20};
+  const std::string got = conv_tune<std::string>(key(1), kCpu, 3, [&](int i) {
+    ++runs[i];
+    sleep_ms(cost_ms[i]);
+    return "result of " + std::to_string(i);
+  });
+  EXPECT_EQ(got, "result of 1");
+  EXPECT_EQ(conv_tuned_choice(key(1)), 1);
+  // Candidate 0 (first, nothing to beat): warm-up, one timed call, then
+  // about a millisecond's worth (one call). The 0 ms candidate: up to 20
+  // back-to-back calls. Candidate 2, far over 4x the best: warm-up and one.
+  EXPECT_EQ(runs[0], 3);
+  EXPECT_GE(runs[1], 3);
+  EXPECT_LE(runs[1], 22);
+  EXPECT_EQ(runs[2], 2);
+}
+
+TEST(ConvPathTuner, ChoicesAreKeptPerKeyUntilCleared) {
+  conv_path_tuning_clear();
+  const auto tune = [](int64_t id, int fast) {
+    return conv_tune<int>(key(id), kCpu, 2, [&](int i) {
+      sleep_ms(i == fast ? 0 : 10);
+      return i;
+    });
+  };
+  EXPECT_EQ(tune(2, 0), 0);
+  EXPECT_EQ(tune(3, 1), 1);
+  EXPECT_EQ(conv_tuned_choice(key(2)), 0);
+  EXPECT_EQ(conv_tuned_choice(key(3)), 1);
+  EXPECT_FALSE(conv_tuned_choice(key(4)).has_value());
+  conv_path_tuning_clear();
+  EXPECT_FALSE(conv_tuned_choice(key(2)).has_value());
+}
+
+TEST(ConvPathTuner, AFirstCallsOneTimeCostDoesNotDecide) {
+  // Candidate 0 pays 40 ms on its first call only (as oneDNN's primitive or
+  // cuDNN's algorithm search does), then costs nothing; candidate 1 always
+  // costs 5 ms. The warm-up absorbs the one-time cost.
+  conv_path_tuning_clear();
+  bool first = true;
+  const int got = conv_tune<int>(key(5), kCpu, 2, [&](int i) {
+    if (i == 0) {
+      if (first) sleep_ms(40);
+      first = false;
+    } else {
+      sleep_ms(5);
+    }
+    return i;
+  });
+  EXPECT_EQ(got, 0);
+}
+
+TEST(ConvPathTuner, TheSwitches) {
+  const char* was = std::getenv("DDPX_CONV_PATH");
+  const bool cudnn_was = at::globalContext().benchmarkCuDNN();
+  setenv("DDPX_CONV_PATH", "benchmark", 1);
+  EXPECT_TRUE(conv_benchmark_mode(c10::DeviceType::CPU));
+  EXPECT_TRUE(conv_benchmark_mode(c10::DeviceType::CUDA));
+  setenv("DDPX_CONV_PATH", "auto", 1);
+  at::globalContext().setBenchmarkCuDNN(false);
+  EXPECT_FALSE(conv_benchmark_mode(c10::DeviceType::CPU));
+  EXPECT_FALSE(conv_benchmark_mode(c10::DeviceType::CUDA));
+  // torch.backends.cudnn.benchmark: measure on CUDA (not the CPU's paths).
+  at::globalContext().setBenchmarkCuDNN(true);
+  EXPECT_FALSE(conv_benchmark_mode(c10::DeviceType::CPU));
+  EXPECT_TRUE(conv_benchmark_mode(c10::DeviceType::CUDA));
+  // A forced path wins over the flag.
+  setenv("DDPX_CONV_PATH", "aten", 1);
+  EXPECT_FALSE(conv_benchmark_mode(c10::DeviceType::CUDA));
+  at::globalContext().setBenchmarkCuDNN(cudnn_was);
+  if (was != nullptr) {
+    setenv("DDPX_CONV_PATH", was, 1);
+  } else {
+    unsetenv("DDPX_CONV_PATH");
+  }
+}
+
+}  // namespace
+}  // namespace ddpx::detail
