@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from trainer_util import (env, kill_group, model, mpirun_cmd, rank_pid, start, torchrun_cmd,
-                          wait_for)
+from trainer_util import (env, kill_group, model, mpirun_cmd, rank_pid, read_until, start,
+                          torchrun_cmd, wait_for)
 
 T = 10  # DDPX_TIMEOUT_S for these runs
 
@@ -27,12 +27,7 @@ def launch(launcher, tmp_path, data, extra=()):
     p = start(cmd, env=env(DDPX_TIMEOUT_S=T))
     rank_var = "OMPI_COMM_WORLD_RANK" if launcher == "mpirun" else "RANK"
     lines = []
-    # Wait until training is under way (a progress line from rank 0).
-    def progressing():
-        line = p.stdout.readline()
-        lines.append(line)
-        return "step 20/" in line or (line == "" and p.poll() is not None and "exited")
-    wait_for(progressing, 300, "training to start")
+    read_until(p, lines, "step 20/", 300)  # training under way (a progress line from rank 0)
     assert p.poll() is None, "".join(lines)
     pid = wait_for(lambda: rank_pid(marker, 1, rank_var), 30, "rank 1's pid")
     return p, pid, lines

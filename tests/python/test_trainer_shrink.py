@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from trainer_util import (checkpoint_params, ddpx_run_cmd, env, kill_group, model, mpirun_cmd,
-                          rank_pid, read_metrics, run, start, wait_for)
+                          rank_pid, read_metrics, read_until, run, start, wait_for)
 
 SAMPLES, GLOBAL, STEPS = 600, 12, 50
 COMMON = ["--model", model("han"), "--train-samples", SAMPLES, "--global-batch", GLOBAL,
@@ -114,11 +114,7 @@ def signal_mid_run(cmd, marker, rank, sig, run_env):
     p = start(cmd, env=run_env)
     lines = []
     try:
-        def progressing():
-            line = p.stdout.readline()
-            lines.append(line)
-            return "step 15/" in line or (line == "" and p.poll() is not None and "exited")
-        wait_for(progressing, 120, "training to start")
+        read_until(p, lines, "step 15/", 120)
         assert p.poll() is None, "".join(lines)
         pid = wait_for(lambda: rank_pid(marker, rank, "OMPI_COMM_WORLD_RANK"), 30, "the pid")
         os.kill(pid, sig)

@@ -82,6 +82,21 @@ def rank_pid(marker, rank, rank_var):
     return None
 
 
+def read_until(p, lines, text, timeout, what="training to start"):
+    """Appends p's output lines to `lines` until one holds `text`, or the
+    output ends (then p has exited: the caller's check says so). No pause
+    between lines: wait_for's 50 ms per line let a fast job (HAN, 12 ms a
+    step) run ~0.6 s ahead of the reader, and a 50-step run had ended before
+    its step-15 line was read, so the rank was signalled too late."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        lines.append(line)
+        if text in line or (line == "" and p.poll() is not None):
+            return
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def wait_for(pred, timeout, what):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -129,13 +144,8 @@ def signal_rank_mid_run(tmp_path, data_cache, steps, rank, sig, np=3, extra=()):
         cmd = mpirun_cmd(np, *args, "--status-file", status_file)
     p = start(cmd, env=env(DDPX_TIMEOUT_S=5))
     lines = []
-
-    def progressing():
-        line = p.stdout.readline()
-        lines.append(line)
-        return "step 20/" in line or (line == "" and p.poll() is not None and "exited")
     try:
-        wait_for(progressing, 120, "training to start")
+        read_until(p, lines, "step 20/", 120)
         assert p.poll() is None, "".join(lines)
         pid = wait_for(lambda: rank_pid(marker, rank, "OMPI_COMM_WORLD_RANK"), 30,
                        f"rank {rank}'s pid")
