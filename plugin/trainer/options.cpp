@@ -76,6 +76,10 @@ Options parse_options(int argc, char** argv) {
                   "gradients and the optimizer stay float32; --device cuda)")
       ->check(CLI::IsMember({"off", "bf16"}))
       ->capture_default_str();
+  run->add_flag("--cudnn-benchmark", o.cudnn_benchmark,
+                "measure per shape, on the first steps, cuDNN's algorithms and whether cuDNN or "
+                "ddpx's kernels serve each tiled_conv2d pass, as torch.backends.cudnn.benchmark "
+                "(faster steps after the first; runs may differ in the last bits; --device cuda)");
 
   auto* sync = app.add_option_group("GradSync");
   sync->add_option("--bucket-cap-mb", o.bucket_cap_mb)
@@ -246,6 +250,9 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.amp != "off" && o.device != "cuda") {
     std::exit(app.exit(CLI::ValidationError("--amp", "bf16 autocast needs --device cuda")));
+  }
+  if (o.cudnn_benchmark && o.device != "cuda") {
+    std::exit(app.exit(CLI::ValidationError("--cudnn-benchmark", "cuDNN needs --device cuda")));
   }
   if (o.device != "cpu" && o.mode == "ps") {
     std::exit(app.exit(CLI::ValidationError(

@@ -33,6 +33,8 @@ struct Options {
   int threads = 0;             // intra-op threads; 0: cores / local ranks
   std::string device = "cpu";  // cpu | cuda (each rank its local GPU)
   std::string amp = "off";     // off | bf16 (CUDA autocast around forward and loss)
+  bool cudnn_benchmark = false;  // torch.backends.cudnn.benchmark: cuDNN's algorithms and
+                                // tiled_conv2d's path measured per shape (CUDA)
 
   // GradSync.
   double bucket_cap_mb = 25.0;

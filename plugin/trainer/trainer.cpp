@@ -1,5 +1,6 @@
 #include "plugin/trainer/trainer.h"
 
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <c10/util/StringUtil.h>
 #include <ddpx/comm.h>
@@ -101,6 +102,14 @@ class Autocast {
   bool on_;
 };
 
+// " (autocast bf16, cudnn benchmark)" for the header line; "" when neither.
+std::string cuda_modes(const Options& o) {
+  std::vector<std::string> on;
+  if (o.amp != "off") on.push_back("autocast " + o.amp);
+  if (o.cudnn_benchmark) on.push_back("cudnn benchmark");
+  return on.empty() ? "" : " (" + c10::Join(", ", on) + ")";
+}
+
 }  // namespace
 
 std::string run(const Options& o) {
@@ -110,6 +119,9 @@ std::string run(const Options& o) {
                            : comm::default_timeout();
   // The GPU first: NCCL binds each rank to the current device.
   const at::Device device = select_device(o);
+  // (Read on every convolution: ATen's cuDNN calls and our ops' path choice,
+  // kernels/common/conv_path_tuner.h.)
+  if (o.cudnn_benchmark) at::globalContext().setBenchmarkCuDNN(true);
   auto pg = comm::init_from_env(timeout);
   int rank = pg->getRank(), world = pg->getSize();
   bool lead = rank == 0;
@@ -216,8 +228,7 @@ std::string run(const Options& o) {
   if (lead && !o.quiet) {
     std::cout << "[ddpx-train] " << o.model << ": " << params.size() << " parameter tensors, "
               << world << " rank(s) over " << (world > 1 ? backend : "one process") << " on "
-              << (device.is_cuda() ? "cuda" + (o.amp != "off" ? " (autocast " + o.amp + ")" : "")
-                                   : "cpu")
+              << (device.is_cuda() ? "cuda" + cuda_modes(o) : "cpu")
               << ", " << total << " steps of " << batch << " x " << world << " samples, codec "
               << o.codec << std::endl;
     if (drop.active()) {

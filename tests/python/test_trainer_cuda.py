@@ -2,7 +2,8 @@
 the GPU to the accuracy the same flags reach on the CPU, under mpirun (two
 ranks sharing the one GPU: ddpx_mpi stages CUDA tensors through host memory)
 and torchrun (one rank: NCCL, since one GPU cannot hold two NCCL ranks), with
---amp bf16 too; a checkpoint written on the GPU resumes on the CPU.
+--amp bf16 and --cudnn-benchmark too; a checkpoint written on the GPU resumes
+on the CPU.
 
 Tolerance: test accuracy within 3 points of the CPU run's (the GPU sums in
 other orders, so the runs are not bitwise alike; seen on the CPU: LeNet 9x%).
@@ -45,6 +46,17 @@ def test_cuda_bf16_autocast_trains(tmp_path, data_cache):
     out, _, amp = train(tmp_path, "amp", mpirun_cmd(2, *args, "--device", "cuda", "--amp", "bf16"))
     assert "on cuda (autocast bf16)" in out, out
     assert abs(amp["test_accuracy"] - cpu["test_accuracy"]) <= 0.03, (amp, cpu)
+
+
+def test_cuda_cudnn_benchmark_trains(tmp_path, data_cache):
+    # cuDNN's algorithms and tiled_conv2d's path (cuDNN or ours) measured per
+    # shape on the first steps (LeNet's convolutions are ddpx::tiled_conv2d).
+    args = ["--model", model("lenet"), "--data-cache", data_cache, *CASES["lenet"]]
+    _, _, cpu = train(tmp_path, "cpu", mpirun_cmd(2, *args))
+    out, _, gpu = train(tmp_path, "bench", mpirun_cmd(2, *args, "--device", "cuda",
+                                                      "--cudnn-benchmark"))
+    assert "on cuda (cudnn benchmark)" in out, out
+    assert abs(gpu["test_accuracy"] - cpu["test_accuracy"]) <= 0.03, (gpu, cpu)
 
 
 def test_torchrun_one_rank_over_nccl(tmp_path, data_cache):

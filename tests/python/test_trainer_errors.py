@@ -193,6 +193,11 @@ def test_amp_needs_cuda(data_dir):
                "--amp", "needs --device cuda")
 
 
+def test_cudnn_benchmark_needs_cuda(data_dir):
+    fails_with(["--model", model("mlp"), "--data", data_dir, "--steps", 1, "--cudnn-benchmark"],
+               "--cudnn-benchmark", "needs --device cuda")
+
+
 def test_parameter_server_refuses_cuda(data_dir):
     fails_with(["--model", model("mlp"), "--data", data_dir, "--steps", 1, "--mode", "ps",
                 "--device", "cuda"], "--device", "CPU only")
