@@ -423,9 +423,22 @@ std::string run(const Options& o) {
     }
   }
 
-  sync->flush_trace();  // collective: every rank, before anything can fail alone
-  if (drop.active()) set_block_scale(model, std::vector<double>(depth, 1.0));  // every block
-  const double test_acc = evaluate(model, data.test, *pg, 256);
+  // The closing collectives. A rank lost here, after the last step, is
+  // survived as in a step: the survivors shrink (one that failed in the last
+  // step itself takes the most advanced one's state there) and close over
+  // their own group.
+  double test_acc = 0;
+  for (;;) {
+    try {
+      sync->flush_trace();  // collective: every rank, before anything can fail alone
+      if (drop.active()) set_block_scale(model, std::vector<double>(depth, 1.0));  // every block
+      test_acc = evaluate(model, data.test, *pg, 256);
+      break;
+    } catch (const c10::Error& e) {
+      if (o.on_rank_loss != "shrink") throw;
+      shrink_now(e.what_without_backtrace());
+    }
+  }
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
   if (lead) {
     if (!o.quiet) {

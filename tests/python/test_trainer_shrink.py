@@ -107,6 +107,18 @@ def test_a_rank_that_exits_is_left_behind(tmp_path, data_cache):
     assert check_run(tmp_path, data_cache, out, status, tmp_path / "m.jsonl", samples) == 20
 
 
+def test_a_rank_lost_after_the_last_step(tmp_path, data_cache):
+    # Rank 2 exits once its last step is done: the survivors' closing
+    # collectives (the trace flush, the test-set evaluation) fail, and they
+    # shrink there as in a step, then evaluate over the two of them.
+    r, status, samples = shrink_run(tmp_path, data_cache, {"DDPX_TRAIN_FAIL_AT": f"{STEPS}:2"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert status == "ok, ranks lost: 2", (status, out)
+    assert check_run(tmp_path, data_cache, out, status, tmp_path / "m.jsonl", samples) == STEPS
+    assert "test accuracy" in out, out
+
+
 def signal_mid_run(cmd, marker, rank, sig, run_env):
     """Starts `cmd`, sends `sig` to world rank `rank` once step 15 is logged,
     waits for the job: (output, exit code, whether that rank's process is
