@@ -34,10 +34,13 @@ void wait_for(c10::Device device) {
 
 }  // namespace
 
-bool conv_benchmark_mode(c10::DeviceType type) {
-  const std::string want = conv_path_override();
+bool conv_benchmark_mode(c10::DeviceType type, const std::string& want) {
   if (want == "benchmark") return true;
   return want == "auto" && type == c10::DeviceType::CUDA && at::globalContext().benchmarkCuDNN();
+}
+
+bool conv_benchmark_mode(c10::DeviceType type) {
+  return conv_benchmark_mode(type, conv_path_override());
 }
 
 ConvTuneKey conv_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarType dtype,

@@ -26,6 +26,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -33,7 +34,11 @@
 
 namespace ddpx::detail {
 
-// Whether calls on a device of this type choose their path by measurement.
+// Whether calls on a device of this type choose their path by measurement,
+// given DDPX_CONV_PATH's value `want` (conv_path_override(), which a caller
+// has often read already: a getenv per read, on every call of the op), or
+// reading it.
+bool conv_benchmark_mode(c10::DeviceType type, const std::string& want);
 bool conv_benchmark_mode(c10::DeviceType type);
 
 // What identifies one measured choice.

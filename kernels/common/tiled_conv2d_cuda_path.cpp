@@ -36,11 +36,11 @@ ConvTuneKey cuda_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarTy
 
 Choice choose(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pass pass) {
   // (one rule for every dtype until others are measured)
-  if (conv_benchmark_mode(c10::DeviceType::CUDA)) {
+  const std::string want = conv_path_override();
+  if (conv_benchmark_mode(c10::DeviceType::CUDA, want)) {
     const auto got = conv_tuned_choice(cuda_tune_key(s, device, dtype, pass));
     return got ? static_cast<Choice>(*got) : Choice::kMeasure;
   }
-  const std::string want = conv_path_override();
   if (want == "auto") return rule_aten(s, pass) ? Choice::kAten : Choice::kOurs;
   // (tiled, direct, gemm: our kernels, which pick their own)
   return want == "aten" ? Choice::kAten : Choice::kOurs;
