@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 namespace ddpx::detail {
@@ -16,6 +17,11 @@ std::array<int64_t, 2> pair_arg(at::IntArrayRef v, const char* name) {
 }
 
 }  // namespace
+
+bool aten_computes(const Conv2dShape& s) {
+  const auto zero = [](const c10::SymInt& v) { return v.maybe_as_int() == std::optional<int64_t>(0); };
+  return !zero(s.c_in) && !zero(s.h) && !zero(s.w);
+}
 
 bool tiled_conv2d_dtype_supported(c10::DeviceType device_type, at::ScalarType dtype) {
   if (dtype == at::kFloat || dtype == at::kDouble) return true;

@@ -50,6 +50,15 @@ at::MemoryFormat conv2d_output_memory_format(const at::Tensor& input, const at::
 // Whether `dtype` is computed by the backend on `device_type`.
 bool tiled_conv2d_dtype_supported(c10::DeviceType device_type, at::ScalarType dtype);
 
+// Whether ATen's convolution computes problem `s` as a convolution: not when
+// the input has no channels (at::convolution then returns zero output
+// channels, and its backward a zero grad_bias) nor an empty plane with
+// padding around it (it rejects that). Our kernels compute both (the bias, or
+// the padding's zeros, plus the bias), so every path choice keeps these off
+// ATen: the answer never depends on the path. (A symbolic size counts as
+// non-zero.)
+bool aten_computes(const Conv2dShape& s);
+
 // DDPX_CONV_PATH, read on every call (tests switch it): "auto" when unset or
 // empty, else one of benchmark (measured per problem: conv_path_tuner.h),
 // tiled, direct, gemm, aten (anything else is an error). The CPU's and CUDA's

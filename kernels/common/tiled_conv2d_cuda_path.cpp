@@ -34,7 +34,10 @@ ConvTuneKey cuda_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarTy
   return conv_tune_key(s, device, dtype, pass == Pass::kForward ? 0 : 1);
 }
 
-Choice choose(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pass pass) {
+namespace {
+
+Choice choose_by_override(const Conv2dShape& s, c10::Device device, at::ScalarType dtype,
+                          Pass pass) {
   // (one rule for every dtype until others are measured)
   const std::string want = conv_path_override();
   if (conv_benchmark_mode(c10::DeviceType::CUDA, want)) {
@@ -44,6 +47,14 @@ Choice choose(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pa
   if (want == "auto") return rule_aten(s, pass) ? Choice::kAten : Choice::kOurs;
   // (tiled, direct, gemm: our kernels, which pick their own)
   return want == "aten" ? Choice::kAten : Choice::kOurs;
+}
+
+}  // namespace
+
+Choice choose(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pass pass) {
+  // Ours where ATen would not compute the convolution, whatever was asked
+  // (tiled_conv2d_args.h).
+  return aten_computes(s) ? choose_by_override(s, device, dtype, pass) : Choice::kOurs;
 }
 
 bool aten_serves(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pass pass) {

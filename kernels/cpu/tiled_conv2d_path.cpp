@@ -67,7 +67,8 @@ ConvTuneKey cpu_tune_key(const Conv2dShape& s, at::ScalarType dtype, ConvPass pa
   return conv_tune_key(s, c10::Device(c10::kCPU), dtype, pass == ConvPass::kForward ? 0 : 1);
 }
 
-ConvPath choose_conv_path(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass) {
+// The choice DDPX_CONV_PATH asks for.
+static ConvPath choose_by_override(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass) {
   const std::string want = conv_path_override();
   if (want == "auto") return auto_rule(make_cpu_conv(s), dtype, pass);
   if (want == "benchmark") {
@@ -78,6 +79,12 @@ ConvPath choose_conv_path(const Conv2dShape& s, at::ScalarType dtype, ConvPass p
   if (want == "direct") return ConvPath::kDirect;
   if (want == "gemm") return ConvPath::kGemm;
   return ConvPath::kAten;
+}
+
+ConvPath choose_conv_path(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass) {
+  const ConvPath p = choose_by_override(s, dtype, pass);
+  if (aten_computes(s) || (p != ConvPath::kAten && p != ConvPath::kMeasure)) return p;
+  return seed_rule(make_cpu_conv(s));  // not ATen's, whatever was asked (tiled_conv2d_args.h)
 }
 
 bool aten_serves(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass) {

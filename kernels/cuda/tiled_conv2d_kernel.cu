@@ -373,23 +373,26 @@ Grads ours_backward(const Conv2dShape& s, const at::Tensor& grad_output, const a
   if (output_mask[0]) gx = at::zeros_like(x, at::MemoryFormat::Contiguous);
   if (output_mask[1]) gw = at::zeros_like(wt, at::MemoryFormat::Contiguous);
   if (output_mask[2]) gb = go.sum({0, 2, 3});
-  if (go.numel() > 0 && (gx.defined() || gw.defined())) {
+  // An empty gradient launches nothing (a grid of 0 blocks is an invalid
+  // configuration): no input channels, or an empty plane under padding.
+  const bool want_gx = gx.defined() && gx.numel() > 0, want_gw = gw.defined() && gw.numel() > 0;
+  if (go.numel() > 0 && (want_gx || want_gw)) {
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, x.scalar_type(), "tiled_conv2d_backward_cuda", [&] {
           using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-          if (gx.defined() && tile::small_grad_input_k(g) != 0) {
+          if (want_gx && tile::small_grad_input_k(g) != 0) {
             // A small-filter forward over grad_output (conv_tile_small.h).
             launch_forward<scalar_t, acc_t>(tile::grad_input_as_forward(g), go,
                                             tile::grad_input_filter(wt, g.groups), at::Tensor(),
                                             gx, stream);
-          } else if (gx.defined()) {
+          } else if (want_gx) {
             const int threads = 256;
             const int64_t blocks = std::min<int64_t>(tile::ceil_div(gx.numel(), threads), 65535);
             grad_input_kernel<scalar_t, acc_t><<<blocks, threads, 0, stream>>>(
                 g, go.data_ptr<scalar_t>(), wt.data_ptr<scalar_t>(), gx.data_ptr<scalar_t>());
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }
-          if (gw.defined()) {
+          if (want_gw) {
             // About 8 blocks per SM in all: the seed's 25 taps get ~40 runs each.
             const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
             const int64_t splits = tile::grad_weight_splits(g, 8 * sms);

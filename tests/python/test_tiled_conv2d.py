@@ -191,6 +191,57 @@ def test_scalar_build_matches():
     assert res.returncode == 0, res.stderr[-3000:]
 
 
+# ---- degenerate problems -------------------------------------------------------------------
+# No input channels, or an empty plane under padding: ATen's convolution does
+# not compute these (zero output channels and a zero grad_bias; an error), so
+# every path choice keeps them on our kernels (tiled_conv2d_args.h,
+# aten_computes) and the answer is the convolution's by definition, whichever
+# path was asked for.
+
+DEGENERATE = [  # (input, weight, padding, groups)
+    ((2, 0, 5, 5), (3, 0, 3, 3), (0, 0), 1),
+    ((2, 0, 6, 7), (4, 0, 5, 5), (2, 2), 2),
+    ((0, 4, 4), (2, 0, 3, 3), (1, 1), 1),  # unbatched
+    ((2, 3, 0, 5), (4, 3, 1, 1), (1, 1), 1),
+    ((1, 2, 4, 0), (2, 1, 3, 3), (2, 2), 2),
+    ((2, 1, 0, 0), (3, 1, 5, 5), (3, 4), 1),
+]
+
+
+def degenerate_case(case, device, dtype):
+    """Output and gradients of one DEGENERATE case against their definition:
+    zero-padding then a convolution without padding (F.conv2d computes that,
+    the padded plane being non-empty); with no input channels, the bias."""
+    xs, ws, pad, groups = case
+    gen = torch.Generator().manual_seed(5)
+    make = lambda *shape: (torch.randn(shape, dtype=torch.float64, generator=gen)  # noqa: E731
+                           .to(device, dtype).requires_grad_())
+    x, w, b = make(*xs), make(*ws), make(ws[0])
+    y = op(x, w, b, [1, 1], list(pad), [1, 1], groups)
+    if xs[-3] == 0:
+        oh, ow = (xs[-2] + 2 * pad[0] - ws[2] + 1, xs[-1] + 2 * pad[1] - ws[3] + 1)
+        r = b.view(-1, 1, 1).expand(ws[0], oh, ow)
+        r = r if len(xs) == 3 else r.expand(xs[0], -1, -1, -1)
+    else:
+        r = F.conv2d(F.pad(x, (pad[1], pad[1], pad[0], pad[0])), w, b, groups=groups)
+    assert_close(y, r, torch.float64 if dtype == torch.float64 else torch.float32, "output")
+    go = torch.randn(r.shape, dtype=torch.float64, generator=gen).to(device, dtype)
+    got = torch.autograd.grad(y, (x, w, b), go)
+    ref = torch.autograd.grad(r, (x, w, b), go, allow_unused=True, materialize_grads=True)
+    for name, g, gr in zip(["grad_input", "grad_weight", "grad_bias"], got, ref):
+        assert_close(g, gr, torch.float64 if dtype == torch.float64 else torch.float32, name)
+    path = torch.ops.ddpx.tiled_conv2d_path(x, w, [1, 1], list(pad), [1, 1], groups)
+    assert "aten" not in path and "measure" not in path, path
+
+
+@pytest.mark.parametrize("path", ["auto", "benchmark", "tiled", "direct", "gemm", "aten"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", DEGENERATE, ids=[str(c[:2]) for c in DEGENERATE])
+def test_degenerate_problem_on_every_path(case, dtype, path, monkeypatch):
+    monkeypatch.setenv("DDPX_CONV_PATH", path)
+    degenerate_case(case, "cpu", dtype)
+
+
 # ---- autograd checks ----------------------------------------------------------------------
 
 

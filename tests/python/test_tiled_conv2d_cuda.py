@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import needs_cuda
-from test_tiled_conv2d import (CONFIGS, GRADCHECK, OPCHECK, _cfg_id, _make_input, gradcheck_case,
-                               opcheck_case)
+from test_tiled_conv2d import (CONFIGS, DEGENERATE, GRADCHECK, OPCHECK, _cfg_id, _make_input,
+                               degenerate_case, gradcheck_case, opcheck_case)
 
 pytestmark = needs_cuda
 op = torch.ops.ddpx.tiled_conv2d
@@ -175,6 +175,17 @@ def test_cuda_direct_entry_equals_torch_ops(path, monkeypatch):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
     torch.testing.assert_close(ddpx.ops.tiled_conv2d(x, conv.weight, conv.bias, (1, 2), 1), want,
                                rtol=0, atol=0)
+
+
+# No input channels, an empty plane under padding: never cuDNN's (which does
+# not compute them), and no zero-block launch for the empty gradients.
+@pytest.mark.auto_path
+@pytest.mark.parametrize("path", ["auto", "benchmark", "tiled", "aten"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", DEGENERATE, ids=[str(c[:2]) for c in DEGENERATE])
+def test_cuda_degenerate_problem_on_every_path(case, dtype, path, monkeypatch):
+    monkeypatch.setenv("DDPX_CONV_PATH", path)
+    degenerate_case(case, "cuda", dtype)
 
 
 def test_cuda_device_mismatch_is_named():
