@@ -22,7 +22,9 @@
 // count, for the life of the process (conv_path_tuning_clear forgets them).
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/util/Exception.h>
 
+#include <exception>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -72,22 +74,34 @@ void conv_remember_choice(const ConvTuneKey& key, int choice);
 
 // Measures candidates 0..count-1 with `run(i)` on `device`, remembers the
 // fastest for `key`, and returns its result (from its last timed call, so the
-// measured call still does the caller's work).
+// measured call still does the caller's work). A candidate that throws a
+// c10::Error (cuDNN without an algorithm for the problem, out of memory for
+// its workspace) is left out, as cuDNN's own benchmark mode leaves out an
+// algorithm that fails; when every one does, the first one's error is
+// thrown and nothing is remembered.
 template <class R>
 R conv_tune(const ConvTuneKey& key, c10::Device device, int count,
             const std::function<R(int)>& run) {
   std::optional<R> best_result;
   int best = -1;
   double best_s = std::numeric_limits<double>::infinity();
+  std::exception_ptr first_error;
   for (int c = 0; c < count; ++c) {
     R result;
-    const double s = conv_time_candidate(device, best_s, [&] { result = run(c); });
+    double s = 0;
+    try {
+      s = conv_time_candidate(device, best_s, [&] { result = run(c); });
+    } catch (const c10::Error&) {
+      if (!first_error) first_error = std::current_exception();
+      continue;
+    }
     if (s < best_s) {
       best_s = s;
       best = c;
       best_result = std::move(result);
     }
   }
+  if (best < 0) std::rethrow_exception(first_error);
   conv_remember_choice(key, best);
   return std::move(*best_result);
 }

@@ -79,6 +79,33 @@ TEST(ConvPathTuner, AFirstCallsOneTimeCostDoesNotDecide) {
   EXPECT_EQ(got, 0);
 }
 
+TEST(ConvPathTuner, AFailingCandidateIsLeftOut) {
+  conv_path_tuning_clear();
+  // The fastest fails (as cuDNN does for a problem it has no algorithm for):
+  // the next fastest serves and is kept.
+  const int got = conv_tune<int>(key(6), kCpu, 3, [&](int i) {
+    TORCH_CHECK(i != 1, "candidate 1 cannot do this problem");
+    sleep_ms(i == 0 ? 10 : 0);
+    return i;
+  });
+  EXPECT_EQ(got, 2);
+  EXPECT_EQ(conv_tuned_choice(key(6)), 2);
+  // All fail: the first one's error, nothing kept.
+  EXPECT_THROW(
+      {
+        try {
+          conv_tune<int>(key(7), kCpu, 2, [&](int i) -> int {
+            TORCH_CHECK(false, "candidate ", i, " failed");
+          });
+        } catch (const c10::Error& e) {
+          EXPECT_NE(std::string(e.what()).find("candidate 0 failed"), std::string::npos);
+          throw;
+        }
+      },
+      c10::Error);
+  EXPECT_FALSE(conv_tuned_choice(key(7)).has_value());
+}
+
 TEST(ConvPathTuner, TheSwitches) {
   const char* was = std::getenv("DDPX_CONV_PATH");
   const bool cudnn_was = at::globalContext().benchmarkCuDNN();
