@@ -19,7 +19,9 @@ std::array<int64_t, 2> pair_arg(at::IntArrayRef v, const char* name) {
 }  // namespace
 
 bool aten_computes(const Conv2dShape& s) {
-  const auto zero = [](const c10::SymInt& v) { return v.maybe_as_int() == std::optional<int64_t>(0); };
+  const auto zero = [](const c10::SymInt& v) {
+    return v.maybe_as_int() == std::optional<int64_t>(0);
+  };
   return !zero(s.c_in) && !zero(s.h) && !zero(s.w);
 }
 

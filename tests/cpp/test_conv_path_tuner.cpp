@@ -94,9 +94,8 @@ TEST(ConvPathTuner, AFailingCandidateIsLeftOut) {
   EXPECT_THROW(
       {
         try {
-          conv_tune<int>(key(7), kCpu, 2, [&](int i) -> int {
-            TORCH_CHECK(false, "candidate ", i, " failed");
-          });
+          conv_tune<int>(key(7), kCpu, 2,
+                         [&](int i) -> int { TORCH_CHECK(false, "candidate ", i, " failed"); });
         } catch (const c10::Error& e) {
           EXPECT_NE(std::string(e.what()).find("candidate 0 failed"), std::string::npos);
           throw;
