@@ -224,12 +224,13 @@ def degenerate_case(case, device, dtype):
         r = r if len(xs) == 3 else r.expand(xs[0], -1, -1, -1)
     else:
         r = F.conv2d(F.pad(x, (pad[1], pad[1], pad[0], pad[0])), w, b, groups=groups)
-    assert_close(y, r, torch.float64 if dtype == torch.float64 else torch.float32, "output")
+    tol_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # (TOL's keys)
+    assert_close(y, r, tol_dtype, "output")
     go = torch.randn(r.shape, dtype=torch.float64, generator=gen).to(device, dtype)
     got = torch.autograd.grad(y, (x, w, b), go)
     ref = torch.autograd.grad(r, (x, w, b), go, allow_unused=True, materialize_grads=True)
     for name, g, gr in zip(["grad_input", "grad_weight", "grad_bias"], got, ref):
-        assert_close(g, gr, torch.float64 if dtype == torch.float64 else torch.float32, name)
+        assert_close(g, gr, tol_dtype, name)
     path = torch.ops.ddpx.tiled_conv2d_path(x, w, [1, 1], list(pad), [1, 1], groups)
     assert "aten" not in path and "measure" not in path, path
 
