@@ -7,9 +7,10 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <future>
 #include <map>
-#include <numeric>
 #include <mutex>
+#include <numeric>
 
 #include "plugin/comm/mpi_completion.h"
 #include "plugin/comm/mpi_diagnose.h"
@@ -106,7 +107,7 @@ void MpiBackend::shutdown() {
     // peers expect, and then it is freed. Bounded: a collective a peer
     // never joins fails at its deadline (the watchdog) and breaks MPI.
     try {
-      worker_->run_sync([this] {
+      run_in_order([this] {
         MPI_Comm_free(&comm_);
         if (diag_ != MPI_COMM_NULL) MPI_Comm_free(&diag_);
       });
@@ -128,6 +129,36 @@ c10::intrusive_ptr<c10d::Backend::Options> MpiBackend::getBackendOptions() {
   return c10::make_intrusive<Options>("ddpx_mpi", timeout_);
 }
 
+std::chrono::milliseconds MpiBackend::diagnosis_grace() const {
+  // Peers that also timed out answer within about the same time; give them
+  // half the timeout, between 1 and 10 s.
+  return std::clamp(timeout_ / 2, std::chrono::milliseconds(1000),
+                    std::chrono::milliseconds(10000));
+}
+
+void MpiBackend::run_in_order(const std::function<void()>& fn) {
+  std::promise<void> done;
+  auto fut = done.get_future();
+  order_->post(
+      nullptr,
+      [&](uint64_t) {
+        try {
+          worker_->enqueue({}, [&](MpiWorker::Progress&) {
+            try {
+              fn();
+              done.set_value();
+            } catch (...) {
+              done.set_exception(std::current_exception());
+            }
+          });
+        } catch (...) {
+          done.set_exception(std::current_exception());
+        }
+      },
+      nullptr);
+  fut.get();
+}
+
 std::string MpiBackend::what(c10d::OpType type, uint64_t seq) const {
   return c10d::opTypeToString(type) + " #" + std::to_string(seq) + " (rank " +
          std::to_string(rank_) + " of " + std::to_string(size_) + ")";
@@ -146,22 +177,9 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
               MpiEnv::get().broken_why());
   const uint64_t seq = seq_++;
   auto work = c10::make_intrusive<MpiWork>(rank_, type, what(type, seq), outputs,
-                                           timeout.value_or(timeout_),
-                                           profiling_title(type),
+                                           timeout.value_or(timeout_), profiling_title(type),
                                            std::optional<std::vector<at::Tensor>>(inputs));
   if (timing_) work->enable_timing();  // before the worker can start it
-  // Peers that also timed out answer within about the same time; give them
-  // half the timeout, between 1 and 10 s.
-  const auto grace =
-      std::clamp(timeout_ / 2, std::chrono::milliseconds(1000), std::chrono::milliseconds(10000));
-  // Collectives are numbered apart from send/recv, whose counts may differ
-  // between ranks that are in step.
-  const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
-                   type == c10d::OpType::RECVANYSOURCE;
-  const uint64_t call = p2p ? kPointToPoint : collective_seq_++;
-  work->set_diagnosis([diag = diag_, rank = rank_, size = size_, call, grace] {
-    return describe_peers(diag, rank, size, call, grace);
-  });
   // Device tensors are staged on the worker under the caller's current stream
   // so the copies are ordered after whatever produced the data.
   std::optional<c10::Stream> stream;
@@ -171,10 +189,40 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
     c10::impl::VirtualGuardImpl impl(first->device().type());
     stream = impl.getStream(first->device());
   }
-  worker_->enqueue(work, [stream, task = std::move(task)](MpiWorker::Progress& p) {
+  MpiWorker::Task on_worker = [stream, task = std::move(task)](MpiWorker::Progress& p) {
     c10::OptionalStreamGuard guard(stream);
     task(p);
-  });
+  };
+  const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
+                   type == c10d::OpType::RECVANYSOURCE;
+  if (p2p) {
+    // Matched by source and tag, not by order: straight to the worker. (A
+    // send held behind a receive's callbacks could deadlock.)
+    work->set_diagnosis([diag = diag_, rank = rank_, size = size_, grace = diagnosis_grace()] {
+      return describe_peers(diag, rank, size, kPointToPoint, grace);
+    });
+    worker_->enqueue(work, std::move(on_worker));
+  } else {
+    ++collective_seq_;
+    work->set_order(order_);
+    // `call`: its position in the order collectives reach MPI, which is what
+    // the ranks compare after a timeout.
+    order_->post(
+        work.get(),
+        [work, on_worker, worker = worker_, diag = diag_, rank = rank_, size = size_,
+         grace = diagnosis_grace()](uint64_t call) {
+          work->set_diagnosis([=] { return describe_peers(diag, rank, size, call, grace); });
+          try {
+            worker->enqueue(work, on_worker);
+          } catch (...) {
+            // The backend is shut down. Not here: completing may take the
+            // order's lock, which this thread holds.
+            CompletionQueue::get().push(
+                [work, e = std::current_exception()] { work->complete(e); });
+          }
+        },
+        work->issued_by());
+  }
   if (coalescing_) coalesced_.push_back(work);
   return work;
 }
@@ -337,7 +385,7 @@ void MpiBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_al
   TORCH_CHECK(!closed_.load(), "ddpx_mpi: the backend was shut down");
   const auto limit = opts.timeout == c10d::kUnsetTimeout ? timeout_ : opts.timeout;
   // On the worker: after the collectives posted before it, as a barrier is.
-  worker_->run_sync([&] { monitored_barrier(diag_, rank_, size_, limit, wait_all_ranks); });
+  run_in_order([&] { monitored_barrier(diag_, rank_, size_, limit, wait_all_ranks); });
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions&) {

@@ -144,6 +144,11 @@ class MpiBackend final : public c10d::Backend {
                                    std::function<void(MpiWorker::Progress&)> task,
                                    std::optional<std::chrono::milliseconds> timeout = std::nullopt);
   std::string what(c10d::OpType type, uint64_t seq) const;
+  // How long a timed-out rank listens for its peers (mpi_diagnose.h).
+  std::chrono::milliseconds diagnosis_grace() const;
+  // Runs `fn` on the worker in this group's post order (post_order.h),
+  // after every collective posted before it; waits for it.
+  void run_in_order(const std::function<void()>& fn);
   c10::intrusive_ptr<MpiWork> post_recv(std::vector<at::Tensor>& tensors, int src, int tag);
   void check_tag(int tag) const;
 
@@ -151,6 +156,8 @@ class MpiBackend final : public c10d::Backend {
   std::atomic<bool> closed_{false};  // shutdown() was called: nothing more is posted
   MPI_Comm diag_ = MPI_COMM_NULL;    // a duplicate used only to name peers after a timeout
   std::shared_ptr<MpiWorker> worker_;
+  // When this group's collectives reach the worker (post_order.h).
+  std::shared_ptr<PostOrder> order_ = PostOrder::create();
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> seq_{0};
   std::atomic<uint64_t> collective_seq_{0};

@@ -311,6 +311,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::endCoalescing() {
   auto joined = c10::make_intrusive<MpiWork>(rank_, c10d::OpType::COALESCED,
                                              what(c10d::OpType::COALESCED, seq), outputs, timeout_,
                                              "ddpx_mpi:COALESCED", std::nullopt);
+  joined->set_order(order_);  // its callbacks' collectives are ordered as any Work's
   if (works.empty()) {
     joined->complete(nullptr);
     return joined;

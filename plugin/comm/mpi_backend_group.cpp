@@ -116,7 +116,7 @@ c10::intrusive_ptr<c10d::Backend> MpiBackend::split(const c10::intrusive_ptr<c10
   MPI_Comm comm = MPI_COMM_NULL;
   MPI_Comm diag = MPI_COMM_NULL;
   std::vector<int> formed;
-  worker_->run_sync([&] {
+  run_in_order([&] {
     DDPX_MPI_CHECK(MPI_Comm_split(comm_, color, key, &comm));
     if (comm == MPI_COMM_NULL) return;
     formed = ranks_in_parent(comm, comm_);
@@ -128,7 +128,7 @@ c10::intrusive_ptr<c10d::Backend> MpiBackend::split(const c10::intrusive_ptr<c10
   if (formed != ranks) {
     // The members passed different lists (torch requires the same split on
     // every rank): the group MPI formed is not the one this rank asked for.
-    worker_->run_sync([&] {
+    run_in_order([&] {
       MPI_Comm_free(&comm);
       MPI_Comm_free(&diag);
     });

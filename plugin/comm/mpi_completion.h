@@ -7,8 +7,10 @@
 // thread that can progress it: a deadlock no timeout ends. So a Work whose
 // Future was handed out completes on this queue instead:
 //   1. Completions run one at a time, in the order the worker finished them,
-//      on a thread of this queue (one thread "serves" the queue), so callbacks
-//      that issue collectives issue them in the same order on every rank.
+//      on a thread of this queue (one thread "serves" the queue). What order
+//      the collectives they issue reach MPI in is not this queue's doing:
+//      post_order.h sets it, the same on every rank, whichever thread runs
+//      which callback when.
 //   2. A callback that blocks must not stop the queue: when it posts a
 //      collective of its own (note_blocking, called by MpiBackend::post) the
 //      thread gives up serving at once, and when one completion has run for

@@ -5,6 +5,7 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "plugin/comm/mpi_completion.h"
 #include "plugin/comm/mpi_env.h"
@@ -31,6 +32,10 @@ int MpiWork::sourceRank() const {
 
 c10::intrusive_ptr<c10::ivalue::Future> MpiWork::getFuture() {
   std::lock_guard<std::mutex> lock(done_mu_);
+  // Callbacks attached from now on may issue collectives: they go ahead of
+  // whatever is issued after this (post_order.h, step 1). Once the Work is
+  // done, callbacks run at once on the caller's thread, in its order.
+  if (!future_out_ && !done_ && order_) chain_ = order_->open_chain(this);
   future_out_ = true;
   return future_;
 }
@@ -72,6 +77,8 @@ void MpiWork::complete(std::exception_ptr error) {
     // the worker (mpi_completion.h).
     CompletionQueue::get().push(
         [self = c10::intrusive_ptr<MpiWork>::unsafe_reclaim_from_nonowning(this), error] {
+          std::optional<PostOrder::Running> running;  // what the callbacks issue is theirs
+          if (self->chain_) running.emplace(self->chain_);
           self->set_future(error);
           self->finish_now(error);
         });
@@ -104,6 +111,7 @@ void MpiWork::finish_now(std::exception_ptr error) {
     hooks.swap(on_done_);
   }
   for (auto& fn : hooks) fn(error);
+  if (order_) order_->finished(chain_, issued_by_);  // after done_: chain_ is final
 }
 
 void MpiWork::on_done(std::function<void(std::exception_ptr)> fn) {
@@ -149,8 +157,12 @@ void MpiWork::time_out(std::chrono::milliseconds limit) {
 
 bool MpiWork::wait(std::chrono::milliseconds timeout) {
   const auto limit = timeout == kNoTimeout ? timeout_ : timeout;
-  // A callback waiting here holds the completion queue: let it move on.
-  if (!isCompleted()) CompletionQueue::note_blocking();
+  if (!isCompleted()) {
+    // A callback waiting on a call held behind it lets it go first.
+    if (order_) order_->waiting_on(this);
+    // A callback waiting here holds the completion queue: let it move on.
+    CompletionQueue::note_blocking();
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   if (!cv_.wait_for(lock, limit, [this] { return completed_; })) {
     lock.unlock();  // the worker may still complete this Work meanwhile
@@ -326,9 +338,12 @@ void quiesce(std::chrono::milliseconds limit) {
       if (auto s = w.lock()) live.push_back(std::move(s));
     }
   }
-  for (auto& w : live) w->wait_idle(limit);
-  live.clear();
-  CompletionQueue::get().drain(limit);
+  // Twice: a completion may release collectives that were held behind its
+  // callbacks (post_order.h).
+  for (int round = 0; round < 2; ++round) {
+    for (auto& w : live) w->wait_idle(limit);
+    CompletionQueue::get().drain(limit);
+  }
 }
 
 std::shared_ptr<MpiWorker> worker_for_new_backend() {

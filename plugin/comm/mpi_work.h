@@ -20,7 +20,9 @@
 //      or stores the exception. The worker does it itself while nobody holds
 //      the Future; once getFuture() handed it out, callbacks may be attached,
 //      and those may wait on further collectives, so the completion moves to
-//      the CompletionQueue (mpi_completion.h) and the worker goes on.
+//      the CompletionQueue (mpi_completion.h) and the worker goes on. The
+//      collectives those callbacks issue reach the worker in an order that is
+//      the same on every rank (post_order.h).
 //   5. Timeouts: the worker arms each Work's deadline when it starts it
 //      (mpi_watchdog.h), so a wait on the Future, or none, is bounded too;
 //      Work::wait(timeout) also throws on its own expiry. Either way the Work
@@ -43,6 +45,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
+#include "plugin/comm/post_order.h"
 #include "plugin/torch_compat.h"
 
 namespace ddpx::comm::detail {
@@ -77,6 +80,13 @@ class MpiWork : public c10d::Work {
   // sentence ends the error message.
   void set_diagnosis(std::function<std::string()> fn) { diagnose_ = std::move(fn); }
 
+  // The group's post order (post_order.h), set before the Work is posted
+  // there: its Future's callbacks then issue their collectives in order.
+  // Without one (point-to-point calls) they are not ordered.
+  void set_order(std::shared_ptr<PostOrder> order) { order_ = std::move(order); }
+  // Where the order records the callbacks that issued this Work.
+  std::shared_ptr<PostOrder::Chain>* issued_by() { return &issued_by_; }
+
   // Worker side. Only the first call counts: the watchdog and the worker may
   // both try to complete a Work that timed out.
   void complete(std::exception_ptr error);
@@ -108,10 +118,13 @@ class MpiWork : public c10d::Work {
   std::atomic<int64_t> started_ns_{0};  // steady clock; 0: not started
   std::atomic<int64_t> ended_ns_{0};    // 0: not complete
   std::function<std::string()> diagnose_;
-  std::mutex done_mu_;       // guards the five below
-  bool future_out_ = false;  // getFuture() was called
-  bool completing_ = false;  // complete() was called
-  bool done_ = false;        // finished; on_done_ ran
+  std::shared_ptr<PostOrder> order_;
+  std::shared_ptr<PostOrder::Chain> issued_by_;
+  std::shared_ptr<PostOrder::Chain> chain_;  // its own callbacks' (set once, under done_mu_)
+  std::mutex done_mu_;                       // guards the five below
+  bool future_out_ = false;                  // getFuture() was called
+  bool completing_ = false;                  // complete() was called
+  bool done_ = false;                        // finished; on_done_ ran
   std::exception_ptr error_;
   std::vector<std::function<void(std::exception_ptr)>> on_done_;
   std::mutex timeout_mu_;  // one timeout report per Work
