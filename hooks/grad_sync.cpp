@@ -7,6 +7,7 @@
 
 #include "hooks/grad_sync_impl.h"
 #include "hooks/grad_sync_setup.h"
+#include "plugin/comm/flight_triggers.h"
 
 namespace ddpx {
 
@@ -27,6 +28,7 @@ void GradSync::Impl::fail_step(std::exception_ptr error) {
     early_used.clear();
   }
   const std::string what = comm::detail::backend_failure_text(error);
+  comm::detail::fr_dump_after_failure("GradSync: step " + std::to_string(stats.step) + " failed");
   const std::string who = comm::roll_call(channels[0]->pg(), stats.step);
   if (who.empty()) std::rethrow_exception(error);
   C10_THROW_ERROR(DistBackendError, "GradSync: step " + std::to_string(stats.step) + " of " +

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <numeric>
 #include <unordered_set>
 
 #include "hooks/grad_sync_impl.h"
@@ -54,6 +55,19 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
   I.profiler =
       std::make_unique<hooks::Profiler>(hooks::TraceConfig::from(options), pg->getRank(),
                                         pg->getSize(), static_cast<int64_t>(params.size()));
+  if (comm::detail::FlightRecorder::get().enabled()) {
+    // pg's name (torch's group name; a C++ group may have none) and ranks.
+    std::string name;
+    try {
+      name = pg->getGroupName();
+    } catch (const c10::Error&) {
+    }
+    std::vector<int64_t> ranks(pg->getSize());
+    std::iota(ranks.begin(), ranks.end(), 0);
+    I.fr_group = comm::detail::FlightRecorder::get().group(
+        {(name.empty() ? std::string("default") : name) + ":gradsync", "GradSync buckets", ranks,
+         "gradsync"});
+  }
   I.channels.push_back(std::make_unique<hooks::Channel>(pg));
   for (auto& c : options.channels) {
     TORCH_CHECK(c && c->getSize() == pg->getSize() && c->getRank() == pg->getRank(),

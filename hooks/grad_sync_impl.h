@@ -26,6 +26,7 @@
 #include "hooks/param_gate.h"
 #include "hooks/priority_trial.h"
 #include "hooks/profiler.h"
+#include "plugin/comm/flight_recorder.h"
 #include "plugin/comm/work_wait.h"
 #include "plugin/torch_compat.h"
 #include "hooks/reduce_fn.h"
@@ -58,6 +59,13 @@ struct GradSync::Impl {
   std::shared_ptr<comm::Codec> lossy;  // the codec and its state (reduce_fn.h); null: "none"
   std::unique_ptr<hooks::Profiler> profiler;
   int world = 1;
+  // The flight recorder (plugin/comm/flight_recorder.h): GradSync's group
+  // there (-1: off), per bucket its parameters' names (set by replan), and
+  // the bucket reductions launched so far (the group's sequence numbers,
+  // the same on every rank: buckets launch in the plan's order).
+  int fr_group = -1;
+  std::vector<int> fr_names;
+  uint64_t fr_seq = 0;
 
   // ---- the plan (changes only at step boundaries) ---------------------------
   std::vector<hooks::BucketPlan> plan;

@@ -150,6 +150,34 @@ void GradSync::Impl::launch_sparse_locked(int b) {
 
 void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
                                    std::vector<c10::Storage> keep, std::future<void>* into) {
+  if (fr_group >= 0) {
+    // The flight recorder: this reduction, with the step, the bucket and its
+    // parameters; started and done as the channel runs it.
+    auto& fr = comm::detail::FlightRecorder::get();
+    comm::detail::FlightRecorder::Call call;
+    call.group = fr_group;
+    call.op = comm::detail::FrOp::kAllReduce;
+    call.seq = ++fr_seq;
+    call.dtype = plan[b].dtype;
+    const int64_t bytes = stats.buckets[b].bytes;  // a partial launch's runs (sparse: 0)
+    call.numel = bytes > 0 ? bytes / static_cast<int64_t>(c10::elementSize(plan[b].dtype))
+                           : plan[b].numel;
+    call.step = stats.step;
+    call.bucket = b;
+    call.names = b < static_cast<int>(fr_names.size()) ? fr_names[b] : -1;
+    const uint64_t id = fr.record(call);
+    body = [body = std::move(body), id](c10d::ProcessGroup& pg) {
+      auto& fr = comm::detail::FlightRecorder::get();
+      fr.started(id);
+      try {
+        body(pg);
+      } catch (...) {
+        fr.finished(id, /*failed=*/true);
+        throw;
+      }
+      fr.finished(id);
+    };
+  }
   auto* complete = &stats.buckets[b].complete_us;
   const auto start = t0;
   const int c = b % static_cast<int>(channels.size());

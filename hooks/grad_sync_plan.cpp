@@ -35,6 +35,14 @@ void GradSync::Impl::replan(const std::vector<int>& order, std::vector<char> lat
       off += info[p].numel;
     }
   }
+  if (fr_group >= 0) {
+    fr_names.clear();
+    for (const auto& bucket : plan) {
+      std::vector<std::string> list;
+      for (int p : bucket.params) list.push_back(names[p]);
+      fr_names.push_back(comm::detail::FlightRecorder::get().names(std::move(list)));
+    }
+  }
   std::tie(storage, views) = make_slots();
   if (opts.staleness_ > 0) {
     std::tie(spare_storage, spare_views) = make_slots();

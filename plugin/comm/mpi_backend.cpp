@@ -5,6 +5,7 @@
 
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <future>
@@ -12,6 +13,7 @@
 #include <mutex>
 #include <numeric>
 
+#include "plugin/comm/flight_recorder.h"
 #include "plugin/comm/mpi_completion.h"
 #include "plugin/comm/mpi_diagnose.h"
 #include "plugin/comm/mpi_env.h"
@@ -88,6 +90,7 @@ MpiBackend::MpiBackend(MPI_Comm comm, std::shared_ptr<MpiWorker> worker,
       diag_(diag),
       worker_(std::move(worker)),
       timeout_(timeout) {
+  for (int r : ranks_in_parent(comm, MPI_COMM_WORLD)) world_ranks_.push_back(r);
   void* ub = nullptr;
   int flag = 0;
   if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag) == MPI_SUCCESS && flag) {
@@ -129,6 +132,25 @@ c10::intrusive_ptr<c10d::Backend::Options> MpiBackend::getBackendOptions() {
   return c10::make_intrusive<Options>("ddpx_mpi", timeout_);
 }
 
+int MpiBackend::fr_group() {
+  std::lock_guard<std::mutex> lock(fr_mu_);
+  // torch names its groups after making the backend (setGroupUid); a group
+  // made in C++ may have no name: then the backend's, the same on every rank.
+  std::string name = getGroupUid();
+  if (name.empty()) {
+    name = "ddpx_mpi";
+    if (world_ranks_.size() != static_cast<size_t>(MpiEnv::get().world_size())) {
+      name += ":" + c10::Join(",", world_ranks_);
+    }
+  }
+  if (fr_group_ < 0 || name != fr_name_) {
+    const std::string desc = getGroupDesc().empty() ? "undefined" : getGroupDesc();
+    fr_group_ = FlightRecorder::get().group({name, desc, world_ranks_, "ddpx_mpi"});
+    fr_name_ = name;
+  }
+  return fr_group_;
+}
+
 std::chrono::milliseconds MpiBackend::diagnosis_grace() const {
   // Peers that also timed out answer within about the same time; give them
   // half the timeout, between 1 and 10 s.
@@ -168,7 +190,8 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
                                              const std::vector<at::Tensor>& outputs,
                                              const std::vector<at::Tensor>& inputs,
                                              std::function<void(MpiWorker::Progress&)> task,
-                                             std::optional<std::chrono::milliseconds> timeout) {
+                                             std::optional<std::chrono::milliseconds> timeout,
+                                             int peer) {
   TORCH_CHECK(!closed_.load(), "ddpx_mpi: the backend was shut down");
   // Posted from a Future callback, which will likely wait for it next.
   CompletionQueue::note_blocking();
@@ -195,7 +218,23 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
   };
   const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
                    type == c10d::OpType::RECVANYSOURCE;
+  FlightRecorder& fr = FlightRecorder::get();
+  FlightRecorder::Call call;
+  if (fr.enabled()) {
+    call.group = fr_group();
+    call.op = fr_op(type);
+    call.p2p = p2p;
+    call.peer = peer;
+    call.created_ns = FlightRecorder::now_ns();
+    call.timeout_ms = work->timeout().count();
+  }
   if (p2p) {
+    if (fr.enabled()) {
+      call.seq = ++p2p_seq_;
+      call.inputs = &inputs;
+      call.outputs = &outputs;
+      work->set_record(fr.record(call));
+    }
     // Matched by source and tag, not by order: straight to the worker. (A
     // send held behind a receive's callbacks could deadlock.)
     work->set_diagnosis([diag = diag_, rank = rank_, size = size_, grace = diagnosis_grace()] {
@@ -207,11 +246,22 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
     work->set_order(order_);
     // `call`: its position in the order collectives reach MPI, which is what
     // the ranks compare after a timeout.
+    std::vector<at::Tensor> ins, outs;  // their sizes, for the flight recorder
+    if (fr.enabled()) {
+      ins = inputs;
+      outs = outputs;
+    }
     order_->post(
         work.get(),
         [work, on_worker, worker = worker_, diag = diag_, rank = rank_, size = size_,
-         grace = diagnosis_grace()](uint64_t call) {
-          work->set_diagnosis([=] { return describe_peers(diag, rank, size, call, grace); });
+         grace = diagnosis_grace(), call, ins, outs](uint64_t n) mutable {
+          work->set_diagnosis([=] { return describe_peers(diag, rank, size, n, grace); });
+          if (call.group >= 0) {  // recorded in the order MPI sees: the same on every rank
+            call.seq = n + 1;
+            call.inputs = &ins;
+            call.outputs = &outs;
+            work->set_record(FlightRecorder::get().record(call));
+          }
           try {
             worker->enqueue(work, on_worker);
           } catch (...) {

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -139,10 +140,16 @@ class MpiBackend final : public c10d::Backend {
   // Creates the Work and queues `task` on the worker, under the caller's
   // current stream when `outputs` live on a device.
   // `timeout` overrides the group's for this Work's deadline.
+  // `peer`: a send's or receive's other rank (-1: any source), for the
+  // flight recorder.
   c10::intrusive_ptr<MpiWork> post(c10d::OpType type, const std::vector<at::Tensor>& outputs,
                                    const std::vector<at::Tensor>& inputs,
                                    std::function<void(MpiWorker::Progress&)> task,
-                                   std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+                                   std::optional<std::chrono::milliseconds> timeout = std::nullopt,
+                                   int peer = -1);
+  // This group in the flight recorder (flight_recorder.h): by the name and
+  // description torch gives it after construction, once it has.
+  int fr_group();
   std::string what(c10d::OpType type, uint64_t seq) const;
   // How long a timed-out rank listens for its peers (mpi_diagnose.h).
   std::chrono::milliseconds diagnosis_grace() const;
@@ -161,6 +168,11 @@ class MpiBackend final : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::atomic<uint64_t> seq_{0};
   std::atomic<uint64_t> collective_seq_{0};
+  std::atomic<uint64_t> p2p_seq_{0};
+  std::vector<int64_t> world_ranks_;  // MPI_COMM_WORLD ranks of the members, in rank order
+  std::mutex fr_mu_;                  // the two below
+  std::string fr_name_;               // the group name fr_group_ was registered under
+  int fr_group_ = -1;
   std::atomic<bool> timing_{false};
   // The store of the last split() call (caller's thread): its repeat for
   // another device type is answered without splitting again.

@@ -22,22 +22,6 @@ std::string list(const std::vector<int>& v) {
   return s + "]";
 }
 
-// The ranks of `comm`'s members in `parent`, in `comm`'s rank order.
-std::vector<int> ranks_in_parent(MPI_Comm comm, MPI_Comm parent) {
-  MPI_Group g = MPI_GROUP_NULL;
-  MPI_Group pg = MPI_GROUP_NULL;
-  DDPX_MPI_CHECK(MPI_Comm_group(comm, &g));
-  DDPX_MPI_CHECK(MPI_Comm_group(parent, &pg));
-  int n = 0;
-  DDPX_MPI_CHECK(MPI_Group_size(g, &n));
-  std::vector<int> mine(n), theirs(n);
-  std::iota(mine.begin(), mine.end(), 0);
-  DDPX_MPI_CHECK(MPI_Group_translate_ranks(g, n, mine.data(), pg, theirs.data()));
-  MPI_Group_free(&g);
-  MPI_Group_free(&pg);
-  return theirs;
-}
-
 // Which MPI job this process belongs to: processes of different jobs have
 // overlapping world ranks and no communicator in common.
 std::string mpi_job() {

@@ -28,7 +28,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::send(std::vector<at::Tensor>& tensors
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Isend(h->ptr(), count, dt, dst_rank, tag, comm_, &req));
     p.defer(req, [h](const MPI_Status&) {});
-  });
+  }, std::nullopt, dst_rank);
 }
 
 c10::intrusive_ptr<MpiWork> MpiBackend::post_recv(std::vector<at::Tensor>& tensors, int src,
@@ -52,7 +52,7 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post_recv(std::vector<at::Tensor>& tenso
       h->write_back();
       work->set_source_rank(status.MPI_SOURCE);
     });
-  });
+  }, std::nullopt, src == MPI_ANY_SOURCE ? -1 : src);
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::recv(std::vector<at::Tensor>& tensors, int src_rank,

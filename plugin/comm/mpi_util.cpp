@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <numeric>
 #include <thread>
 
 #include "plugin/comm/mpi_env.h"
@@ -107,6 +108,21 @@ int to_count(int64_t numel, const char* arg) {
 
 std::string describe(const at::Tensor& t) {
   return std::to_string(t.numel()) + " x " + std::string(c10::toString(t.scalar_type()));
+}
+
+std::vector<int> ranks_in_parent(MPI_Comm comm, MPI_Comm parent) {
+  MPI_Group g = MPI_GROUP_NULL;
+  MPI_Group pg = MPI_GROUP_NULL;
+  DDPX_MPI_CHECK(MPI_Comm_group(comm, &g));
+  DDPX_MPI_CHECK(MPI_Comm_group(parent, &pg));
+  int n = 0;
+  DDPX_MPI_CHECK(MPI_Group_size(g, &n));
+  std::vector<int> mine(n), theirs(n);
+  std::iota(mine.begin(), mine.end(), 0);
+  DDPX_MPI_CHECK(MPI_Group_translate_ranks(g, n, mine.data(), pg, theirs.data()));
+  MPI_Group_free(&g);
+  MPI_Group_free(&pg);
+  return theirs;
 }
 
 }  // namespace ddpx::comm::detail

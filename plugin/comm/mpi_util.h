@@ -46,6 +46,9 @@ void check_agreement(MPI_Comm comm, std::initializer_list<int64_t> fingerprint,
 void await_request(MPI_Request& request);
 
 // Checks at the door (caller's thread); each names the argument.
+// The ranks of `comm`'s members in `parent`, in `comm`'s rank order.
+std::vector<int> ranks_in_parent(MPI_Comm comm, MPI_Comm parent);
+
 void check_dense(const at::Tensor& t, const char* arg);
 void check_single(const std::vector<at::Tensor>& tensors, const char* arg);
 void check_same_dtype_numel(const at::Tensor& t, const at::Tensor& ref, const char* arg);

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <optional>
 
+#include "plugin/comm/flight_recorder.h"
+#include "plugin/comm/flight_triggers.h"
 #include "plugin/comm/mpi_completion.h"
 #include "plugin/comm/mpi_env.h"
 #include "plugin/comm/mpi_watchdog.h"
@@ -52,6 +54,7 @@ int64_t steady_ns() {
 
 void MpiWork::mark_started() {
   if (timed_) started_ns_ = steady_ns();
+  FlightRecorder::get().started(record_);
 }
 
 float MpiWork::getDuration() const {
@@ -70,6 +73,8 @@ void MpiWork::complete(std::exception_ptr error) {
   lock.unlock();
   if (timed_) ended_ns_ = steady_ns();
   unwatch(this);  // while the caller still holds this Work (mpi_watchdog.h)
+  FlightRecorder::get().finished(record_, error != nullptr);
+  if (error) fr_dump_after_failure("ddpx_mpi: " + what_ + " failed");
   lock.lock();
   if (future_out_) {
     lock.unlock();

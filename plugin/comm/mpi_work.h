@@ -84,6 +84,9 @@ class MpiWork : public c10d::Work {
   // there: its Future's callbacks then issue their collectives in order.
   // Without one (point-to-point calls) they are not ordered.
   void set_order(std::shared_ptr<PostOrder> order) { order_ = std::move(order); }
+  // Its flight-recorder record (flight_recorder.h), stamped when the worker
+  // starts it and when it completes; set before the worker can start it.
+  void set_record(uint64_t id) { record_ = id; }
   // Where the order records the callbacks that issued this Work.
   std::shared_ptr<PostOrder::Chain>* issued_by() { return &issued_by_; }
 
@@ -119,6 +122,7 @@ class MpiWork : public c10d::Work {
   std::atomic<int64_t> ended_ns_{0};    // 0: not complete
   std::function<std::string()> diagnose_;
   std::shared_ptr<PostOrder> order_;
+  uint64_t record_ = 0;
   std::shared_ptr<PostOrder::Chain> issued_by_;
   std::shared_ptr<PostOrder::Chain> chain_;  // its own callbacks' (set once, under done_mu_)
   std::mutex done_mu_;                       // guards the five below

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <iostream>
 
+#include "plugin/trainer/hang_report.h"
 #include "plugin/trainer/options.h"
 #include "plugin/trainer/status.h"
 #include "plugin/trainer/trainer.h"
@@ -39,6 +40,10 @@ int main(int argc, char** argv) {
       const std::string outcome = ddpx::trainer::run(opts);
       if (!outcome.empty()) status.write(outcome);
       return 0;
+    } catch (const c10::DistBackendError& e) {
+      // A collective failed: say where every rank was.
+      why = e.what_without_backtrace();
+      ddpx::trainer::print_hang_report();
     } catch (const c10::Error& e) {
       why = e.what_without_backtrace();
     } catch (const std::exception& e) {

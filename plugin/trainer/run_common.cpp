@@ -85,6 +85,20 @@ void injected_failure(int64_t step, int rank) {
   std::_Exit(1);
 }
 
+void injected_stall(int64_t step, int rank) {
+  static const char* spec = std::getenv("DDPX_TRAIN_STALL_AT");
+  long long at_step = 0;
+  int at_rank = 0;
+  double seconds = 0;
+  if (spec == nullptr || std::sscanf(spec, "%lld:%d:%lf", &at_step, &at_rank, &seconds) != 3 ||
+      at_step != step || at_rank != rank) {
+    return;
+  }
+  std::cerr << "[ddpx-train] DDPX_TRAIN_STALL_AT=" << spec << ": rank " << rank << " stalls "
+            << seconds << " s before step " << step << std::endl;
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+}
+
 void log_samples(int64_t step, int rank, int world, const at::Tensor& rows) {
   static const char* base = std::getenv("DDPX_TRAIN_SAMPLE_LOG");
   if (base == nullptr) return;

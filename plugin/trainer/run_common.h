@@ -37,6 +37,11 @@ int elastic_restart();
 // that a restarted job runs through): a worker failing mid-run, on cue.
 void injected_failure(int64_t step, int rank);
 
+// A test hook: DDPX_TRAIN_STALL_AT=STEP:RANK:SECONDS makes rank RANK sleep
+// SECONDS in its data path before step STEP (a rank stuck in its data loader
+// while the others wait in a collective).
+void injected_stall(int64_t step, int rank);
+
 // A test hook: with DDPX_TRAIN_SAMPLE_LOG=PATH each rank appends one JSON
 // line per step to PATH.<restart>.<rank>: {"restart", "step", "rank",
 // "world", "samples": the training set's indices it trained on}, flushed at

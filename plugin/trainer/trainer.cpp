@@ -23,6 +23,7 @@
 
 #include "plugin/trainer/checkpoint.h"
 #include "plugin/trainer/data.h"
+#include "plugin/trainer/hang_report.h"
 #include "plugin/trainer/model.h"
 #include "plugin/trainer/optim.h"
 #include "plugin/trainer/run_common.h"
@@ -125,6 +126,7 @@ std::string run(const Options& o) {
   auto pg = comm::init_from_env(timeout);
   int rank = pg->getRank(), world = pg->getSize();
   bool lead = rank == 0;
+  arm_hang_report(*pg, timeout);
   check_shrink_options(o, world);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   at::set_num_threads(o.threads > 0 ? o.threads : std::max(1, cores / local_ranks()));
@@ -257,6 +259,7 @@ std::string run(const Options& o) {
       idx = shard_indices(data.train.size(), rank, world, pos.epoch, o.seed);
       idx_epoch = pos.epoch;
     }
+    injected_stall(pos.step + 1, rank);
     const at::Tensor rows = idx.narrow(0, pos.batch * batch, batch);
     log_samples(pos.step, rank, world, rows);
     const at::Tensor x = data.train.inputs.index_select(0, rows).to(device);

@@ -1,5 +1,7 @@
 """A lost rank ends the job with an error, never a hang: kill -9 one rank,
-or freeze it (SIGSTOP), under mpirun and under torchrun.
+or freeze it (SIGSTOP), under mpirun and under torchrun. And the job says
+where every rank was (issue 62): the flight recorder's one screen names the
+frozen rank, and a rank stuck in its data path as collectives behind.
 
 Bounds (stated): with DDPX_TIMEOUT_S=T the job ends within T + 15 s under
 mpirun (a frozen peer: the others time out after T and abort the MPI job,
@@ -7,6 +9,7 @@ which also kills the frozen one), and within T + 45 s under torchrun (its
 agent sends SIGTERM, which a stopped process holds, and SIGKILL after 30 s).
 """
 import os
+import re
 import signal
 import time
 
@@ -73,9 +76,38 @@ def test_lost_rank_ends_the_job(tmp_path, data, launcher, mode, sig):
         # The frozen one is named: ddpx_mpi asks the peers over MPI; under
         # torchrun (Gloo) GradSync asks them on the store (comm::roll_call).
         assert "rank 1 of this group did not answer" in out, out
+        # The flight recorder's screen: rank 0's buffer, rank 1 silent, and
+        # where rank 0 waited (GradSync's step and bucket).
+        assert "ddpx flight recorder: rank 0 answered; rank 1 did not" in out, out
+        assert re.search(r"rank 0: done #\d+ all_reduce .*\(step \d+, bucket \d+", out), out
     else:
         # The launcher names the dead rank.
         named = ("rank 1" in out) if launcher == "mpirun" else ("local_rank: 1" in out or
                                                                  "rank: 1" in out)
         assert named, out
     assert not survivors, f"ranks still alive after the launcher exited: {survivors}"
+
+
+def test_a_rank_stuck_in_its_data_path_is_reported_behind(tmp_path, data):
+    """Rank 1 sleeps in its data path before step 25 while rank 0 waits in
+    that step's first reduction: rank 0 times out, and the screen, with rank
+    1's buffer (its responder answers while it sleeps), says rank 1 is
+    collectives behind, last seen in step 24."""
+    args = ["--model", model("mlp"), "--data-cache", data, "--steps", 60, "--batch-size", 16,
+            "--log-every", 20, "--status-file", tmp_path / "status"]
+    p = start(mpirun_cmd(2, *args),
+              env=env(DDPX_TIMEOUT_S=T, DDPX_TRAIN_STALL_AT="25:1:600",
+                      TORCH_FR_DUMP_TEMP_FILE=tmp_path / "fr_"))
+    try:
+        out, _ = p.communicate(timeout=T + 60)
+    finally:
+        kill_group(p)
+    assert p.returncode != 0, out
+    assert "ddpx flight recorder: ranks 0 and 1 answered" in out, out
+    m = re.search(r"ranks? 0 reached #(\d+) all_reduce .*\(step 25, bucket \d+.*"
+                  r"rank 1 is (\d+) collectives? behind, last seen at #(\d+) all_reduce "
+                  r".*\(step 24, bucket \d+.*\(done\)", out)
+    assert m, out
+    top, behind, last = map(int, m.groups())
+    assert top - last == behind >= 1, out
+    assert (tmp_path / "fr_0").exists()  # rank 0's own dump, written when it timed out

@@ -132,6 +132,21 @@ ProcessGroupPtr shrink_group(const Survivors& survivors, std::chrono::millisecon
 // size, so the global batches stay the same. Nothing more may be called on
 // the old group.
 
+// ---- When a job hangs: the flight recorder (README "When a job hangs") ----
+// Every process keeps its recent collectives on ddpx_mpi groups and
+// GradSync's bucket reductions in a ring (PyTorch's TORCH_FR_BUFFER_SIZE
+// entries, default 2000; 0: off). dump_trace writes it in PyTorch's
+// flight-recorder dump format to `path` ("": <TORCH_FR_DUMP_TEMP_FILE><rank>,
+// default /tmp/nccl_trace_rank_<rank>) and returns the path; PyTorch's
+// analyzer (python -m torch.distributed.flight_recorder.fr_trace DIR) and
+// `ddpx-trace analyze DIR` read a directory of them. A collective that
+// times out or fails writes it once by itself (TORCH_FR_DUMP_ON_TIMEOUT=0:
+// not). Thread-safe.
+std::string dump_trace(const std::string& path = "");
+// From now on signal `signo` (e.g. SIGUSR1: `kill -USR1 <pid>`) makes this
+// process write dump_trace() (from a thread of its own, not the handler).
+void dump_trace_on_signal(int signo);
+
 // Names of the backends this build can make.
 std::vector<std::string> available_backends();
 

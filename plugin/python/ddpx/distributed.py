@@ -27,6 +27,7 @@ collectives are ordered on the current stream).
 """
 import itertools
 import queue
+import signal
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["CodecState", "codec_hook", "none_hook", "fp16_hook", "bf16_hook", "int8_hook",
-           "topk_hook", "powersgd_hook"]
+           "topk_hook", "powersgd_hook", "dump_trace", "dump_trace_on_signal"]
 
 _serial = itertools.count()
 
@@ -194,3 +195,25 @@ bf16_hook = _named("bf16", "bf16")
 int8_hook = _named("int8", "int8")
 topk_hook = _named("topk", "topk:0.01")
 powersgd_hook = _named("powersgd", "powersgd:1")
+
+
+def dump_trace(path: Optional[str] = None) -> str:
+    """Writes this process's flight recorder -- its recent collectives on
+    ddpx_mpi groups and GradSync's bucket reductions -- in PyTorch's
+    flight-recorder dump format, to ``path`` (default
+    ``<TORCH_FR_DUMP_TEMP_FILE><rank>``), and returns the path. PyTorch's
+    analyzer (``python -m torch.distributed.flight_recorder.fr_trace DIR``)
+    and ``ddpx-trace analyze DIR`` read a directory of them."""
+    return torch.ops.ddpx.dump_trace(path or "")
+
+
+def dump_trace_on_signal(signum: int = signal.SIGUSR1) -> None:
+    """From now on, signal ``signum`` (default SIGUSR1) makes this process
+    write ``dump_trace()``: ``kill -USR1 <pid>`` on a rank that seems stuck."""
+    torch.ops.ddpx.dump_trace_on_signal(int(signum))
+
+
+# ddpx_mpi records its own collectives (and dumps them on a timeout): torch's
+# own recorder hook would record them a second time into a buffer of its own.
+if hasattr(dist.distributed_c10d, "_FR_SELF_RECORDING_BACKENDS"):
+    dist.distributed_c10d._FR_SELF_RECORDING_BACKENDS.add("ddpx_mpi")
