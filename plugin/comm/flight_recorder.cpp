@@ -25,6 +25,7 @@ namespace {
 constexpr int kTagShift = 40;
 constexpr uint64_t kFailedBit = uint64_t{1} << 39;
 constexpr uint64_t kUsMask = kFailedBit - 1;
+constexpr uint64_t kSeqMask = (uint64_t{1} << kTagShift) - 1;  // op_seq: 2^40 calls
 
 uint64_t tag_of(uint64_t id) { return (id & 0xFFFFFF) << kTagShift; }
 
@@ -58,12 +59,12 @@ struct FlightRecorder::Slot {
   std::atomic<uint64_t> seq{0};  // 0: empty; 2*id - 1: being written; 2*id: record `id`
   std::atomic<uint64_t> started{0};
   std::atomic<uint64_t> finished{0};
+  std::atomic<uint64_t> op_seq{0};  // tag | the call's sequence number (0: not yet known)
   // Written under `seq`:
   int group;
   FrOp op;
   bool p2p;
   int peer;
-  uint64_t op_seq;
   int64_t created_ns;
   int64_t timeout_ms;
   uint8_t n_in, n_out;
@@ -224,7 +225,7 @@ int FlightRecorder::names(std::vector<std::string> list) {
 }
 
 uint64_t FlightRecorder::record(const Call& call) {
-  if (capacity_ == 0) return 0;
+  if (capacity_ == 0 || paused_.load(std::memory_order_relaxed)) return 0;
   thread_local const ThreadName thread;
   const uint64_t id = next_.fetch_add(1, std::memory_order_relaxed);
   Slot& s = *slot_of(id);
@@ -232,11 +233,11 @@ uint64_t FlightRecorder::record(const Call& call) {
   std::atomic_thread_fence(std::memory_order_release);
   s.started.store(tag_of(id), std::memory_order_relaxed);
   s.finished.store(tag_of(id), std::memory_order_relaxed);
+  s.op_seq.store(tag_of(id) | (call.seq & kSeqMask), std::memory_order_relaxed);
   s.group = call.group;
   s.op = call.op;
   s.p2p = call.p2p;
   s.peer = call.peer;
-  s.op_seq = call.seq;
   s.created_ns = call.created_ns != 0 ? call.created_ns : now_ns();
   s.timeout_ms = call.timeout_ms;
   s.step = call.step;
@@ -286,6 +287,14 @@ void stamp(std::atomic<uint64_t>& word, uint64_t id, int64_t created_ns, bool fa
 }
 }  // namespace
 
+void FlightRecorder::set_seq(uint64_t id, uint64_t seq) {
+  if (id == 0 || capacity_ == 0) return;
+  Slot& s = *slot_of(id);
+  uint64_t expected = tag_of(id);  // this record's, not numbered yet
+  s.op_seq.compare_exchange_strong(expected, tag_of(id) | (seq & kSeqMask),
+                                   std::memory_order_relaxed);
+}
+
 void FlightRecorder::started(uint64_t id) {
   if (id == 0 || capacity_ == 0) return;
   Slot& s = *slot_of(id);
@@ -328,7 +337,6 @@ FrSnapshot FlightRecorder::snapshot() const {
       r.op = s.op;
       r.p2p = s.p2p;
       r.peer = s.peer;
-      (r.p2p ? r.p2p_seq : r.collective_seq) = s.op_seq;
       r.created_ns = s.created_ns;
       r.timeout_ms = s.timeout_ms;
       r.step = s.step;
@@ -349,6 +357,7 @@ FrSnapshot FlightRecorder::snapshot() const {
       }
       const uint64_t started = s.started.load(std::memory_order_relaxed);
       const uint64_t finished = s.finished.load(std::memory_order_relaxed);
+      (r.p2p ? r.p2p_seq : r.collective_seq) = s.op_seq.load(std::memory_order_relaxed) & kSeqMask;
       std::atomic_thread_fence(std::memory_order_acquire);
       if (s.seq.load(std::memory_order_relaxed) != before) continue;  // rewritten meanwhile
       auto at = [&](uint64_t word) -> int64_t {

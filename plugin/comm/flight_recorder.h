@@ -9,12 +9,13 @@
 //  1. record() claims the next slot with one atomic fetch_add (its id, which
 //     also numbers the record) and fills it under the slot's sequence word
 //     (a seqlock: odd while written). No lock, no allocation, no collective.
-//     ddpx_mpi records a collective when it reaches the worker in its
-//     group's order (post_order.h), so collective_seq_id is the order MPI
-//     sees, the same on every rank; GradSync records a bucket's reduction
-//     when it launches, with the step, the bucket and its parameters.
-//  2. started(id) / finished(id) stamp the record later, from whichever
-//     thread; a slot already reused by a newer record ignores them.
+//     ddpx_mpi records a call when it is posted and numbers a collective
+//     (set_seq) when it reaches the worker in its group's order
+//     (post_order.h), so collective_seq_id is the order MPI sees, the same
+//     on every rank; GradSync records a bucket's reduction when it launches,
+//     with the step, the bucket and its parameters.
+//  2. set_seq(id) / started(id) / finished(id) stamp the record later, from
+//     whichever thread; a slot already reused by a newer record ignores them.
 //  3. snapshot() copies every written slot (retrying one being written) in
 //     record order, with the groups and name lists, for a dump.
 //  4. Size: TORCH_FR_BUFFER_SIZE, else TORCH_NCCL_TRACE_BUFFER_SIZE (PyTorch's
@@ -30,7 +31,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
 namespace at {
@@ -119,8 +120,12 @@ class FlightRecorder {
   FlightRecorder(const FlightRecorder&) = delete;
   FlightRecorder& operator=(const FlightRecorder&) = delete;
 
-  bool enabled() const { return capacity_ > 0; }
+  bool enabled() const { return capacity_ > 0 && !paused_.load(std::memory_order_relaxed); }
   size_t capacity() const { return capacity_; }
+  // Pauses (or resumes) recording: while paused record() returns at its
+  // first test, as when off. For measuring the recorder's cost in one
+  // process (scripts/bench/flight_recorder). Returns the previous state.
+  bool set_paused(bool paused) { return paused_.exchange(paused); }
 
   // A group's index (registered on first use; the same name, desc and ranks
   // give the same index).
@@ -147,6 +152,9 @@ class FlightRecorder {
   };
   // Returns the record's id (0 when off).
   uint64_t record(const Call& call);
+  // The record's sequence number, when it is known only later (ddpx_mpi
+  // numbers a collective when it reaches the worker, post_order.h).
+  void set_seq(uint64_t id, uint64_t seq);
   void started(uint64_t id);
   void finished(uint64_t id, bool failed = false);
 
@@ -160,7 +168,8 @@ class FlightRecorder {
 
   const size_t capacity_;
   std::unique_ptr<Slot[]> slots_;
-  std::atomic<uint64_t> next_{1};   // ids start at 1: 0 means "not recorded"
+  std::atomic<uint64_t> next_{1};  // ids start at 1: 0 means "not recorded"
+  std::atomic<bool> paused_{false};
   mutable std::mutex registry_mu_;  // groups and names only: not on the hot path
   std::vector<FrGroup> groups_;
   std::vector<std::vector<std::string>> names_;

@@ -91,6 +91,7 @@ FrReport fr_analyze(const std::map<int, FrSnapshot>& by_rank, const std::vector<
   for (const auto& [rank, snap] : by_rank) {
     for (const auto& rec : snap.records) {
       if (rec.p2p || rec.group < 0 || rec.group >= static_cast<int>(snap.groups.size())) continue;
+      if (rec.collective_seq == 0) continue;  // posted, not yet in its group's order (post_order.h)
       const FrGroup& g = snap.groups[rec.group];
       auto it = std::find_if(groups.begin(), groups.end(), [&](const GroupView& v) {
         return v.name == g.name && v.lib == g.lib && v.ranks == g.ranks;

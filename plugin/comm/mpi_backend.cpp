@@ -219,24 +219,20 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
   const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
                    type == c10d::OpType::RECVANYSOURCE;
   FlightRecorder& fr = FlightRecorder::get();
-  FlightRecorder::Call call;
   if (fr.enabled()) {
+    // Recorded now; a collective is numbered when it reaches the worker.
+    FlightRecorder::Call call;
     call.group = fr_group();
     call.op = fr_op(type);
     call.p2p = p2p;
     call.peer = peer;
-    call.created_ns = FlightRecorder::now_ns();
+    call.seq = p2p ? ++p2p_seq_ : 0;
     call.timeout_ms = work->timeout().count();
+    call.inputs = &inputs;
+    call.outputs = &outputs;
+    work->set_record(fr.record(call));
   }
   if (p2p) {
-    if (fr.enabled()) {
-      call.seq = ++p2p_seq_;
-      call.inputs = &inputs;
-      call.outputs = &outputs;
-      work->set_record(fr.record(call));
-    }
-    // Matched by source and tag, not by order: straight to the worker. (A
-    // send held behind a receive's callbacks could deadlock.)
     work->set_diagnosis([diag = diag_, rank = rank_, size = size_, grace = diagnosis_grace()] {
       return describe_peers(diag, rank, size, kPointToPoint, grace);
     });
@@ -244,24 +240,15 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
   } else {
     ++collective_seq_;
     work->set_order(order_);
-    // `call`: its position in the order collectives reach MPI, which is what
+    // `n`: its position in the order collectives reach MPI, which is what
     // the ranks compare after a timeout.
-    std::vector<at::Tensor> ins, outs;  // their sizes, for the flight recorder
-    if (fr.enabled()) {
-      ins = inputs;
-      outs = outputs;
-    }
     order_->post(
         work.get(),
         [work, on_worker, worker = worker_, diag = diag_, rank = rank_, size = size_,
-         grace = diagnosis_grace(), call, ins, outs](uint64_t n) mutable {
+         grace = diagnosis_grace()](uint64_t n) {
           work->set_diagnosis([=] { return describe_peers(diag, rank, size, n, grace); });
-          if (call.group >= 0) {  // recorded in the order MPI sees: the same on every rank
-            call.seq = n + 1;
-            call.inputs = &ins;
-            call.outputs = &outs;
-            work->set_record(FlightRecorder::get().record(call));
-          }
+          // Numbered in the order MPI sees: the same on every rank.
+          FlightRecorder::get().set_seq(work->record(), n + 1);
           try {
             worker->enqueue(work, on_worker);
           } catch (...) {

@@ -87,6 +87,7 @@ class MpiWork : public c10d::Work {
   // Its flight-recorder record (flight_recorder.h), stamped when the worker
   // starts it and when it completes; set before the worker can start it.
   void set_record(uint64_t id) { record_ = id; }
+  uint64_t record() const { return record_; }
   // Where the order records the callbacks that issued this Work.
   std::shared_ptr<PostOrder::Chain>* issued_by() { return &issued_by_; }
 
