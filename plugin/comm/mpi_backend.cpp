@@ -133,10 +133,13 @@ c10::intrusive_ptr<c10d::Backend::Options> MpiBackend::getBackendOptions() {
 }
 
 int MpiBackend::fr_group() {
+  // Once torch has named the group the index is final: no lock per call.
+  if (fr_named_.load(std::memory_order_acquire)) return fr_group_;
   std::lock_guard<std::mutex> lock(fr_mu_);
   // torch names its groups after making the backend (setGroupUid); a group
   // made in C++ may have no name: then the backend's, the same on every rank.
-  std::string name = getGroupUid();
+  const std::string uid = getGroupUid();
+  std::string name = uid;
   if (name.empty()) {
     name = "ddpx_mpi";
     if (world_ranks_.size() != static_cast<size_t>(MpiEnv::get().world_size())) {
@@ -148,6 +151,7 @@ int MpiBackend::fr_group() {
     fr_group_ = FlightRecorder::get().group({name, desc, world_ranks_, "ddpx_mpi"});
     fr_name_ = name;
   }
+  if (!uid.empty()) fr_named_.store(true, std::memory_order_release);
   return fr_group_;
 }
 

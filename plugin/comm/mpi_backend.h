@@ -170,9 +170,10 @@ class MpiBackend final : public c10d::Backend {
   std::atomic<uint64_t> collective_seq_{0};
   std::atomic<uint64_t> p2p_seq_{0};
   std::vector<int64_t> world_ranks_;  // MPI_COMM_WORLD ranks of the members, in rank order
-  std::mutex fr_mu_;                  // the two below
+  std::mutex fr_mu_;                  // the two below, until fr_named_
   std::string fr_name_;               // the group name fr_group_ was registered under
   int fr_group_ = -1;
+  std::atomic<bool> fr_named_{false};  // torch named the group: fr_group_ is final
   std::atomic<bool> timing_{false};
   // The store of the last split() call (caller's thread): its repeat for
   // another device type is answered without splitting again.
