@@ -395,6 +395,12 @@ void GradSync::Impl::write_back_param(int p, bool globally_used) {
   } else {
     g = views[p].to(dtype, /*non_blocking=*/false, /*copy=*/true);
   }
+  // Mixed precision with buckets in param_dtype: the parameter's own .grad
+  // becomes its slot too, so the next backward accumulates into the bucket.
+  if (masters.active() && opts.gradient_as_bucket_view_ &&
+      views[p].scalar_type() == params[p].scalar_type() && !is_slot(p, params[p].grad())) {
+    params[p].mutable_grad() = views[p];
+  }
 }
 
 void GradSync::Impl::declare_sparse(c10d::ProcessGroup& pg,

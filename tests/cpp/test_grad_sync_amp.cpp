@@ -259,34 +259,47 @@ TEST(GradSyncAmp, Float32MastersKeepTrainingWherePureBfloat16Stalls) {
 }
 
 // reduce_dtype: bfloat16 gradients summed in float32 (SGD at lr 1 moves the
-// master by the float32 mean of the ranks' bfloat16 gradients), and float32
-// gradients summed in bfloat16 (.grad float32, each value a bfloat16, near
-// the mean).
+// master by the float32 mean of the ranks' bfloat16 gradients) or in
+// bfloat16 (by a bfloat16 sum: within n ulps; the parameter's .grad is then
+// its bucket slot, zeroed by the update), and float32 gradients summed in
+// bfloat16 (.grad float32, each value a bfloat16, near the mean).
 TEST(GradSyncAmp, ReduceDtypeIsTheDtypeGradientsAreSummedIn) {
   const int n = world()->getSize();
-  for (const bool low_params : {true, false}) {
-    SCOPED_TRACE(low_params ? "mixed_precision(bf16, fp32)" : "mixed_precision(fp32, bf16)");
-    const auto dtype = low_params ? at::kBFloat16 : at::kFloat;
+  const double bf16_sum = n * std::ldexp(1.0, -8);  // a rounding per addend
+  for (const auto& [param, reduce] :
+       std::vector<std::pair<at::ScalarType, at::ScalarType>>{{at::kBFloat16, at::kFloat},
+                                                              {at::kBFloat16, at::kBFloat16},
+                                                              {at::kFloat, at::kBFloat16}}) {
+    SCOPED_TRACE(std::string("mixed_precision(") + c10::toString(param) + ", " +
+                 c10::toString(reduce) + ")");
     // d/dw sum(x w^T) = the sum of x's rows: rank r's gradient, known to all.
-    auto x_of = [&](int r) { return shard(global_batch(6, 77), r).to(dtype); };
+    auto x_of = [&](int r) { return shard(global_batch(6, 77), r).to(param); };
     at::Tensor mean = at::zeros({6});
-    for (int r = 0; r < n; ++r) mean += x_of(r).sum(0).to(at::kFloat) / n;
+    double big = 0;  // the largest |addend|
+    for (int r = 0; r < n; ++r) {
+      mean += x_of(r).sum(0).to(at::kFloat) / n;
+      big = std::max(big, x_of(r).sum(0).abs().max().item<double>());
+    }
     torch::nn::Linear m(torch::nn::LinearOptions(6, 1).bias(false));
-    GradSync sync(m->named_parameters(), world(),
-                  low_params ? GradSyncOptions().mixed_precision(at::kBFloat16, at::kFloat)
-                             : GradSyncOptions().mixed_precision(at::kFloat, at::kBFloat16));
+    GradSync sync(m->named_parameters(), world(), GradSyncOptions().mixed_precision(param, reduce));
     torch::optim::SGD opt(m->parameters(), 1.0);
-    if (low_params) sync.set_optimizer(opt);
-    const at::Tensor before = low_params ? sync.master_parameters()[0].clone() : at::Tensor();
+    const bool masters = param != at::kFloat;
+    if (masters) sync.set_optimizer(opt);
+    const at::Tensor before = masters ? sync.master_parameters()[0].clone() : at::Tensor();
     m(x_of(world()->getRank())).sum().backward();
-    if (low_params) {
+    if (masters) {
       const at::Tensor moved = (before - sync.master_parameters()[0]).reshape(-1);
-      EXPECT_TRUE(at::allclose(moved, mean, 1e-6, 1e-6)) << moved << mean;
+      // (A bfloat16 sum rounds by its addends' size, not the result's.)
+      const double tol = reduce == at::kFloat ? 1e-6 : bf16_sum * big;
+      EXPECT_TRUE(at::allclose(moved, mean, 1e-6, tol)) << moved << mean;
+      const at::Tensor g = m->weight.grad();
+      EXPECT_EQ(g.defined(), reduce == param);  // (consumed, or the zeroed slot)
+      if (g.defined()) EXPECT_TRUE(at::equal(g, at::zeros_like(g)));
     } else {
       const at::Tensor g = m->weight.grad().reshape(-1);
       EXPECT_EQ(g.scalar_type(), at::kFloat);
       EXPECT_TRUE(at::equal(g, g.to(at::kBFloat16).to(at::kFloat))) << "summed in bfloat16";
-      EXPECT_TRUE(at::allclose(g, mean, n * std::ldexp(1.0, -8), 1e-6)) << g << mean;
+      EXPECT_TRUE(at::allclose(g, mean, 1e-6, bf16_sum * big)) << g << mean;
     }
   }
 }
