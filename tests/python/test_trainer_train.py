@@ -124,15 +124,12 @@ def test_resume_after_kill_is_bitwise_equal(tmp_path, data_cache):
         assert torch.equal(got[name], want[name]), name
 
 
-@pytest.mark.parametrize("codec,overlap", [("int8", "none"), ("topk:0.1", "next-forward"),
-                                           ("fp16", "optimizer"), ("powersgd:2", "none")])
-def test_codec_resume_is_bitwise_equal(tmp_path, data_cache, codec, overlap):
-    """A lossy codec's error feedback is in the checkpoint (every rank's
-    residuals, PowerSGD's warm starts; issue 47): stopped at step 12 and resumed to 24, the run ends
-    on the parameters of 24 straight steps, bit for bit."""
+def stop_at_12_resume_to_24(tmp_path, data_cache, *flags):
+    """The MLP on 2 ranks with `flags`: 24 straight steps (checkpoint `ref`),
+    and 12 steps then resumed to 24 (checkpoint `ckpt`); returns (ckpt, ref)."""
     common = ["--model", model("mlp"), "--data-cache", data_cache, "--batch-size", 16,
               "--lr", 0.05, "--momentum", 0.9, "--lr-schedule", "constant", "--log-every", 6,
-              "--seed", 3, "--codec", codec, "--overlap", overlap]
+              "--seed", 3, *flags]
     ref, ckpt = tmp_path / "ref.ckpt", tmp_path / "run.ckpt"
     r = run(mpirun_cmd(2, *common, "--steps", 24, "--checkpoint", ref))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -141,6 +138,17 @@ def test_codec_resume_is_bitwise_equal(tmp_path, data_cache, codec, overlap):
     r = run(mpirun_cmd(2, *common, "--steps", 24, "--checkpoint", ckpt, "--resume"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"resumed from {ckpt} at step 12" in r.stdout
+    return ckpt, ref
+
+
+@pytest.mark.parametrize("codec,overlap", [("int8", "none"), ("topk:0.1", "next-forward"),
+                                           ("fp16", "optimizer"), ("powersgd:2", "none")])
+def test_codec_resume_is_bitwise_equal(tmp_path, data_cache, codec, overlap):
+    """A lossy codec's error feedback is in the checkpoint (every rank's
+    residuals, PowerSGD's warm starts; issue 47): stopped at step 12 and resumed to 24, the run ends
+    on the parameters of 24 straight steps, bit for bit."""
+    ckpt, ref = stop_at_12_resume_to_24(tmp_path, data_cache, "--codec", codec,
+                                        "--overlap", overlap)
     got, _ = checkpoint_tensors(ckpt)
     want, _ = checkpoint_tensors(ref)
     assert got.keys() == want.keys()
@@ -184,17 +192,7 @@ def test_mixed_precision_resume_is_bitwise_equal(tmp_path, data_cache, flags):
     """Issue 63: the scaler's state and the float32 masters are in the
     checkpoint: stopped at step 12 and resumed to 24, the run ends on the
     parameters (and masters) of 24 straight steps, bit for bit."""
-    common = ["--model", model("mlp"), "--data-cache", data_cache, "--batch-size", 16,
-              "--lr", 0.05, "--momentum", 0.9, "--lr-schedule", "constant", "--log-every", 6,
-              "--seed", 3, *flags]
-    ref, ckpt = tmp_path / "ref.ckpt", tmp_path / "run.ckpt"
-    r = run(mpirun_cmd(2, *common, "--steps", 24, "--checkpoint", ref))
-    assert r.returncode == 0, r.stdout + r.stderr
-    r = run(mpirun_cmd(2, *common, "--steps", 12, "--checkpoint", ckpt))
-    assert r.returncode == 0, r.stdout + r.stderr
-    r = run(mpirun_cmd(2, *common, "--steps", 24, "--checkpoint", ckpt, "--resume"))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert f"resumed from {ckpt} at step 12" in r.stdout
+    ckpt, ref = stop_at_12_resume_to_24(tmp_path, data_cache, *flags)
     got, want = torch.jit.load(str(ckpt)), torch.jit.load(str(ref))
     for key in ("model_tensors", "gradsync.masters", "amp.scaler"):
         g, w = (getattr(got, key, None), getattr(want, key, None))
@@ -206,4 +204,4 @@ def test_mixed_precision_resume_is_bitwise_equal(tmp_path, data_cache, flags):
     if "--param-dtype" in flags:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[flags[1]]
         assert got.model_tensors[0].dtype == dtype
-        assert all(m.dtype == torch.float32 for m in got.__getattr__("gradsync.masters"))
+        assert all(m.dtype == torch.float32 for m in getattr(got, "gradsync.masters"))
