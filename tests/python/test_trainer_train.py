@@ -8,12 +8,15 @@ Stated targets (CPU, 2 ranks under mpirun, generated data):
 import hashlib
 import json
 import os
+import re
+import shlex
 import signal
+from pathlib import Path
 
 import pytest
 import torch
 
-from trainer_util import (TRAIN, checkpoint_tensors, kill_group, model, mpirun_cmd,
+from trainer_util import (MODELS, TRAIN, checkpoint_tensors, kill_group, model, mpirun_cmd,
                           rank_pid, read_metrics, run, start, wait_for)
 
 
@@ -205,3 +208,22 @@ def test_mixed_precision_resume_is_bitwise_equal(tmp_path, data_cache, flags):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[flags[1]]
         assert got.model_tensors[0].dtype == dtype
         assert all(m.dtype == torch.float32 for m in getattr(got, "gradsync.masters"))
+
+
+def test_readme_mixed_precision_commands_run(tmp_path, data_cache):
+    """The README's command lines of its Mixed precision section, as they
+    stand there but for where this build keeps ddpx-train and the models,
+    mpirun's flags for running as root on two cores, and the generated image
+    set (the session's): each trains."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"<!-- \[example readme_cli\] -->\n```sh\n(.*?)```", readme, re.S).group(1)
+    lines = [ln.split("#")[0] for ln in block.splitlines() if ln.startswith("mpirun")]
+    assert len(lines) == 2, block
+    for line in lines:
+        words = shlex.split(line)
+        assert words[:3] == ["mpirun", "-np", "2"] and words[3] == "ddpx-train", words
+        args = [str(MODELS / Path(w).name) if w.startswith("build/torchscript_models/") else w
+                for w in words[4:]]
+        r = run(mpirun_cmd(2, *args, "--data-cache", data_cache), cwd=tmp_path)
+        assert r.returncode == 0, line + "\n" + r.stdout + r.stderr
+        assert "test accuracy" in r.stdout, r.stdout
