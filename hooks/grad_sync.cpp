@@ -108,11 +108,6 @@ void GradSync::Impl::finish_step() {
       f[2 * n + 3] = priority_trial.verdict(stats.step);
     }
   }
-  // (The trainer's next scaler.scale() waits until this step's verdict has
-  // updated the scale; begin_step_locked checked that the loss was scaled.)
-  if (scaler && optimizer && detail::ScalerAccess::enabled(scaler)) {
-    scaler_inv = detail::ScalerAccess::begin_step(scaler);
-  }
   end_flags = flags;
   end_agree = agree_max(flags, "ddpx::step_agreement", &agree_t0, &agree_t1);
   end_f0 = f0;
@@ -120,6 +115,12 @@ void GradSync::Impl::finish_step() {
   step_stale = stale_now();
   stats.stale = step_stale;
   ++synced_steps;
+  // From here complete_step runs, and updates the scale or, failing, lets it
+  // be: the trainer's next scaler.scale() waits until then (begin_step_locked
+  // checked that the loss was scaled).
+  if (scaler && optimizer && detail::ScalerAccess::enabled(scaler)) {
+    scaler_inv = detail::ScalerAccess::begin_step(scaler);
+  }
   if (!gates && !step_stale) {
     complete_step();
     return;

@@ -144,7 +144,8 @@ void check_mixed_precision(const GradSyncOptions& o, const std::vector<std::stri
               "reduce_dtype); choose one");
   TORCH_CHECK(o.sparse_params_.empty(), "GradSyncOptions: mixed_precision and sparse_params do "
               "not combine (rows are reduced in the gradient's own dtype); sparse_params names '",
-              o.sparse_params_.front(), "'");
+              o.sparse_params_.front(), "' (the torch::jit::Module constructor adds the weights "
+              "of Embedding(sparse=True))");
   if (*o.param_dtype_ == at::kFloat) return;
   for (size_t p = 0; p < params.size(); ++p) {
     TORCH_CHECK(params[p].scalar_type() == at::kFloat, "GradSyncOptions::mixed_precision(",
