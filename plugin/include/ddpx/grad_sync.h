@@ -210,7 +210,9 @@ struct GradSyncOptions {
   // ones too -- to param_dtype, so forward and backward compute in it (cast
   // floating inputs to it, as FSDP's cast_forward_inputs does). The
   // optimizer given to set_optimizer, required then in every overlap mode
-  // (under Overlap::None GradSync steps it once every average has landed),
+  // (under Overlap::None as under Optimizer: bucket by bucket as the
+  // averages land, before backward returns; with a GradScaler once all
+  // have landed, see set_optimizer),
   // steps the masters with float32 gradients, its state float32 and kept in
   // it under the parameters as usual; the stepped masters are rounded into
   // the parameters the next forward reads. The masters are in state() (a
