@@ -12,8 +12,12 @@ namespace ddpx::hooks {
 namespace optim = torch::optim;
 
 BucketOptimizer::BucketOptimizer(optim::Optimizer& user, const std::vector<at::Tensor>& params,
-                                 const std::vector<std::string>& names)
-    : user_(user), params_(params), group_of_(params.size(), -1) {
+                                 const std::vector<std::string>& names,
+                                 const std::vector<at::Tensor>* masters)
+    : user_(user),
+      params_(params),
+      stepped_(masters ? *masters : params),
+      group_of_(params.size(), -1) {
   // (AdamW derives from nothing but Optimizer, so the order does not matter.)
   if (dynamic_cast<optim::SGD*>(&user)) {
     kind_ = Kind::SGD;
@@ -147,7 +151,7 @@ void BucketOptimizer::step(int b, const std::vector<int>& ps, bool lookahead) {
     auto& list = sub_groups[i].params();
     list.clear();
     for (int p : ps) {
-      if (group_of_[p] == s.groups[i]) list.push_back(params_[p]);
+      if (group_of_[p] == s.groups[i]) list.push_back(stepped_[p]);
     }
     any = any || !list.empty();
     sub_groups[i].set_options(snap_[s.groups[i]]->clone());
@@ -155,29 +159,37 @@ void BucketOptimizer::step(int b, const std::vector<int>& ps, bool lookahead) {
   if (!any) return;
   // The state of these parameters moves in for the update and back after,
   // also if step() throws (the trainer's optimizer must keep it). A
-  // look-ahead steps copies and drops them.
+  // look-ahead steps copies and drops them. The trainer's key is the
+  // parameter, the sub-optimizer's what it steps (a master, or the same).
   auto& mine = s.opt->state();
   auto& theirs = user_.state();
+  std::vector<std::pair<void*, void*>> keys;  // (the trainer's, the sub-optimizer's)
   for (int p : ps) {
     void* key = params_[p].unsafeGetTensorImpl();
+    void* sub_key = stepped_[p].unsafeGetTensorImpl();
+    keys.emplace_back(key, sub_key);
     auto it = theirs.find(key);
     if (it == theirs.end()) continue;
     if (lookahead) {
       const auto kept = scratch_.find(key);
-      mine[key] = deep_copy(*it->second, kept == scratch_.end() ? nullptr : kept->second.get());
+      mine[sub_key] = deep_copy(*it->second, kept == scratch_.end() ? nullptr : kept->second.get());
     } else {
-      mine[key] = std::move(it->second);
+      mine[sub_key] = std::move(it->second);
       theirs.erase(it);
     }
   }
   struct GiveBack {
     decltype(mine)& from;
     decltype(theirs)& to;  // the trainer's optimizer, or the look-ahead's copies
+    const std::vector<std::pair<void*, void*>>& keys;
     ~GiveBack() {
-      for (auto& [key, st] : from) to[key] = std::move(st);
+      for (const auto& [key, sub_key] : keys) {
+        auto it = from.find(sub_key);
+        if (it != from.end()) to[key] = std::move(it->second);
+      }
       from.clear();
     }
-  } give_back{mine, lookahead ? scratch_ : theirs};
+  } give_back{mine, lookahead ? scratch_ : theirs, keys};
   s.opt->step();
 }
 

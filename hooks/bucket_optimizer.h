@@ -7,6 +7,9 @@
 // into the sub-optimizer and back, so the trainer's optimizer always owns
 // the state between updates (saving and loading it works as usual), and the
 // per-parameter arithmetic is the very code optimizer.step() would run.
+// Under mixed precision (plugin/amp/master_weights.h) the sub-optimizer's
+// groups hold the float32 masters instead of the parameters, and the state
+// entries move between the trainer's key (the parameter) and the master's.
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 
@@ -21,8 +24,11 @@ class BucketOptimizer {
   // `params`/`names`: GradSync's synced parameters. Every parameter of
   // `user` must be one of them (else an error naming it); `user` must be
   // torch::optim::SGD, Adam or AdamW and outlive GradSync.
+  // `masters`: what each parameter's step updates instead (null: the
+  // parameters themselves).
   BucketOptimizer(torch::optim::Optimizer& user, const std::vector<at::Tensor>& params,
-                  const std::vector<std::string>& names);
+                  const std::vector<std::string>& names,
+                  const std::vector<at::Tensor>* masters = nullptr);
 
   // A new bucket plan: one sub-optimizer per bucket with stepped parameters.
   void plan(const std::vector<std::vector<int>>& buckets);
@@ -49,7 +55,8 @@ class BucketOptimizer {
   torch::optim::Optimizer& user_;
   Kind kind_;
   std::vector<at::Tensor> params_;
-  std::vector<int> group_of_;  // per GradSync parameter: the trainer's group, -1: none
+  std::vector<at::Tensor> stepped_;  // per parameter: what its step updates (params_ or masters)
+  std::vector<int> group_of_;        // per GradSync parameter: the trainer's group, -1: none
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> snap_;  // per trainer group
   struct Sub {
     std::unique_ptr<torch::optim::Optimizer> opt;  // null: nothing of the bucket is stepped

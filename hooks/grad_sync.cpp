@@ -117,6 +117,12 @@ void GradSync::Impl::finish_step() {
   step_stale = stale_now();
   stats.stale = step_stale;
   ++synced_steps;
+  // From here complete_step runs, and updates the scale or, failing, lets it
+  // be: the trainer's next scaler.scale() waits until then (begin_step_locked
+  // checked that the loss was scaled).
+  if (scaler && optimizer && detail::ScalerAccess::enabled(scaler)) {
+    scaler_inv = detail::ScalerAccess::begin_step(scaler);
+  }
   if (!gates && !step_stale) {
     complete_step();
     return;
@@ -228,15 +234,45 @@ void GradSync::Impl::complete_step() {
   for (int b = 0; b < n_buckets; ++b) {
     if (std::find(seq.begin(), seq.end(), b) == seq.end()) seq.push_back(b);
   }
+  // Under a GradScaler each average is unscaled as it lands, and whether to
+  // step is known only once every one has (scaled_step).
+  const bool scaled = optimizer && scaler && !step_stale;
+  std::vector<std::vector<int>> landed(scaled ? n_buckets : 0);
+  amp::FoundInf found;
   for (int b : seq) {
     take(futures[b]);
     take(rest_futures[b]);
     if (!optimizer || error || step_stale) continue;
     if (needs_agreement(b)) settle();
-    if (!error) apply_bucket(b, agreed ? flags.const_data_ptr<int>() : nullptr);
+    if (error) continue;
+    const int* agreed_flags = agreed ? flags.const_data_ptr<int>() : nullptr;
+    if (!scaled) {
+      apply_bucket(b, agreed_flags);
+      continue;
+    }
+    try {
+      landed[b] = land_bucket(b, agreed_flags, /*stale=*/false);
+      if (!scaler_inv.defined()) continue;  // (a disabled scaler: nothing to unscale)
+      std::vector<at::Tensor> grads;
+      for (int p : landed[b]) grads.push_back(stepped_tensor(p));
+      amp::unscale_grads(grads, scaler_inv, found, /*allow_fp16=*/false, "GradSync");
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
   }
   settle();
   wait_range.end();
+  if (scaled && !error) {
+    try {
+      scaled_step(seq, landed, found);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (scaler && scaler_inv.defined() && error) {
+    detail::ScalerAccess::finish_step(scaler, at::Tensor());  // no verdict: the scale stays
+  }
+  scaler_inv = at::Tensor();
   if (error) fail_step(error);
   // Device buckets: what runs after backward on this thread's streams (the
   // caller's, as autograd sets them for final callbacks), the optimizer
@@ -342,18 +378,31 @@ void GradSync::Impl::write_back_param(int p, bool globally_used) {
     if (sparse_out[p].defined()) params[p].mutable_grad() = std::move(sparse_out[p]);
     return;
   }
-  if (opts.gradient_as_bucket_view_ && grad_in_slot[p]) return;  // the average is there
-  auto& g = params[p].mutable_grad();
-  if (sparse_dim[p] > 0) {
-    g = views[p].to_sparse(sparse_dim[p]);  // the average's nonzero rows
-  } else if (opts.gradient_as_bucket_view_) {
+  // The average goes to the .grad of what the optimizer steps: the
+  // parameter, or (mixed precision) its float32 master, whose .grad is
+  // then the slot if the bucket is float32 too, else a float32 copy.
+  const at::Tensor& target = stepped_tensor(p);
+  if (!masters.active() && opts.gradient_as_bucket_view_ && grad_in_slot[p]) {
+    return;  // the average is there
+  }
+  auto& g = target.mutable_grad();
+  const at::ScalarType dtype = target.scalar_type();
+  if (sparse_dim[p] > 0 && !masters.active()) {
+    g = views[p].to_sparse(sparse_dim[p]).to(dtype);  // the average's nonzero rows
+  } else if (opts.gradient_as_bucket_view_ && views[p].scalar_type() == dtype) {
     // .grad becomes the slot (DDP's gradient_as_bucket_view): the average
     // is already there, and the next backward accumulates into the bucket.
     if (!is_slot(p, g)) g = views[p];
-  } else if (g.defined()) {
+  } else if (g.defined() && g.scalar_type() == dtype && !g.is_sparse() && !is_slot(p, g)) {
     g.copy_(views[p]);
   } else {
-    g = views[p].clone();
+    g = views[p].to(dtype, /*non_blocking=*/false, /*copy=*/true);
+  }
+  // Mixed precision with buckets in param_dtype: the parameter's own .grad
+  // becomes its slot too, so the next backward accumulates into the bucket.
+  if (masters.active() && opts.gradient_as_bucket_view_ &&
+      views[p].scalar_type() == params[p].scalar_type() && !is_slot(p, params[p].grad())) {
+    params[p].mutable_grad() = views[p];
   }
 }
 
@@ -378,6 +427,9 @@ bool GradSync::Impl::learn_sparse(const int* used_flags) {
   // A parameter some rank used this step: sparse if some rank's gradient
   // was (used_flags[p] = 1 + sparse_dim, MAX over ranks), so every rank
   // learns alike. Unused ones keep what they had.
+  // (Under mixed_precision a sparse gradient stays in its dense slot: the
+  // rows would be reduced in the gradient's own dtype, not reduce_dtype.)
+  if (opts.reduce_dtype_) return false;
   bool changed = false;
   for (size_t p = 0; p < params.size(); ++p) {
     if (used_flags[p] == 0) continue;

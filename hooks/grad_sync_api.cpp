@@ -87,7 +87,20 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     state.insert(state.end(), I.buffers.begin(), I.buffers.end());
     hooks::broadcast_from_rank0(*pg, state);
   }
-  for (const auto& p : params) I.info.push_back({p.numel(), p.scalar_type(), p.device()});
+  hooks::check_mixed_precision(options, names, params);
+  if (options.param_dtype_ && *options.param_dtype_ != at::kFloat) {
+    // After the broadcast: the masters are rank 0's float32 values. Before
+    // the hooks: ATen drops the autograd accumulator of a tensor whose dtype
+    // changes. Frozen float32 parameters go down too (the forward mixes no
+    // dtypes); they have no masters (nothing steps them).
+    I.masters = amp::MasterWeights(params, *options.param_dtype_);
+    for (const auto& t : all_params) {
+      if (t.scalar_type() == at::kFloat) amp::convert_in_place(t, *options.param_dtype_);
+    }
+  }
+  for (const auto& p : params) {
+    I.info.push_back({p.numel(), options.reduce_dtype_.value_or(p.scalar_type()), p.device()});
+  }
   for (size_t u = 0; u < options.drop_units_.size(); ++u) {
     const std::string& prefix = options.drop_units_[u];
     bool any = false;
@@ -247,6 +260,7 @@ GradSync::~GradSync() {
   } catch (const std::exception& e) {
     TORCH_WARN("GradSync: the last step failed after its backward returned: ", e.what());
   }
+  if (impl_->scaler) detail::ScalerAccess::detach(impl_->scaler);
   impl_->alive->store(nullptr, std::memory_order_release);
   // (As DDP's Reducer does: no backward over these parameters may run
   // concurrently with the destruction.)
@@ -331,6 +345,7 @@ GradSync::State GradSync::state() const {
     std::lock_guard<std::mutex> lock(I.mu);
     s.residuals = I.owed_residuals();
   }
+  for (const auto& m : I.masters.masters()) s.masters.push_back(m.clone());
   if (I.lossy) {
     s.warm_starts.resize(I.params.size());
     for (auto& [key, qt] : I.lossy->warm_starts()) {
@@ -377,7 +392,15 @@ void GradSync::load_state(const State& s) {
                 "shape ", I.params[p].sizes());
     warm.emplace(I.part_key(static_cast<int>(p)), q.to(I.params[p].device()));
   }
+  TORCH_CHECK(s.masters.empty() || I.masters.active(), "GradSync::load_state: the state holds ",
+              s.masters.size(), " float32 masters, but this GradSync has none (its "
+              "GradSyncOptions::mixed_precision keeps float32 parameters)");
   if (I.lossy) I.lossy->load_warm_starts(warm);
+  if (!s.masters.empty()) {
+    I.masters.load(s.masters, I.names);
+  } else if (I.masters.active()) {
+    I.masters.load(I.params, I.names);  // (what the parameters hold, their rounding lost)
+  }
   I.predictor.load_state(s.predictor, static_cast<int>(s.steps));
   I.replan(order, I.late_for(I.predictor));
   if (s.residuals.empty()) return;

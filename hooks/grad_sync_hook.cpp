@@ -66,10 +66,15 @@ void GradSync::Impl::begin_step_locked(const Clock::time_point* replay_start) {
               "is ", opts.overlap_ == Overlap::Optimizer ? "Optimizer" : "NextForward",
               ", which steps the optimizer bucket by bucket: give it with set_optimizer before "
               "the first backward");
+  TORCH_CHECK(!masters.active() || optimizer, "GradSync: GradSyncOptions::mixed_precision keeps "
+              "float32 masters of the parameters, which only GradSync can step: give the "
+              "optimizer with set_optimizer before the first backward");
+  if (scaler && detail::ScalerAccess::enabled(scaler)) detail::ScalerAccess::check_started(scaler);
   active = true;
   t0 = replay_start ? *replay_start : Clock::now();
   stats = StepStats{};
   stats.step = last.step + 1;
+  stats.skipped_steps = last.skipped_steps;
   if (optimizer) optimizer->snapshot();  // this step's options: a schedule moves on meanwhile
   if (gates) std::tie(stats.gate_wait_us, stats.gate_waits) = gates->take_waits();
   ready.assign(params.size(), 0);

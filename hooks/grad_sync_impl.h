@@ -26,11 +26,13 @@
 #include "hooks/param_gate.h"
 #include "hooks/priority_trial.h"
 #include "hooks/profiler.h"
+#include "hooks/reduce_fn.h"
+#include "hooks/stream_handoff.h"
+#include "plugin/amp/master_weights.h"
+#include "plugin/amp/scaler_access.h"
 #include "plugin/comm/flight_recorder.h"
 #include "plugin/comm/work_wait.h"
 #include "plugin/torch_compat.h"
-#include "hooks/reduce_fn.h"
-#include "hooks/stream_handoff.h"
 
 namespace ddpx {
 namespace hooks {
@@ -183,6 +185,20 @@ struct GradSync::Impl {
   std::vector<int> declared_surprises;  // declared, yet a gradient came
   // ---- across the step boundary (GradSyncOptions::overlap) ------------------
   std::unique_ptr<hooks::BucketOptimizer> optimizer;  // set_optimizer: stepped per bucket
+  // ---- mixed precision (GradSyncOptions::mixed_precision, ddpx/amp.h) -------
+  // The float32 masters of low-precision parameters (inactive: none).
+  amp::MasterWeights masters;
+  // set_optimizer(optimizer, scaler): each landed average is unscaled into
+  // `found` (per device), and the buckets are stepped only once all have
+  // landed finite; scaler_inv is the step's 1 / scale, taken at the end of
+  // backward (the scale is pending from then until complete_step updates it).
+  detail::ScalerAccess::Handle scaler;
+  at::Tensor scaler_inv;
+  // The tensor parameter p's optimizer steps, whose .grad gets the average:
+  // its master, or the parameter.
+  const at::Tensor& stepped_tensor(int p) const {
+    return masters.active() ? masters.master(p) : params[p];
+  }
   // NextForward: a gate per parameter, then per buffer (param_gate.h), and
   // the thread that completes each step after backward has returned (waits,
   // updates, the step's end); its failure is rethrown by join().
@@ -478,7 +494,22 @@ struct GradSync::Impl {
   // gates opened.
   // `stale`: the update of the step before (apply_stale): .grad holds the
   // next step's gradient, so the average stands in for it during the update.
-  void apply_bucket(int b, const int* agreed, bool stale = false);
+  void apply_bucket(int b, const int* agreed, bool stale = false) {
+    step_bucket(b, land_bucket(b, agreed, stale), stale, /*skip=*/false);
+  }
+  // apply_bucket's halves, apart under a GradScaler (every bucket must land
+  // before any is stepped): the averages written back (to the masters'
+  // .grad under mixed precision), returning the parameters to step; then
+  // those stepped (or, `skip`, not), the masters rounded into the
+  // parameters, the gradients consumed and the gates opened.
+  std::vector<int> land_bucket(int b, const int* agreed, bool stale);
+  void step_bucket(int b, const std::vector<int>& stepped, bool stale, bool skip);
+  // Under a GradScaler, once every bucket (in `seq`, their landing order)
+  // has landed (`landed`: each one's parameters to step) and been unscaled
+  // into `found`: all stepped, or none if some average was inf or NaN
+  // (stats.skipped); then the scaler's update.
+  void scaled_step(const std::vector<int>& seq, const std::vector<std::vector<int>>& landed,
+                   const amp::FoundInf& found);
   // The step-end agreement flagged a surprise gradient: the error.
   std::exception_ptr surprise_error();
   [[noreturn]] void fail_step(std::exception_ptr error);

@@ -20,14 +20,13 @@ bool GradSync::Impl::needs_agreement(int b) const {
   return false;
 }
 
-void GradSync::Impl::apply_bucket(int b, const int* agreed, bool stale) {
+std::vector<int> GradSync::Impl::land_bucket(int b, const int* agreed, bool stale) {
   at::NoGradGuard no_grad;
   // A device bucket: the update is queued on this thread's stream (the
   // trainer's: complete_step runs under its streams), after the reduction
   // on the channel's stream; nothing here waits for the device.
   const c10::Device device = plan[b].device;
-  const bool on_device = hooks::has_streams(device);
-  if (on_device && static_cast<size_t>(b) < reduced.size() && reduced[b]) {
+  if (hooks::has_streams(device) && static_cast<size_t>(b) < reduced.size() && reduced[b]) {
     reduced[b]->block(hooks::current_stream(device));
   }
   std::vector<int> stepped;
@@ -39,11 +38,19 @@ void GradSync::Impl::apply_bucket(int b, const int* agreed, bool stale) {
     // parameter whose .grad zero_grad() set to none.
     if (used && optimizer->steps(p)) stepped.push_back(p);
   }
+  return stepped;
+}
+
+void GradSync::Impl::step_bucket(int b, const std::vector<int>& stepped, bool stale, bool skip) {
+  at::NoGradGuard no_grad;
   std::vector<at::Tensor> next;  // stale: the next step's .grad, set aside
   if (stale) {
     for (int p : stepped) next.push_back(std::exchange(params[p].mutable_grad(), views[p]));
   }
-  optimizer->apply(b, stepped);
+  if (!skip) {
+    optimizer->apply(b, stepped);
+    masters.write(stepped);  // (mixed precision: what the next forward reads)
+  }
   if (stale) {
     // The whole set becomes the one the step after next accumulates into.
     storage[b].zero_();
@@ -52,22 +59,47 @@ void GradSync::Impl::apply_bucket(int b, const int* agreed, bool stale) {
     }
     return;
   }
-  // The update consumed the gradient: the next backward starts from zero
-  // (in the slot, so it still accumulates straight into the bucket).
+  // The update consumed the gradient (a skipped one is dropped alike): the
+  // next backward starts from zero (in the slot, so it still accumulates
+  // straight into the bucket). Under mixed precision both the parameter's
+  // own .grad and its master's.
   for (int p : stepped) {
-    auto& g = params[p].mutable_grad();
-    if (is_slot(p, g)) {
-      views[p].zero_();
-    } else {
-      g = at::Tensor();
+    bool zeroed = false;
+    for (const at::Tensor* t : {static_cast<const at::Tensor*>(&params[p]), &stepped_tensor(p)}) {
+      auto& g = t->mutable_grad();
+      if (!is_slot(p, g)) {
+        g = at::Tensor();
+      } else if (!zeroed) {
+        views[p].zero_();
+        zeroed = true;
+      }
     }
   }
   if (gates) {
     // On a device the gate opens once the update is queued; a reader's
     // stream then waits for it (Gates::wait).
-    const auto queued = hooks::fence_current({device});
+    const auto queued = hooks::fence_current({plan[b].device});
     for (int p : plan[b].params) gates->open(p, queued);
   }
+}
+
+void GradSync::Impl::scaled_step(const std::vector<int>& seq,
+                                 const std::vector<std::vector<int>>& landed,
+                                 const amp::FoundInf& found) {
+  // The averages are the same on every rank, so is the verdict: no
+  // collective of the scaler's own. (A disabled scaler: no verdict, steps.)
+  at::Tensor verdict;
+  bool skip = false;
+  if (scaler_inv.defined()) {
+    verdict = amp::combined(found, scaler_inv.device());
+    skip = verdict.item<double>() != 0;
+  }
+  stats.skipped = skip;
+  stats.skipped_steps += skip ? 1 : 0;
+  for (int b : seq) step_bucket(b, landed[b], /*stale=*/false, skip);
+  if (!scaler_inv.defined()) return;
+  detail::ScalerAccess::finish_step(scaler, verdict);
+  scaler_inv = at::Tensor();
 }
 
 void GradSync::Impl::join() {
@@ -82,13 +114,16 @@ void GradSync::Impl::join() {
 
 void GradSync::set_optimizer(torch::optim::Optimizer& optimizer) {
   auto& I = *impl_;
-  TORCH_CHECK(I.opts.overlap_ != Overlap::None, "GradSync::set_optimizer: GradSyncOptions::"
-              "overlap is Overlap::None, where the trainer steps its optimizer after backward; "
-              "choose Overlap::Optimizer or Overlap::NextForward to have GradSync step it");
+  TORCH_CHECK(I.opts.overlap_ != Overlap::None || I.masters.active(), "GradSync::set_optimizer: "
+              "GradSyncOptions::overlap is Overlap::None, where the trainer steps its optimizer "
+              "after backward; choose Overlap::Optimizer or Overlap::NextForward to have "
+              "GradSync step it (or mixed_precision with a param_dtype below float32, whose "
+              "float32 masters only GradSync can step)");
   I.drain();
   std::lock_guard<std::mutex> lock(I.mu);
   TORCH_CHECK(!I.active, "GradSync::set_optimizer: called during backward");
-  auto next = std::make_unique<hooks::BucketOptimizer>(optimizer, I.params, I.names);
+  auto next = std::make_unique<hooks::BucketOptimizer>(
+      optimizer, I.params, I.names, I.masters.active() ? &I.masters.masters() : nullptr);
   for (size_t p = 0; I.opts.staleness_ > 0 && p < I.params.size(); ++p) {
     // Its average would sit in the slot the step after next accumulates into.
     TORCH_CHECK(next->steps(static_cast<int>(p)), "GradSync::set_optimizer: parameter '",
@@ -97,6 +132,29 @@ void GradSync::set_optimizer(torch::optim::Optimizer& optimizer) {
   }
   I.optimizer = std::move(next);
   I.optimizer->plan(I.bucket_params());
+  if (I.scaler) detail::ScalerAccess::detach(I.scaler);  // (set_optimizer again)
+  I.scaler.reset();
+}
+
+void GradSync::set_optimizer(torch::optim::Optimizer& optimizer, GradScaler& scaler) {
+  auto& I = *impl_;
+  TORCH_CHECK(I.opts.overlap_ != Overlap::None || I.masters.active(), "GradSync::set_optimizer: "
+              "with GradSyncOptions::overlap Overlap::None the trainer steps its optimizer: "
+              "use scaler.step(optimizer) and scaler.update() after backward (the averaged "
+              "gradients are the same on every rank, so every rank skips alike); or choose "
+              "Overlap::Optimizer or NextForward to give both to GradSync");
+  TORCH_CHECK(I.opts.staleness_ == 0, "GradSync::set_optimizer: a GradScaler does not work with "
+              "GradSyncOptions::staleness(1): its look-ahead steps each rank on its own "
+              "gradients, before any rank could know whether a step is to be skipped");
+  set_optimizer(optimizer);
+  auto handle = detail::ScalerAccess::attach(scaler, &optimizer);
+  std::lock_guard<std::mutex> lock(I.mu);
+  I.scaler = std::move(handle);
+}
+
+std::vector<at::Tensor> GradSync::master_parameters() const {
+  impl_->join();
+  return impl_->masters.masters();
 }
 
 void GradSync::synchronize() {

@@ -1,5 +1,4 @@
 #include "hooks/grad_sync_setup.h"
-#include "plugin/comm/work_wait.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/hash.h>
@@ -8,6 +7,8 @@
 #include <algorithm>
 #include <map>
 #include <sstream>
+
+#include "plugin/comm/work_wait.h"
 
 namespace ddpx::hooks {
 namespace {
@@ -123,6 +124,33 @@ void broadcast_from_rank0(c10d::ProcessGroup& pg, const std::vector<at::Tensor>&
       t.detach().copy_(flat[0].narrow(0, off, t.numel()).view(t.sizes()));
       off += t.numel();
     }
+  }
+}
+
+void check_mixed_precision(const GradSyncOptions& o, const std::vector<std::string>& names,
+                           const std::vector<at::Tensor>& params) {
+  if (!o.param_dtype_ && !o.reduce_dtype_) return;
+  TORCH_CHECK(o.param_dtype_ && o.reduce_dtype_, "GradSyncOptions::mixed_precision: set both "
+              "param_dtype and reduce_dtype (mixed_precision(param_dtype, reduce_dtype))");
+  auto low_or_float = [](at::ScalarType t) {
+    return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+  };
+  TORCH_CHECK(low_or_float(*o.param_dtype_), "GradSyncOptions::mixed_precision: param_dtype "
+              "must be float32, bfloat16 or float16, got ", *o.param_dtype_);
+  TORCH_CHECK(low_or_float(*o.reduce_dtype_), "GradSyncOptions::mixed_precision: reduce_dtype "
+              "must be float32, bfloat16 or float16, got ", *o.reduce_dtype_);
+  TORCH_CHECK(o.staleness_ == 0, "GradSyncOptions: mixed_precision and staleness(1) do not "
+              "combine (the stale update swaps .grad for its bucket slot, whose dtype is "
+              "reduce_dtype); choose one");
+  TORCH_CHECK(o.sparse_params_.empty(), "GradSyncOptions: mixed_precision and sparse_params do "
+              "not combine (rows are reduced in the gradient's own dtype); sparse_params names '",
+              o.sparse_params_.front(), "' (the torch::jit::Module constructor adds the weights "
+              "of Embedding(sparse=True))");
+  if (*o.param_dtype_ == at::kFloat) return;
+  for (size_t p = 0; p < params.size(); ++p) {
+    TORCH_CHECK(params[p].scalar_type() == at::kFloat, "GradSyncOptions::mixed_precision(",
+                *o.param_dtype_, ", ", *o.reduce_dtype_, "): parameter '", names[p], "' is ",
+                params[p].scalar_type(), "; float32 masters are kept of float32 parameters");
   }
 }
 

@@ -2,6 +2,7 @@
 // Construction-time agreement: same parameters on every rank, rank 0's values
 // everywhere.
 #include <ddpx/comm.h>
+#include <ddpx/grad_sync.h>
 
 #include <string>
 #include <vector>
@@ -31,6 +32,12 @@ inline constexpr TensorKind kBuffers{"buffer", "buffers"};
 // collective here has the same size on all ranks.
 void verify_same_tensors(c10d::ProcessGroup& pg, const std::vector<std::string>& names,
                          const std::vector<at::Tensor>& tensors, const TensorKind& kind);
+
+// GradSyncOptions::mixed_precision's door: its dtypes (float32, bfloat16,
+// float16), the parameters a master is kept of (float32), and the options
+// it does not combine with, each named.
+void check_mixed_precision(const GradSyncOptions& o, const std::vector<std::string>& names,
+                           const std::vector<at::Tensor>& params);
 
 // Broadcasts rank 0's values of `tensors` (coalesced per dtype).
 void broadcast_from_rank0(c10d::ProcessGroup& pg, const std::vector<at::Tensor>& tensors);

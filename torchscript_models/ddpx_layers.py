@@ -14,11 +14,12 @@ from torch import nn
 
 
 def check_image(x: torch.Tensor):
-    """The image contract of lenet and mlp: float32 [N, 1, 28, 28]."""
+    """The image contract of lenet and mlp: float32 [N, 1, 28, 28] (bfloat16
+    or float16 for a model whose parameters are: ddpx-train --param-dtype)."""
     if x.dim() != 4 or x.size(1) != 1 or x.size(2) != 28 or x.size(3) != 28:
         raise ValueError("x must be [N, 1, 28, 28] images, got shape {}".format(x.shape))
-    if x.dtype != torch.float32:
-        raise ValueError("x must be float32, got {}".format(x.dtype))
+    if x.dtype != torch.float32 and x.dtype != torch.bfloat16 and x.dtype != torch.float16:
+        raise ValueError("x must be float32 (or bfloat16, float16), got {}".format(x.dtype))
 
 
 def token_contract(m: nn.Module, vocab_size: int, sentences: int, words: int, num_classes: int,
@@ -83,6 +84,8 @@ class Attention(nn.Module):
         # h [B, T, D], mask [B, T] bool (True = a real step) -> [B, D]
         scores = torch.matmul(torch.tanh(self.proj(h)), self.context)  # [B, T]
         # A finite fill, not -inf: a row with no valid step must not give NaN.
-        # Where a row has a valid step, exp(-1e9 - max) is exactly 0.
-        alpha = torch.softmax(scores.masked_fill(~mask, -1e9), dim=1) * mask.to(h.dtype)
-        return torch.bmm(alpha.unsqueeze(1), h).squeeze(1)
+        # Where a row has a valid step, exp(-1e9 - max) is exactly 0. In
+        # float32 (a no-op for float32 models): -1e9 is no float16 (autocast
+        # to float16 made scores float16), and the softmax is steadier so.
+        alpha = torch.softmax(scores.float().masked_fill(~mask, -1e9), dim=1) * mask.float()
+        return torch.bmm(alpha.to(h.dtype).unsqueeze(1), h).squeeze(1)

@@ -77,4 +77,12 @@ DDPX_HD int8_t encode(float x, float scale) {
 
 DDPX_HD float decode(int8_t code, float scale) { return static_cast<float>(code) * scale; }
 
+// Error feedback keeps a chunk's residual only while its scale is finite. An
+// inf or NaN in the chunk decodes it to NaN (above), which is what the
+// result must say; m - decode would then be NaN too, and a residual that
+// stays NaN would make every later message of the chunk NaN. (A step that
+// sees one is skipped anyway: GradScaler, ddpx/amp.h.) Written as a
+// subtraction so it vectorizes: inf - inf and NaN - NaN are NaN, never 0.
+DDPX_HD bool keeps_residual(float scale) { return scale - scale == 0.0f; }
+
 }  // namespace ddpx::kernels::int8_codec

@@ -72,8 +72,10 @@ at::Tensor pack(const at::Tensor& input, float* residual, int64_t chunk,
       scales[c] = s;
       int8_t* q = codes + b;
       for (int64_t i = 0; i < len; ++i) q[i] = ic::encode(m[i], s);
-      if (e) {
+      if (e && ic::keeps_residual(s)) {
         for (int64_t i = 0; i < len; ++i) e[i] -= ic::decode(q[i], s);
+      } else if (e) {
+        for (int64_t i = 0; i < len; ++i) e[i] = 0.0f;
       }
     }
   });

@@ -54,11 +54,12 @@ __global__ void pack_kernel(PackParams p) {
   }
   const float scale = ic::scale_of(red[0]);
   auto* codes = reinterpret_cast<int8_t*>(p.out);
+  const bool keep = ic::keeps_residual(scale);  // (an inf or NaN in the chunk: none kept)
   for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) {
     codes[i] = ic::encode(m[i], scale);
     // __fsub_rn / __fadd_rn: never contracted into an FMA, so the result is
     // the CPU kernel's bit for bit (tests/python/test_int8_codec_cuda.py).
-    if (p.e) p.e[i] = __fsub_rn(p.e[i], ic::decode(codes[i], scale));
+    if (p.e) p.e[i] = keep ? __fsub_rn(p.e[i], ic::decode(codes[i], scale)) : 0.0f;
   }
   if (threadIdx.x == 0) {
     reinterpret_cast<float*>(p.out + ic::scales_offset(p.map.numel))[c] = scale;

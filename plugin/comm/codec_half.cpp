@@ -18,9 +18,13 @@ at::Tensor half_pack_ef(const at::Tensor& x, const at::Tensor& e, at::ScalarType
   const at::Tensor m = e.defined() ? x + e : x;
   at::Tensor q = world == 1 ? m.to(wire) : m.div(world).to(wire);
   // This rank's contribution to the mean is q * world: the rest is residual.
+  // Where m or its 16-bit value is inf or NaN (an overflow: x/world beyond
+  // float16's 65504), the result says so, and the residual owes nothing:
+  // inf - inf would be NaN, and a NaN residual would poison every later call.
   if (e.defined()) {
     at::Tensor e_out = e;
     at::sub_out(e_out, m, q.to(at::kFloat), world);
+    e_out.nan_to_num_(0.0, 0.0, 0.0);
   }
   return q;
 }

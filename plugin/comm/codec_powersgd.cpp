@@ -163,6 +163,12 @@ class PowerSgdCodec final : public LossyCodec {
       off += pt.r * pt.cols;
     }
     const at::Tensor qt_mean = ordered_sum(pg, qt_local, &bytes).div_(world);
+    // An inf or NaN in any rank's M_i reaches its P_i sum, the QR and so Q_i:
+    // the part's result is NaN on every rank (what a GradScaler must see).
+    // Its Q_i and residual would be NaN too and poison every later call, so
+    // such a part keeps neither: a cold start and no residual (Q is the same
+    // on every rank, so every rank drops the same parts).
+    const bool all_finite = at::isfinite(qt_mean).all().item<bool>();
     off = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
       const Part& pt = parts[i];
@@ -176,7 +182,13 @@ class PowerSgdCodec final : public LossyCodec {
       // The result, and the residual = M - P Q_local^T in place (m is the
       // residual's storage).
       psk::expand(p[i], qtm, matrix(out, pt), qt[i], e.defined() ? matrix(e, pt) : at::Tensor());
-      if (e.defined()) keep_warm_start(key, part_keys, i, qtm);
+      if (!e.defined()) continue;
+      if (all_finite || at::isfinite(qtm).all().item<bool>()) {
+        keep_warm_start(key, part_keys, i, qtm);
+      } else {
+        keep_warm_start(key, part_keys, i, at::Tensor());
+        matrix(e, pt).zero_();
+      }
     }
     count_call(bytes, n);
     return out;

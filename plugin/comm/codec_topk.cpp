@@ -110,10 +110,18 @@ class TopKCodec final : public LossyCodec {
     }
     const at::Tensor idx = at::cat(picked);
     const int64_t k = idx.numel();
-    const at::Tensor msg = at::cat({idx.to(at::kInt), m.index_select(0, idx).view(at::kInt)});
+    const at::Tensor vals = m.index_select(0, idx);
+    const at::Tensor msg = at::cat({idx.to(at::kInt), vals.view(at::kInt)});
     const at::Tensor all = allgather_rows(pg, msg, &bytes);  // [world, 2k] int32
     at::Tensor sum = topk_unpack_sum(all, n, k);
-    if (e.defined()) e.index_fill_(0, idx, 0.0);  // the residual: what was not sent
+    if (e.defined()) {
+      e.index_fill_(0, idx, 0.0);  // the residual: what was not sent
+      // An inf or NaN is the largest |x| (topk ranks NaN first), so it is
+      // sent and the sum carries it; only when more than k of them came can
+      // one stay behind, and none may (a NaN residual poisons every later
+      // call). The check reads the k values sent, not the residual.
+      if (!at::isfinite(vals).all().item<bool>()) e.nan_to_num_(0.0, 0.0, 0.0);
+    }
     count_call(bytes, n);
     return to_output(sum.div_(pg.getSize()), input);
   }

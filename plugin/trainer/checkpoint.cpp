@@ -164,7 +164,17 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
       s.warm_starts[p] = warm.get(i);
     }
   }
+  // --param-dtype's float32 masters (GradSync refuses them without).
+  if (ar.try_read("gradsync.masters", v)) {
+    for (const auto& m : v.toTensorList()) s.masters.push_back(at::Tensor(m).to(t.device));
+  }
   t.sync.load_state(s);
+  // Loss scaling's state; a run with it resumes only a file with it.
+  const bool scaled = ar.try_read("amp.scaler", v);
+  TORCH_CHECK(scaled == (t.scaler != nullptr), "it was written with loss scaling ",
+              scaled ? "on" : "off", " (--amp fp16 or --param-dtype fp16), this run has it ",
+              t.scaler ? "on" : "off");
+  if (scaled) t.scaler->load_state_dict(v);
   ar.read("position", where);
   pos = {where[0].item<int64_t>(), where[1].item<int64_t>(), where[2].item<int64_t>()};
   ar.read("rng", rng);
@@ -266,6 +276,12 @@ std::string serialize(TrainObjects& t, const Position& pos, const GradSync::Stat
     ar.write("gradsync.warm_index", int64_tensor(warm_index));
     ar.write("gradsync.warm_starts", c10::IValue(warm));
   }
+  if (!s.masters.empty()) {
+    c10::List<at::Tensor> masters;
+    for (const auto& m : s.masters) masters.push_back(m.cpu());
+    ar.write("gradsync.masters", c10::IValue(masters));
+  }
+  if (t.scaler) ar.write("amp.scaler", c10::IValue(t.scaler->state_dict()));
   ar.write("gradsync.predictor", at::tensor(c10::ArrayRef<double>(s.predictor), at::kDouble));
   ar.write("gradsync.steps", c10::IValue(s.steps));
   ar.write("position", int64_tensor({pos.step, pos.epoch, pos.batch}));

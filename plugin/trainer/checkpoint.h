@@ -1,6 +1,7 @@
 #pragma once
 // Checkpoints of a ddpx-train run: model parameters and buffers, optimizer
-// state, GradSync's learnt state (bucket plan order, order predictor), the
+// state, GradSync's learnt state (bucket plan order, order predictor, the
+// float32 masters of --param-dtype), the loss scaler's state, the
 // data position and the RNG -- everything a resumed run needs to continue
 // bit for bit as if it had never stopped.
 //
@@ -12,6 +13,7 @@
 // any moment leaves the previous checkpoint whole.
 // On resume rank 0 reads the file and broadcasts its bytes, so ranks on other
 // hosts need no shared filesystem.
+#include <ddpx/amp.h>
 #include <ddpx/grad_sync.h>
 #include <torch/optim/optimizer.h>
 #include <torch/script.h>
@@ -45,6 +47,9 @@ struct TrainObjects {
   // Samples per step over all ranks: the data position counts steps of this
   // many, so a run resumes (at any world size) only with the same.
   int64_t samples_per_step = 0;
+  // Loss scaling (--amp fp16, --param-dtype fp16): its state is in the file
+  // (null: none; a file with one resumes only with one, and the reverse).
+  GradScaler* scaler = nullptr;
 };
 
 // Collective (the residuals are gathered); rank 0 writes.

@@ -72,9 +72,22 @@ Options parse_options(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   run->add_option("--amp", o.amp,
-                  "off, or bf16: forward and loss under CUDA autocast to bfloat16 (parameters, "
-                  "gradients and the optimizer stay float32; --device cuda)")
-      ->check(CLI::IsMember({"off", "bf16"}))
+                  "off; bf16 or fp16: forward and loss under autocast to that dtype (CPU or "
+                  "CUDA; parameters, gradients and the optimizer stay float32); fp16 adds loss "
+                  "scaling (ddpx::GradScaler): a step whose gradients overflow is skipped on "
+                  "every rank and the scale backs off")
+      ->check(CLI::IsMember({"off", "bf16", "fp16"}))
+      ->capture_default_str();
+  run->add_option("--param-dtype", o.param_dtype,
+                  "fp32; bf16 or fp16: the parameters, and so forward and backward, in that "
+                  "dtype, GradSync stepping float32 master copies with the optimizer "
+                  "(GradSyncOptions::mixed_precision); fp16 adds loss scaling as --amp fp16")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
+  run->add_option("--reduce-dtype", o.reduce_dtype,
+                  "the dtype gradients are summed in across ranks: fp32, bf16 or fp16 (compare "
+                  "--codec bf16: bf16 on the wire, summed in fp32 with error feedback)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
   run->add_flag("--cudnn-benchmark", o.cudnn_benchmark,
                 "measure per shape, on the first steps, cuDNN's algorithms and whether cuDNN or "
@@ -248,8 +261,26 @@ Options parse_options(int argc, char** argv) {
   if (!straggler.empty()) {
     std::sscanf(straggler.c_str(), "%d:%lf", &o.straggler_rank, &o.straggler_ms);
   }
-  if (o.amp != "off" && o.device != "cuda") {
-    std::exit(app.exit(CLI::ValidationError("--amp", "bf16 autocast needs --device cuda")));
+  const bool mixed = o.param_dtype != "fp32" || o.reduce_dtype != "fp32";
+  if (o.amp != "off" && o.param_dtype != "fp32") {
+    std::exit(app.exit(CLI::ValidationError(
+        "--amp", "autocasts float32 parameters; with --param-dtype " + o.param_dtype +
+                     " the model computes in " + o.param_dtype + " already: choose one")));
+  }
+  if ((o.amp != "off" || mixed) && o.mode == "ps") {
+    std::exit(app.exit(CLI::ValidationError(
+        "--amp", "--amp, --param-dtype and --reduce-dtype are GradSync's (--mode sync); the "
+                 "parameter server (--mode ps) trains in float32")));
+  }
+  if ((o.amp == "fp16" || mixed) && o.staleness > 0) {
+    std::exit(app.exit(CLI::ValidationError(
+        "--staleness", "1 does not combine with --amp fp16 (loss scaling) or --param-dtype / "
+                       "--reduce-dtype: choose one")));
+  }
+  if (o.param_dtype != "fp32" && o.on_rank_loss == "shrink") {
+    std::exit(app.exit(CLI::ValidationError(
+        "--on-rank-loss", "shrink redoes a failed step, which --param-dtype (GradSync stepping "
+                          "float32 masters) cannot: choose one")));
   }
   if (o.cudnn_benchmark && o.device != "cuda") {
     std::exit(app.exit(CLI::ValidationError("--cudnn-benchmark", "cuDNN needs --device cuda")));

@@ -32,7 +32,12 @@ struct Options {
   uint64_t seed = 1;
   int threads = 0;             // intra-op threads; 0: cores / local ranks
   std::string device = "cpu";  // cpu | cuda (each rank its local GPU)
-  std::string amp = "off";     // off | bf16 (CUDA autocast around forward and loss)
+  std::string amp = "off";     // off | bf16 | fp16 (autocast around forward and loss;
+                               // fp16 with loss scaling)
+  // GradSyncOptions::mixed_precision: parameters in param_dtype with float32
+  // masters (fp16: with loss scaling); gradients summed in reduce_dtype.
+  std::string param_dtype = "fp32";   // fp32 | bf16 | fp16
+  std::string reduce_dtype = "fp32";  // fp32 | bf16 | fp16
   bool cudnn_benchmark = false;  // torch.backends.cudnn.benchmark: cuDNN's algorithms and
                                 // tiled_conv2d's path measured per shape (CUDA)
 

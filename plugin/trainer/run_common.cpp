@@ -135,15 +135,19 @@ double evaluate(torch::jit::Module& m, const Dataset& test, int rank, int size,
   at::NoGradGuard no_grad;
   m.eval();
   at::Device dev = at::kCPU;
+  at::ScalarType dtype = at::kFloat;  // (--param-dtype: floating inputs go down to it)
   for (const auto& p : m.parameters()) {
     dev = p.device();
+    dtype = p.scalar_type();
     break;
   }
   const at::Tensor idx = shard_indices(test.size(), rank, size, 0, 0);
   double correct = 0;
   for (int64_t b = 0; b < idx.numel(); b += batch) {
     const at::Tensor rows = idx.narrow(0, b, std::min(batch, idx.numel() - b));
-    const at::Tensor out = m.forward({test.inputs.index_select(0, rows).to(dev)}).toTensor();
+    at::Tensor x = test.inputs.index_select(0, rows).to(dev);
+    if (x.is_floating_point() && (dtype == at::kBFloat16 || dtype == at::kHalf)) x = x.to(dtype);
+    const at::Tensor out = m.forward({x}).toTensor();
     correct += out.argmax(1).eq(test.targets.index_select(0, rows).to(dev)).sum().item<double>();
   }
   m.train();

@@ -1,8 +1,8 @@
 #include "plugin/trainer/trainer.h"
 
 #include <ATen/Context.h>
-#include <ATen/autocast_mode.h>
 #include <c10/util/StringUtil.h>
+#include <ddpx/amp.h>
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
 #include <ddpx/layer_drop.h>
@@ -80,33 +80,21 @@ void set_block_scale(torch::jit::Module& m, const std::vector<double>& scales) {
   m.setattr("block_scale", c10::List<double>(c10::ArrayRef<double>(scales)));
 }
 
-// --amp bf16: CUDA autocast to bfloat16 for the forward and the loss (the
-// ops run under the Autocast dispatch key, as Python's torch.autocast);
-// parameters, gradients and the optimizer stay float32.
-class Autocast {
- public:
-  explicit Autocast(bool on) : on_(on) {
-    if (!on_) return;
-    at::autocast::set_autocast_enabled(at::kCUDA, true);
-    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
-    at::autocast::increment_nesting();
-  }
-  ~Autocast() {
-    if (!on_) return;
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(at::kCUDA, false);
-  }
-  Autocast(const Autocast&) = delete;
-  Autocast& operator=(const Autocast&) = delete;
+// --amp, --param-dtype, --reduce-dtype: "fp32" | "bf16" | "fp16".
+at::ScalarType dtype_of(const std::string& s) {
+  return s == "bf16" ? at::kBFloat16 : s == "fp16" ? at::kHalf : at::kFloat;
+}
 
- private:
-  bool on_;
-};
-
-// " (autocast bf16, cudnn benchmark)" for the header line; "" when neither.
-std::string cuda_modes(const Options& o) {
+// " (autocast fp16, loss scaling, cudnn benchmark)" for the header line; ""
+// when none of them.
+std::string modes(const Options& o, bool scaled) {
   std::vector<std::string> on;
   if (o.amp != "off") on.push_back("autocast " + o.amp);
+  if (o.param_dtype != "fp32") on.push_back(o.param_dtype + " parameters, fp32 masters");
+  if (o.param_dtype != "fp32" || o.reduce_dtype != "fp32") {
+    on.push_back("reduced in " + o.reduce_dtype);
+  }
+  if (scaled) on.push_back("loss scaling");
   if (o.cudnn_benchmark) on.push_back("cudnn benchmark");
   return on.empty() ? "" : " (" + c10::Join(", ", on) + ")";
 }
@@ -164,7 +152,14 @@ std::string run(const Options& o) {
     if (p.requires_grad()) params.push_back(p);
   }
   auto opt = make_optimizer(params, o);
+  const at::ScalarType param_dtype = dtype_of(o.param_dtype);
+  // Loss scaling wherever gradients are float16 (ddpx/amp.h).
+  std::unique_ptr<GradScaler> scaler;
+  if (o.amp == "fp16" || param_dtype == at::kHalf) scaler = std::make_unique<GradScaler>();
   GradSyncOptions so;
+  if (o.param_dtype != "fp32" || o.reduce_dtype != "fp32") {
+    so.mixed_precision(param_dtype, dtype_of(o.reduce_dtype));
+  }
   so.trace(o.trace).trace_steps(o.trace_steps);
   so.bucket_cap_mb(o.bucket_cap_mb)
       .first_bucket_mb(o.first_bucket_mb)
@@ -177,7 +172,8 @@ std::string run(const Options& o) {
       .staleness(o.staleness)
       .stale_warmup(o.stale_warmup)
       .stale_lookahead(o.stale_lookahead);
-  const bool stepped_by_sync = so.overlap_ != Overlap::None;
+  // (Float32 masters of low-precision parameters: only GradSync steps them.)
+  const bool stepped_by_sync = so.overlap_ != Overlap::None || param_dtype != at::kFloat;
   // A shared pattern is declared to GradSync each step: each block gets
   // buckets of its own, which a dropped block skips whole.
   if (drop.active() && !drop.per_rank) so.drop_units(units);
@@ -193,12 +189,20 @@ std::string run(const Options& o) {
   }
   // (next-forward: gates the model's reads of its parameters)
   auto sync = std::make_unique<GradSync>(model, pg, so);
-  if (stepped_by_sync) sync->set_optimizer(*opt);
+  const auto give_optimizer = [&] {
+    if (!stepped_by_sync) return;
+    if (scaler) {
+      sync->set_optimizer(*opt, *scaler);
+    } else {
+      sync->set_optimizer(*opt);
+    }
+  };
+  give_optimizer();
 
   std::optional<TrainObjects> objs;
   const auto make_objs = [&] {
     objs.emplace(TrainObjects{model, *opt, o.optimizer, *sync, drop.describe(), device, rank, world,
-                              batch * world});
+                              batch * world, scaler.get()});
   };
   make_objs();
   Position pos;
@@ -230,9 +234,9 @@ std::string run(const Options& o) {
   if (lead && !o.quiet) {
     std::cout << "[ddpx-train] " << o.model << ": " << params.size() << " parameter tensors, "
               << world << " rank(s) over " << (world > 1 ? backend : "one process") << " on "
-              << (device.is_cuda() ? "cuda" + cuda_modes(o) : "cpu")
-              << ", " << total << " steps of " << batch << " x " << world << " samples, codec "
-              << o.codec << std::endl;
+              << (device.is_cuda() ? "cuda" : "cpu") << modes(o, scaler != nullptr) << ", " << total
+              << " steps of " << batch << " x " << world << " samples, codec " << o.codec
+              << std::endl;
     if (drop.active()) {
       std::cout << "[ddpx-train] layer drop: " << drop.describe() << " over " << depth << " blocks"
                 << std::endl;
@@ -246,6 +250,7 @@ std::string run(const Options& o) {
   const auto zero_stats = [&] { return at::zeros({2}, at::dtype(at::kDouble).device(device)); };
   at::Tensor w_stats = zero_stats();
   double w_count = 0, last_loss = 0, last_acc = 0;
+  int64_t skipped_here = 0;  // steps the scaler skipped, when the trainer steps
   double w_kept = 0, w_steps = 0, last_kept = 1;
   at::Tensor idx;
   int64_t idx_epoch = -1;
@@ -262,7 +267,9 @@ std::string run(const Options& o) {
     injected_stall(pos.step + 1, rank);
     const at::Tensor rows = idx.narrow(0, pos.batch * batch, batch);
     log_samples(pos.step, rank, world, rows);
-    const at::Tensor x = data.train.inputs.index_select(0, rows).to(device);
+    at::Tensor x = data.train.inputs.index_select(0, rows).to(device);
+    // (Parameters in a low dtype: floating inputs too, as FSDP casts them.)
+    if (param_dtype != at::kFloat && x.is_floating_point()) x = x.to(param_dtype);
     const at::Tensor y = data.train.targets.index_select(0, rows).to(device);
     set_lr(*opt, lr_at(pos.step, total, o));  // (GradSync takes it when backward begins)
     if (!stepped_by_sync) opt->zero_grad();   // (else each update consumes its gradients)
@@ -279,16 +286,24 @@ std::string run(const Options& o) {
     w_steps += 1;
     at::Tensor logits, loss;
     {
-      Autocast amp(o.amp == "bf16");
+      // --amp: ops under ATen's autocast policy (matmuls and convolutions in
+      // the low dtype, the loss in float32), as Python's torch.autocast.
+      std::optional<Autocast> amp;
+      if (o.amp != "off") amp.emplace(device.type(), dtype_of(o.amp));
       logits = model.forward({x}).toTensor();
-      loss = torch::nn::functional::cross_entropy(logits, y);
+      loss = torch::nn::functional::cross_entropy(logits.to(at::kFloat), y);
     }
     straggle(o, rank);
     if (so.unused_ == Unused::Exact) sync->prepare_for_backward({loss});
-    loss.backward();
+    (scaler ? scaler->scale(loss) : loss).backward();
     if (!stepped_by_sync) {
       auto in_trace = sync->phase("optimizer_step");
-      opt->step();
+      if (scaler) {
+        skipped_here += scaler->step(*opt) ? 0 : 1;
+        scaler->update();
+      } else {
+        opt->step();
+      }
     }
     ++pos.step;
     ++pos.batch;
@@ -312,6 +327,9 @@ std::string run(const Options& o) {
       last_acc = w[1].item<double>() / w[2].item<double>();
       last_kept = drop.active() ? w_kept / std::max(w_steps, 1.0) : 1.0;  // rank 0's blocks
       const double per_step = elapsed / double(pos.step - first_step);
+      // Loss scaling: the scale now, and the steps skipped so far (this run).
+      const double scale = scaler ? scaler->get_scale() : 1.0;
+      const int64_t skipped = stepped_by_sync ? sync->last_step().skipped_steps : skipped_here;
       if (lead && !o.quiet) {
         char line[256];
         std::snprintf(line, sizeof line,
@@ -321,7 +339,12 @@ std::string run(const Options& o) {
                       100 * last_acc, rate, eta(per_step * double(total - pos.step)).c_str());
         char kept[32] = "";
         if (drop.active()) std::snprintf(kept, sizeof kept, "  kept %.2f", last_kept);
-        std::cout << line << kept << std::endl;
+        char amp_text[64] = "";
+        if (scaler) {
+          std::snprintf(amp_text, sizeof amp_text, "  scale %g  skipped %lld", scale,
+                        (long long)skipped);
+        }
+        std::cout << line << kept << amp_text << std::endl;
       }
       if (metrics.is_open()) {
         const auto& st = sync->last_step();
@@ -338,7 +361,9 @@ std::string run(const Options& o) {
                                   {"hook_cpu_us", st.hook_cpu_us},
                                   {"replans", st.replans},
                                   {"bytes_reduced", st.bytes_reduced},
-                                  {"kept_fraction", last_kept}}
+                                  {"kept_fraction", last_kept},
+                                  {"amp_scale", scale},
+                                  {"skipped_steps", skipped}}
                        .dump()
                 << std::endl;
       }
@@ -376,6 +401,7 @@ std::string run(const Options& o) {
                 " is not divisible by the ", world, " rank(s) left");
     batch = o.global_batch / world;
     sync = std::make_unique<GradSync>(model, pg, so);
+    give_optimizer();
     make_objs();
     share_state(*pg, sh.leader, *objs, pos);  // the most advanced survivor's step, for all
     if (!own.residuals.empty()) {
@@ -469,6 +495,9 @@ std::string run(const Options& o) {
                                 {"layer_drop", drop.describe()},
                                 {"overlap", o.overlap},
                                 {"staleness", o.staleness},
+                                {"amp", o.amp},
+                                {"param_dtype", o.param_dtype},
+                                {"reduce_dtype", o.reduce_dtype},
                                 {"stale_lookahead", o.staleness > 0 && o.stale_lookahead}}
                      .dump()
               << std::endl;

@@ -188,6 +188,10 @@ if want bench; then
   # --aa: cuDNN against itself per case, the noise a ratio carries on the card
   gpu_step "bench conv2d --device cuda --aa" 30 150 python3 "$here/scripts/bench/conv2d" --device cuda --aa
   gpu_step "bench gru --cuda" 30 120 python3 "$here/scripts/bench/gru" --cuda
+  # ddpx-train with --amp fp16 / bf16 and bf16 parameters against float32 on
+  # the card: samples/s and test accuracy (LeNet, HAN; issue 63)
+  gpu_step "bench train --amp-only --device cuda --quick" 30 180 \
+    python3 "$here/scripts/bench/train" --amp-only --device cuda --quick
 fi
 if want pip; then
   gpu_step "pip wheel (CUDA) + import" 20 200 pip_check

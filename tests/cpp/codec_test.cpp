@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "kernels/common/int8_codec.h"
 
@@ -362,6 +363,52 @@ TEST_P(CodecTest, ErrorFeedbackTracksRunningSum) {
   }
 }
 
+// A GradScaler skips a step whose averaged gradients hold an inf or NaN
+// (ddpx/amp.h), so each codec's mean must be non-finite wherever any rank's
+// input is, bit for bit alike on every rank -- int8 through its chunk's
+// scale, top-k through the values it sends, PowerSGD through its factors
+// (the whole matrix), fp16 also where x/world overflows its 65504 -- and its
+// state must not keep it: the next call, on finite inputs, is finite again
+// (a NaN residual or warm start would poison every later step).
+TEST_P(CodecTest, NonFiniteInputsReachEveryRanksMeanAndLeaveNoState) {
+  const std::vector<int64_t> shape{16, 12};  // PowerSGD:2 compresses it: (16 + 12) * 2 < 192
+  const double inf = std::numeric_limits<double>::infinity();
+  const double overflow = 1e5 * world();  // fp16 only: x / world beyond 65504
+  const int who = world() - 1;            // the one rank that sees it
+  // Hashes of a tensor's bits, MAX-reduced with their negations: equal on
+  // every rank iff the ranks' bits agree (as far as the hashes tell).
+  auto same_everywhere = [&](const at::Tensor& t) {
+    const at::Tensor bits = t.contiguous().view(at::kInt).to(at::kLong);
+    const int64_t h =
+        (bits * at::arange(1, bits.numel() + 1, at::kLong).view(t.sizes())).sum().item<int64_t>();
+    std::vector<at::Tensor> v{at::tensor({h, -h}, at::kLong)};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    pg().allreduce(v, o)->wait();
+    return v[0][0].item<int64_t>() == -v[0][1].item<int64_t>();
+  };
+  for (const std::string spec : {"none", "fp16", "bf16", "int8", "topk:0.1", "powersgd:2"}) {
+    for (const double bad : {inf, -inf, std::nan(""), overflow}) {
+      if (bad == overflow && spec != "fp16") continue;
+      SCOPED_TRACE(spec + " with " + std::to_string(bad));
+      auto c = make_codec(spec);
+      c->allreduce_mean(input_of(rank(), 600, shape), "k", pg());  // some state to poison
+      at::Tensor x = input_of(rank(), 601, shape);
+      if (rank() == who) x[3][5] = bad;
+      const at::Tensor got = c->allreduce_mean(x, "k", pg());
+      EXPECT_FALSE(std::isfinite(got[3][5].item<float>()));
+      EXPECT_TRUE(same_everywhere(got));
+      if (spec == "none" || spec == "fp16" || spec == "bf16" || spec == "topk:0.1") {
+        EXPECT_EQ(at::isfinite(got).logical_not().sum().item<int64_t>(), 1);  // that one alone
+      }
+      for (int64_t seed : {602, 603}) {
+        const at::Tensor next = c->allreduce_mean(input_of(rank(), seed, shape), "k", pg());
+        EXPECT_TRUE(at::isfinite(next).all().item<bool>()) << "call after it, seed " << seed;
+      }
+    }
+  }
+}
+
 // take_residuals hands over what the contributions did not carry (top-k: the
 // input without its k largest entries) and leaves the codec stateless.
 TEST_P(CodecTest, TakeResidualsReturnsWhatWasNotSentAndClearsTheState) {
@@ -417,8 +464,9 @@ TEST_P(CodecTest, PowerSgdWarmStartsFollowTheirPartKeys) {
   c4->take_residuals();
   EXPECT_FALSE(at::equal(c4->allreduce_mean_packed(fb, sb, "k2", pg(), {"B"}), r1));
   // One key per part or none.
-  EXPECT_NE(error_of([&] { c4->allreduce_mean_packed(ab, sab, "k1", pg(), {"A"}); })
-                .find("part_keys must be empty or one per part (2), got 1"),
+  EXPECT_NE(error_of([&] {
+              c4->allreduce_mean_packed(ab, sab, "k1", pg(), {"A"});
+            }).find("part_keys must be empty or one per part (2), got 1"),
             std::string::npos);
 }
 

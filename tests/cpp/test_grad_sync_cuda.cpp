@@ -8,11 +8,15 @@
 // reads last step's values, and an optimizer not ordered after the reduction
 // reads the local gradient. Every step is compared with one process on the
 // whole batch (double precision: the sums are exact to rounding).
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <ddpx/amp.h>
 #include <ddpx/grad_sync.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <limits>
 
 #include "mpi_test_util.h"
 
@@ -132,6 +136,61 @@ TEST(GradSyncCuda, OptimizerPerBucketOnASideStreamMatchesOneProcess) {
 TEST(GradSyncCuda, NextForwardGatedOnASideStreamMatchesOneProcess) {
   expect_matches_one_process("ddpx_mpi", false, ddpx::Overlap::NextForward);
   expect_matches_one_process("gloo", false, ddpx::Overlap::NextForward);
+}
+
+// Mixed precision on the GPU (issue 63): float16 CUDA parameters with
+// float32 masters (on the GPU too), GradSync stepping under a GradScaler,
+// an inf in the last rank's gradient at step 2: every rank skips that step
+// alike (the masters keep their values), the others step; the parameters
+// are always the masters rounded, the same on every rank; the scale halves
+// once. NextForward: the next forward's gates wait for the rounded copies.
+void mixed_precision_skips_alike(const std::string& backend, ddpx::Overlap overlap) {
+  DDPX_SKIP_WITHOUT_GPU();
+  auto pg = ddpx::comm::make(backend);
+  const int r = pg->getRank(), n = pg->getSize();
+  const at::Device dev(at::kCUDA, 0);
+  torch::manual_seed(8);
+  SlowMLP model;
+  model->to(dev);
+  ddpx::GradScaler scaler(ddpx::GradScalerOptions().init_scale(1024));
+  ddpx::GradSync sync(model->named_parameters(), pg,
+                      ddpx::GradSyncOptions()
+                          .bucket_cap_mb(0.5)
+                          .first_bucket_mb(0.1)
+                          .mixed_precision(at::kHalf, at::kFloat)
+                          .overlap(overlap));
+  torch::optim::SGD opt(model->parameters(), 0.05);
+  sync.set_optimizer(opt, scaler);
+  for (int step = 0; step < 4; ++step) {
+    const at::Tensor before = sync.master_parameters()[0].clone();
+    sync.wait_ready(model->parameters());
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 * step + r);
+    const at::Tensor x = at::randn({16, 64}, gen).to(dev, at::kHalf);
+    at::Tensor loss = model(x).to(at::kFloat);
+    if (step == 2 && r == n - 1) {
+      at::Tensor mask = torch::zeros_like(model->a->weight);
+      mask[3][5] = std::numeric_limits<float>::infinity();
+      loss = loss + (model->a->weight * mask).sum().to(at::kFloat);
+    }
+    scaler.scale(loss).backward();
+    sync.synchronize();
+    EXPECT_EQ(sync.last_step().skipped, step == 2) << "step " << step;
+    const at::Tensor after = sync.master_parameters()[0];
+    EXPECT_EQ(after.device(), dev);
+    EXPECT_EQ(at::equal(before, after), step == 2) << "step " << step;
+    EXPECT_TRUE(at::equal(model->a->weight.detach(), after.to(at::kHalf)));
+    std::vector<at::Tensor> t{after.clone()};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    pg->allreduce(t, o)->wait();
+    EXPECT_TRUE(at::equal(t[0].cpu(), after.cpu())) << "step " << step;
+  }
+  EXPECT_EQ(scaler.get_scale(), 512.0);
+}
+
+TEST(GradSyncCuda, MixedPrecisionWithTheScalerSkipsAlikeOnTheGpu) {
+  mixed_precision_skips_alike("ddpx_mpi", ddpx::Overlap::Optimizer);
+  mixed_precision_skips_alike("gloo", ddpx::Overlap::NextForward);
 }
 
 }  // namespace

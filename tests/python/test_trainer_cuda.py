@@ -3,7 +3,9 @@ the GPU to the accuracy the same flags reach on the CPU, under mpirun (two
 ranks sharing the one GPU: ddpx_mpi stages CUDA tensors through host memory)
 and torchrun (one rank: NCCL, since one GPU cannot hold two NCCL ranks), with
 --amp bf16 and --cudnn-benchmark too; a checkpoint written on the GPU resumes
-on the CPU.
+on the CPU. Mixed precision (issue 63): --amp fp16 (CUDA autocast to float16
+and loss scaling) within 1 point of the same float32 run on the GPU, and
+--param-dtype bf16 --reduce-dtype fp32 within 3.
 
 Tolerance: test accuracy within 3 points of the CPU run's (the GPU sums in
 other orders, so the runs are not bitwise alike; seen on the CPU: LeNet 9x%).
@@ -81,3 +83,22 @@ def test_gpu_checkpoint_resumes_on_the_cpu(tmp_path, data_cache):
     r = run(mpirun_cmd(2, *args, "--steps", 80, "--resume"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed from" in r.stdout and "at step 40" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("name", ["lenet", "han"])
+def test_cuda_fp16_amp_and_bf16_parameters_train(tmp_path, data_cache, name):
+    # Trained to where accuracy settles (the rate decaying to 0), as the CPU
+    # test of --amp fp16 (test_trainer_train.py).
+    src = (["--data-cache", data_cache, "--lr", 0.05, "--seed", 7] if name == "lenet" else
+           ["--train-samples", 4000, "--optimizer", "adam", "--lr", 1e-2, "--seed", 1])
+    args = ["--model", model(name), *src, "--batch-size", 32, "--steps", 300,
+            "--lr-schedule", "cosine", "--device", "cuda"]
+    _, _, fp32 = train(tmp_path, "fp32", mpirun_cmd(2, *args))
+    out, steps, fp16 = train(tmp_path, "fp16", mpirun_cmd(2, *args, "--amp", "fp16"))
+    assert "on cuda (autocast fp16, loss scaling)" in out, out
+    assert all("amp_scale" in m for m in steps), steps
+    assert abs(fp16["test_accuracy"] - fp32["test_accuracy"]) <= 0.01, (fp16, fp32)
+    out, _, bf16 = train(tmp_path, "bf16", mpirun_cmd(2, *args, "--param-dtype", "bf16",
+                                                      "--reduce-dtype", "fp32"))
+    assert "bf16 parameters, fp32 masters, reduced in fp32" in out, out
+    assert abs(bf16["test_accuracy"] - fp32["test_accuracy"]) <= 0.03, (bf16, fp32)

@@ -188,9 +188,27 @@ def test_straggler_sleeps_every_step(tmp_path, data_dir):
     assert out["slow"]["loss"] == out["other"]["loss"]
 
 
-def test_amp_needs_cuda(data_dir):
-    fails_with(["--model", model("mlp"), "--data", data_dir, "--steps", 1, "--amp", "bf16"],
-               "--amp", "needs --device cuda")
+@pytest.mark.parametrize("flags,needles", [
+    (["--amp", "fp16", "--param-dtype", "bf16"], ["--amp", "--param-dtype bf16", "choose one"]),
+    (["--amp", "fp16", "--mode", "ps"], ["--param-dtype", "--mode ps"]),
+    (["--param-dtype", "bf16", "--staleness", "1"], ["--staleness", "--param-dtype"]),
+    (["--param-dtype", "bf16", "--on-rank-loss", "shrink"], ["--on-rank-loss", "--param-dtype"]),
+    (["--param-dtype", "fp64"], ["--param-dtype", "fp64"]),
+])
+def test_mixed_precision_combinations_are_named(data_dir, flags, needles):
+    """Issue 63: a bad combination of --amp, --param-dtype and the rest names both."""
+    fails_with(["--model", model("mlp"), "--data", data_dir, "--steps", 1, *flags], *needles)
+
+
+def test_mixed_precision_checkpoints_resume_only_alike(data_dir, checkpoint, tmp_path):
+    """A float32 run's checkpoint does not resume with bfloat16 parameters (the
+    model's dtypes are named), nor one without loss scaling with it."""
+    ckpt = tmp_path / "c.ckpt"
+    shutil.copy(checkpoint, ckpt)
+    fails_with(["--model", model("mlp"), "--data", data_dir, "--steps", 4, "--checkpoint", ckpt,
+                "--resume", "--param-dtype", "bf16"], "Float there but [512, 784] BFloat16")
+    fails_with(["--model", model("mlp"), "--data", data_dir, "--steps", 4, "--checkpoint", ckpt,
+                "--resume", "--amp", "fp16"], "loss scaling off", "this run has it on")
 
 
 def test_cudnn_benchmark_needs_cuda(data_dir):

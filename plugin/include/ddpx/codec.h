@@ -24,6 +24,14 @@
 // (input + residual) that this rank's contribution did not carry is added to
 // the next call's input, so over many calls the sum of the results tracks the
 // sum of the true means. key "" is stateless (no residual, cold PowerSGD start).
+// An inf or NaN in any rank's input is inf or NaN in every rank's mean (a
+// GradScaler skips the step on it, ddpx/amp.h): none and fp16/bf16 at that
+// element (fp16 also where x/world overflows 65504), int8 over its chunk
+// (through the chunk's scale), top-k at that element (an inf or NaN is the
+// largest |x|, so it is sent), PowerSGD over its matrix (through P, the QR
+// and Q). The state keeps none of it: a residual entry (int8: the chunk's)
+// or a PowerSGD Q that would be inf or NaN is dropped, so later calls on
+// finite inputs are finite again.
 //
 // Protocol of allreduce_mean (every rank, same order):
 //   1. agreement: a 12-int64 MAX-allreduce of (numel, dtype, shape, codec,

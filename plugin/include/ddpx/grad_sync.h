@@ -69,12 +69,14 @@
 //     timing, never exact results; a lossy codec's error-feedback residuals
 //     move with their parameters to the new buckets, so no compression error
 //     is lost (PowerSGD's warm start is dropped).
+#include <c10/core/ScalarType.h>
 #include <ddpx/comm.h>
 #include <torch/ordered_dict.h>
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -86,6 +88,8 @@ class Optimizer;
 }
 
 namespace ddpx {
+
+class GradScaler;  // ddpx/amp.h
 
 // Where a step's barrier sits (see "Across the step boundary" below).
 enum class Overlap {
@@ -198,6 +202,43 @@ struct GradSyncOptions {
   // exactly one step late).
   DDPX_OPT(bool, stale_lookahead, true)
 #undef DDPX_OPT
+  // Mixed precision (FSDP's MixedPrecision(param_dtype, reduce_dtype); each
+  // float32, bfloat16 or float16). param_dtype below float32: GradSync
+  // keeps a float32 master copy of every parameter it syncs, taken at
+  // construction (after rank 0's broadcast), and converts the parameters in
+  // place -- the same tensors, in the model and in the optimizer, frozen
+  // ones too -- to param_dtype, so forward and backward compute in it (cast
+  // floating inputs to it, as FSDP's cast_forward_inputs does). The
+  // optimizer given to set_optimizer, required then in every overlap mode
+  // (under Overlap::None as under Optimizer: bucket by bucket as the
+  // averages land, before backward returns; with a GradScaler once all
+  // have landed, see set_optimizer),
+  // steps the masters with float32 gradients, its state float32 and kept in
+  // it under the parameters as usual; the stepped masters are rounded into
+  // the parameters the next forward reads. The masters are in state() (a
+  // checkpoint) and master_parameters(). reduce_dtype: the buckets' dtype,
+  // in which gradients are summed (bfloat16 gradients summed in float32, or
+  // float32 ones in bfloat16); the codec, if any, compresses a bucket of
+  // that dtype. Beside codec("bf16"): mixed_precision(kFloat, kBFloat16)
+  // sends float32 gradients as bfloat16 too, but sums them in bfloat16 on
+  // the backend (a rounding per partial sum beyond two ranks), keeps no
+  // error feedback and halves the buckets' memory; the bf16 codec keeps
+  // float32 buckets, sums in float32 in rank order with one rounding, and
+  // carries what the rounding lost into the next step (both send 2 bytes
+  // per element). Memory per parameter, before activations (which shrink
+  // with param_dtype), and before the optimizer's float32 state: float32
+  // 4 (parameter) + 4 (bucket, which .grad views); (bf16, fp32) 2 + 4
+  // (master) + 4 (bucket, which the master's .grad views) + 2 (the
+  // parameter's .grad, during backward); (bf16, bf16) 2 + 4 + 2 (bucket,
+  // which the parameter's .grad views) + 4 (the master's float32 .grad,
+  // during the update). Under no_sync, micro-batches accumulate in
+  // param_dtype. Not with staleness(1) or sparse_params (refused).
+  GradSyncOptions& mixed_precision(at::ScalarType param_dtype, at::ScalarType reduce_dtype) {
+    param_dtype_ = param_dtype;
+    reduce_dtype_ = reduce_dtype;
+    return *this;
+  }
+  std::optional<at::ScalarType> param_dtype_, reduce_dtype_;
   // Extra process groups: buckets go round-robin over {pg, channels...}.
   std::vector<comm::ProcessGroupPtr> channels;
 };
@@ -228,6 +269,11 @@ struct StepStats {
   // first in, first out: a trial step, or priority measured not to pay).
   int64_t held_planned = 0;
   bool priority_on = false;
+  // set_optimizer(optimizer, scaler): an average was inf or NaN, so no
+  // parameter was stepped (on any rank) and the scale backed off; and the
+  // steps so skipped by this GradSync, this one included.
+  bool skipped = false;
+  int64_t skipped_steps = 0;
   struct Bucket {
     int index;
     int channel;
@@ -312,6 +358,21 @@ class GradSync {
   // Global-norm clipping needs every gradient before any update: it cannot
   // be done in these modes (clip per bucket is not the same thing).
   void set_optimizer(torch::optim::Optimizer& optimizer);
+  // The same with loss scaling (ddpx/amp.h): each bucket's average is
+  // unscaled as it lands (ATen's _amp_foreach_non_finite_check_and_unscale_);
+  // the buckets are stepped only once every one has landed finite, else
+  // none is (the step is skipped on every rank: the averages are the same
+  // everywhere; StepStats::skipped), and GradSync calls scaler.update().
+  // The trainer calls scaler.scale(loss).backward() and nothing else of the
+  // scaler's (its unscale_, step and update refuse). So the updates wait for
+  // the last bucket (no update overlaps the tail of the reductions). Read
+  // the scaler's state after synchronize() (GradSync holds on to it, also
+  // if the scaler object goes first). Not with staleness(1) (refused).
+  void set_optimizer(torch::optim::Optimizer& optimizer, GradScaler& scaler);
+  // mixed_precision with a param_dtype below float32: the float32 masters,
+  // one per parameter GradSync syncs, in its order (the tensors themselves:
+  // read them after synchronize()); empty otherwise.
+  std::vector<at::Tensor> master_parameters() const;
   // Overlap::NextForward: waits until the last step's updates (and rank 0's
   // buffers) have landed and every collective of the step is done, and
   // rethrows its failure if it failed. Call it before touching parameters
@@ -357,12 +418,16 @@ class GradSync {
   // is enough), undefined where there is none (other codecs, 1-D
   // parameters, before the first step); load_state sets the defined ones.
   // With both, a resumed run with any lossy codec continues bit for bit.
+  // masters: mixed_precision's float32 masters (copies, in GradSync's
+  // parameter order; empty without them); load_state sets them and rounds
+  // them into the parameters (empty: taken from the parameters as they are).
   struct State {
     std::vector<int64_t> plan_order;
     std::vector<double> predictor;
     int64_t steps = 0;
     std::vector<at::Tensor> residuals;
     std::vector<at::Tensor> warm_starts;
+    std::vector<at::Tensor> masters;
   };
   // After ranks are lost (comm::shrink_group, comm.h): state() of the old
   // GradSync, then a new one over the survivors' group and load_state().
