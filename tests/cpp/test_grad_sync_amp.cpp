@@ -266,10 +266,13 @@ TEST(GradSyncAmp, Float32MastersKeepTrainingWherePureBfloat16Stalls) {
 TEST(GradSyncAmp, ReduceDtypeIsTheDtypeGradientsAreSummedIn) {
   const int n = world()->getSize();
   const double bf16_sum = n * std::ldexp(1.0, -8);  // a rounding per addend
-  for (const auto& [param, reduce] :
+  for (const auto& dtypes :
        std::vector<std::pair<at::ScalarType, at::ScalarType>>{{at::kBFloat16, at::kFloat},
                                                               {at::kBFloat16, at::kBFloat16},
                                                               {at::kFloat, at::kBFloat16}}) {
+    // (Not a structured binding: clang 14, the sanitizer build's compiler,
+    // cannot capture one in the lambda below.)
+    const at::ScalarType param = dtypes.first, reduce = dtypes.second;
     SCOPED_TRACE(std::string("mixed_precision(") + c10::toString(param) + ", " +
                  c10::toString(reduce) + ")");
     // d/dw sum(x w^T) = the sum of x's rows: rank r's gradient, known to all.
