@@ -7,8 +7,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <functional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -21,6 +24,43 @@ using ddpx::Unused;
 inline ddpx::comm::ProcessGroupPtr& world() { return ddpx::test::world_pg(); }
 
 constexpr int kB = 4;  // per-rank batch
+
+// How long SlowBackward's backward takes (tests set it from
+// slowest_allreduce, so a pause and a reduction keep their proportion on a
+// loaded machine: 3 ranks under ASan on 2 cores are many times slower).
+inline std::chrono::milliseconds& backward_pause() {
+  static std::chrono::milliseconds pause{40};
+  return pause;
+}
+
+// Identity whose backward takes backward_pause(): a slow layer between two others.
+struct SlowBackward : torch::autograd::Function<SlowBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) {
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list g) {
+    std::this_thread::sleep_for(backward_pause());
+    return g;
+  }
+};
+
+// One all-reduce of a tensor like `like` as measured here now (after a
+// warm-up): the slowest rank's, in ms, alike on every rank.
+inline int64_t slowest_allreduce_ms(const at::Tensor& like) {
+  auto& pg = world();
+  std::vector<at::Tensor> t{at::ones_like(like)};
+  pg->allreduce(t)->wait();  // warm-up
+  const auto t0 = std::chrono::steady_clock::now();
+  pg->allreduce(t)->wait();
+  const auto took =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+  std::vector<at::Tensor> ms{at::full({1}, static_cast<int64_t>(took.count()), at::kLong)};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  pg->allreduce(ms, o)->wait();
+  return ms[0].item<int64_t>();
+}
 
 // Shard of rank r: rows [r*B, (r+1)*B) of a batch every rank can regenerate.
 inline at::Tensor global_batch(int64_t features, int64_t seed) {

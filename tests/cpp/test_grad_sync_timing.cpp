@@ -11,20 +11,6 @@ namespace {
 using ddpx::GradSync;
 using ddpx::GradSyncOptions;
 using namespace ddpx::test::grad_sync;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// How long SlowBackward's backward takes (pause_for_this_machine sets it).
-std::chrono::milliseconds g_pause{40};
-
-// Identity whose backward takes g_pause: a slow layer between two others.
-struct SlowBackward : torch::autograd::Function<SlowBackward> {
-  static at::Tensor forward(AutogradContext*, const at::Tensor& x) { return x.clone(); }
-  static variable_list backward(AutogradContext*, variable_list g) {
-    std::this_thread::sleep_for(g_pause);
-    return g;
-  }
-};
 
 // `wide`'s 32 MB of weight gradient arrive first; `narrow`'s come a pause later.
 struct PausedImpl : torch::nn::Module {
@@ -46,19 +32,8 @@ TORCH_MODULE(Paused);
 // would rightly not be worth a cut. So the pause is at least one all-reduce
 // of wide.weight's 32 MB as measured here now (the slowest rank's).
 void pause_for_this_machine() {
-  auto& pg = world();
-  std::vector<at::Tensor> t{at::ones({64, 1 << 16}, at::kDouble)};
-  pg->allreduce(t)->wait();  // warm-up
-  const auto t0 = std::chrono::steady_clock::now();
-  pg->allreduce(t)->wait();
-  const auto took =
-      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
-  std::vector<at::Tensor> ms{at::full({1}, static_cast<int64_t>(took.count()), at::kLong)};
-  c10d::AllreduceOptions o;
-  o.reduceOp = c10d::ReduceOp::MAX;
-  pg->allreduce(ms, o)->wait();
-  g_pause =
-      std::max(std::chrono::milliseconds(40), std::chrono::milliseconds(ms[0].item<int64_t>()));
+  backward_pause() = std::chrono::milliseconds(
+      std::max<int64_t>(40, slowest_allreduce_ms(at::empty({64, 1 << 16}, at::kDouble))));
 }
 
 // Does the bucket holding wide.weight hold narrow.weight too?
@@ -99,7 +74,7 @@ TEST(GradSync, BackwardPauseCutsTheBucketOnceAndStaysExact) {
   ASSERT_TRUE(together(sync)) << "the size-only plan should share the bucket";
   int step = 0;
   for (; step < 20 && sync.replans() == 0; ++step) expect_exact_step(ref, m, step);
-  ASSERT_EQ(sync.replans(), 1) << "no cut after " << step << " steps (pause " << g_pause.count()
+  ASSERT_EQ(sync.replans(), 1) << "no cut after " << step << " steps (pause " << backward_pause().count()
                                << " ms)";
   EXPECT_FALSE(together(sync)) << "wide.weight should go out before the pause ends";
   for (const int end = step + 4; step < end; ++step) expect_exact_step(ref, m, step);
