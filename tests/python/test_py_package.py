@@ -13,8 +13,10 @@ torch's relative to themselves. A torch outside the supported range is refused
 at configure time, a torch other than the one built against at import.
 
 The build goes to <checkout>/build-pip (pyproject.toml), so a second run only
-rebuilds what changed. The CUDA kernels are left out unless a GPU is present
-(DDPX_PIP_CUDA overrides): this checks the packaging, the CUDA tests check them.
+rebuilds what changed. DDPX_WITH_CUDA is left as a user leaves it (AUTO: the
+CUDA kernels where nvcc is found; DDPX_PIP_CUDA overrides), which is also how
+the main build was configured, so ccache serves nearly every object of a
+fresh clone's pip build from that build's (47 of 50 measured).
 """
 import os
 import subprocess
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT / "plugin" / "python"))
 from ddpx import _loader  # noqa: E402  (pure Python: no library needed)
 
 MPIEXEC = os.environ.get("DDPX_MPIEXEC", "mpirun")
-CUDA = os.environ.get("DDPX_PIP_CUDA", "ON" if torch.cuda.is_available() else "OFF")
+CUDA = os.environ.get("DDPX_PIP_CUDA", "AUTO")
 
 
 def run(cmd, env=None, timeout=1500, check=True, cwd=None):
