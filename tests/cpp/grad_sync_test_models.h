@@ -26,7 +26,7 @@ inline ddpx::comm::ProcessGroupPtr& world() { return ddpx::test::world_pg(); }
 constexpr int kB = 4;  // per-rank batch
 
 // How long SlowBackward's backward takes (tests set it from
-// slowest_allreduce, so a pause and a reduction keep their proportion on a
+// slowest_allreduce_ms, so a pause and a reduction keep their proportion on a
 // loaded machine: 3 ranks under ASan on 2 cores are many times slower).
 inline std::chrono::milliseconds& backward_pause() {
   static std::chrono::milliseconds pause{40};
