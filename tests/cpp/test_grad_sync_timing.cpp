@@ -1,8 +1,6 @@
 // GradSync's timing-aware planning under mpirun (2 and 3 ranks): buckets cut
 // where backward pauses, learnt from arrival times, without changing results.
 #include <algorithm>
-#include <chrono>
-#include <thread>
 
 #include "grad_sync_test_models.h"
 
@@ -74,8 +72,8 @@ TEST(GradSync, BackwardPauseCutsTheBucketOnceAndStaysExact) {
   ASSERT_TRUE(together(sync)) << "the size-only plan should share the bucket";
   int step = 0;
   for (; step < 20 && sync.replans() == 0; ++step) expect_exact_step(ref, m, step);
-  ASSERT_EQ(sync.replans(), 1) << "no cut after " << step << " steps (pause " << backward_pause().count()
-                               << " ms)";
+  ASSERT_EQ(sync.replans(), 1) << "no cut after " << step << " steps (pause "
+                               << backward_pause().count() << " ms)";
   EXPECT_FALSE(together(sync)) << "wide.weight should go out before the pause ends";
   for (const int end = step + 4; step < end; ++step) expect_exact_step(ref, m, step);
   EXPECT_EQ(sync.replans(), 1) << "the plan churned after the cut";
