@@ -25,7 +25,9 @@ class BucketOptimizer {
   // `user` must be one of them (else an error naming it); `user` must be
   // torch::optim::SGD, Adam or AdamW and outlive GradSync.
   // `masters`: what each parameter's step updates instead (null: the
-  // parameters themselves).
+  // parameters themselves): float32 masters, or (GradSyncOptions::shard)
+  // flat views of the elements this rank owns, undefined where it owns none
+  // (the state kept under the parameter is then the size of that view).
   BucketOptimizer(torch::optim::Optimizer& user, const std::vector<at::Tensor>& params,
                   const std::vector<std::string>& names,
                   const std::vector<at::Tensor>* masters = nullptr);
@@ -44,8 +46,13 @@ class BucketOptimizer {
   // (GradSyncOptions::stale_lookahead; their .grad holds the rank's own
   // gradients). The copies are kept for the next look-ahead to copy into.
   void lookahead(int b, const std::vector<int>& ps) { step(b, ps, /*lookahead=*/true); }
-  bool steps(int p) const { return group_of_[p] >= 0; }
+  // Does parameter p's step run here (in the optimizer, and, sharded, with
+  // elements this rank owns)? Is it in the optimizer at all?
+  bool steps(int p) const { return group_of_[p] >= 0 && stepped_[p].defined(); }
+  bool holds(int p) const { return group_of_[p] >= 0; }
   const char* kind() const;
+  // Bytes of the state the trainer's optimizer keeps for GradSync's parameters.
+  int64_t state_bytes() const;
 
  private:
   enum class Kind { SGD, Adam, AdamW };

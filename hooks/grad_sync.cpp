@@ -210,7 +210,9 @@ void GradSync::Impl::complete_step() {
       // Used elsewhere, not here: this rank's contribution is zeros. (.grad,
       // if it is the slot, becomes the average at write-back anyway.)
       for (int p : idle_late) {
-        if (anywhere[p]) views[p].zero_();
+        if (!anywhere[p]) continue;
+        if (transient_storage()) ensure_storage(bucket_of[p]);
+        views[p].zero_();
       }
       for (; next_launch < n_buckets; ++next_launch) launch_bucket_locked(next_launch, anywhere);
       launch_rest_locked();  // (a cut bucket that only went out here: its remainder too)
@@ -246,6 +248,14 @@ void GradSync::Impl::complete_step() {
     if (needs_agreement(b)) settle();
     if (error) continue;
     const int* agreed_flags = agreed ? flags.const_data_ptr<int>() : nullptr;
+    if (shard.active()) {
+      try {
+        step_sharded(b, agreed_flags);
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+      continue;
+    }
     if (!scaled) {
       apply_bucket(b, agreed_flags);
       continue;
@@ -258,6 +268,18 @@ void GradSync::Impl::complete_step() {
       amp::unscale_grads(grads, scaler_inv, found, /*allow_fp16=*/false, "GradSync");
     } catch (...) {
       if (!error) error = std::current_exception();
+    }
+  }
+  // Sharded: the gathers, in the same order; each bucket's parameters then
+  // hold the update (and, NextForward, their gates open).
+  for (int b : seq) {
+    if (!gathers[b].valid()) continue;
+    take(gathers[b]);
+    if (error) continue;
+    try {
+      finish_sharded(b);
+    } catch (...) {
+      error = std::current_exception();
     }
   }
   settle();
@@ -339,9 +361,10 @@ void GradSync::Impl::complete_step() {
   stats.per_param_hooks_us = hook_cpu_us - begin_us;
   stats.replans = replans;
   last = stats;
+  last_storage_peak = storage_peak.load();
   auto wire = wire_stats();  // the codec's traffic, and the sparse rows (uncompressed)
-  wire.bytes_sent += sparse_bytes;
-  wire.bytes_raw += sparse_bytes;
+  wire.bytes_sent += sparse_bytes + shard_bytes;
+  wire.bytes_raw += sparse_bytes + shard_raw;
   profiler->end_step(stats, {t0, f0, wait0, w0, f1, agree_t0, agree_t1}, hook_cpu_us, wire);
   expected_unused.clear();
   early_used.clear();

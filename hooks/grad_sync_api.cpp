@@ -16,6 +16,12 @@ namespace ddpx {
 using hooks::Clock;
 using hooks::us_since;
 
+namespace {
+const char* shard_name(Shard s) {
+  return s == Shard::Optimizer ? "Shard::Optimizer" : "Shard::Gradients";
+}
+}  // namespace
+
 GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_parameters,
                    comm::ProcessGroupPtr pg, GradSyncOptions options,
                    const torch::OrderedDict<std::string, at::Tensor>& named_buffers) {
@@ -40,6 +46,19 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
   }
   TORCH_CHECK(options.bucket_cap_mb_ > 0 && options.first_bucket_mb_ > 0,
               "GradSync: bucket_cap_mb and first_bucket_mb must be positive");
+  if (options.shard_ != Shard::None) {
+    const char* mode = shard_name(options.shard_);
+    TORCH_CHECK(options.codec_ == "none", "GradSync: shard(", mode, ") with codec('",
+                options.codec_, "'): a sharded bucket is reduced exactly (codec 'none'); the "
+                "codecs' sharded forms are not built");
+    TORCH_CHECK(options.staleness_ == 0, "GradSync: shard(", mode, ") with staleness(1) is not "
+                "supported (its look-ahead steps every parameter on each rank)");
+    TORCH_CHECK(!options.param_dtype_ && !options.reduce_dtype_, "GradSync: shard(", mode,
+                ") with mixed_precision is not supported (the float32 masters are not sharded)");
+    TORCH_CHECK(options.sparse_params_.empty(), "GradSync: shard(", mode, ") reduces dense "
+                "gradients only; sparse_params names '",
+                options.sparse_params_.empty() ? "" : options.sparse_params_.front(), "'");
+  }
   impl_ = std::make_unique<Impl>(options, static_cast<int>(params.size()));
   auto& I = *impl_;
   I.names = names;
@@ -131,6 +150,17 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     TORCH_CHECK(options.sparse_params_.empty(), "GradSync: staleness(1) reduces dense "
                 "gradients only; sparse_params names '", options.sparse_params_.front(), "'");
     I.worker = std::make_unique<hooks::Channel>(pg);  // a thread; its group is not used
+  }
+  if (options.shard_ != Shard::None) {
+    const char* mode = shard_name(options.shard_);
+    I.shard = hooks::ShardMap(I.info, pg->getSize(), pg->getRank());
+    for (size_t p = 0; p < params.size(); ++p) {
+      TORCH_CHECK(params[p].is_contiguous(), "GradSync: shard(", mode, "): parameter '",
+                  names[p], "' is not contiguous; a rank's part of it must be a flat view");
+      const auto [lo, hi] = I.shard.mine(static_cast<int>(p));
+      I.shard_views.push_back(lo < hi ? params[p].detach().view(-1).narrow(0, lo, hi - lo)
+                                      : at::Tensor());
+    }
   }
   if (options.overlap_ == Overlap::NextForward) {
     std::vector<at::Tensor> gated = params;
@@ -423,13 +453,15 @@ const StepStats& GradSync::last_step() const {
 }
 
 ProfileSummary GradSync::profile() const {
-  impl_->join();
-  return impl_->profiler->summary();
+  auto& I = *impl_;
+  I.join();
+  auto s = I.profiler->summary();
+  for (const auto& p : I.params) s.param_bytes += static_cast<double>(p.nbytes());
+  if (I.optimizer) s.optimizer_state_bytes = static_cast<double>(I.optimizer->state_bytes());
+  s.grad_buffer_bytes = static_cast<double>(I.last_storage_peak);
+  return s;
 }
-std::string GradSync::profile_summary() const {
-  impl_->join();
-  return impl_->profiler->summary_table();
-}
+std::string GradSync::profile_summary() const { return hooks::format_summary(profile()); }
 void GradSync::flush_trace() {
   impl_->join();
   if (impl_->profiler->needs_flush()) impl_->flush_trace();

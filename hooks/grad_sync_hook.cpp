@@ -10,7 +10,7 @@ bool GradSync::Impl::is_slot(int p, const at::Tensor& g) const {
   // Write-back makes .grad share the slot's TensorImpl: comparing pointers
   // first spares the hook two reads of tensor metadata, which after a
   // large kernel are cache (and TLB) misses.
-  if (!g.defined()) return false;
+  if (!g.defined() || !views[p].defined()) return false;
   if (g.unsafeGetTensorImpl() == views[p].unsafeGetTensorImpl()) return true;
   return g.layout() == at::kStrided && g.data_ptr() == views[p].data_ptr() &&
          g.strides() == views[p].strides();
@@ -57,6 +57,9 @@ bool GradSync::Impl::gather_grad(int p, const at::Tensor& g) {
     return true;
   }
   sparse_dim[p] = g.is_sparse() ? static_cast<int8_t>(g.sparse_dim()) : 0;
+  TORCH_CHECK(!shard.active() || !g.is_sparse(), "GradSync: parameter '", names[p],
+              "' got a sparse gradient; GradSyncOptions::shard reduces dense gradients only");
+  if (transient_storage()) ensure_storage(bucket_of[p]);
   copy_to_slot(p, g);
   return false;
 }
@@ -68,6 +71,9 @@ void GradSync::Impl::begin_step_locked(const Clock::time_point* replay_start) {
               "the first backward");
   TORCH_CHECK(!masters.active() || optimizer, "GradSync: GradSyncOptions::mixed_precision keeps "
               "float32 masters of the parameters, which only GradSync can step: give the "
+              "optimizer with set_optimizer before the first backward");
+  TORCH_CHECK(!shard.active() || optimizer, "GradSync: GradSyncOptions::shard leaves each rank "
+              "the average of its own part only, which only GradSync can step: give the "
               "optimizer with set_optimizer before the first backward");
   if (scaler && detail::ScalerAccess::enabled(scaler)) detail::ScalerAccess::check_started(scaler);
   active = true;
@@ -90,6 +96,10 @@ void GradSync::Impl::begin_step_locked(const Clock::time_point* replay_start) {
   launch_seq.clear();
   futures.clear();
   futures.resize(plan.size());
+  gathers.clear();
+  gathers.resize(plan.size());
+  owned_grads.assign(plan.size(), at::Tensor());
+  storage_peak = storage_bytes.load();
   rest_futures.clear();
   rest_futures.resize(plan.size());
   split_sent = -1;
@@ -166,6 +176,7 @@ void GradSync::Impl::mark_ready_locked(int p, bool used) {
   note_writer_locked(bucket_of[p]);  // the hook's copy, or the zeroing below
   if (ready[p]) return;
   ready[p] = 1;
+  if (transient_storage()) ensure_storage(bucket_of[p]);
   if (used) {
     arrival.push_back(p);
     arrival_us[p] = hooks::us_since(t0, Clock::now());
@@ -243,6 +254,10 @@ void GradSync::Impl::launch_held_locked() {
 
 void GradSync::Impl::launch_bucket_locked(int b, const std::vector<char>& anywhere) {
   launch_seq.push_back(b);
+  if (shard.active()) {
+    launch_sharded_locked(b);  // whole: unused and declared slots too
+    return;
+  }
   if (!plan[b].late && skipped_in[b] == 0) {
     // Cut by priority: its remainder goes after the held buckets
     // (launch_held_locked); every rank cuts alike (the plan and
@@ -288,7 +303,7 @@ void GradSync::Impl::on_grad(int p) {
   }
   const auto h0 = Clock::now();
   hooks::Range range("ddpx::hook");
-  const at::Tensor& g = params[p].grad();
+  const at::Tensor g = params[p].grad();  // (a copy: Shard::Gradients resets .grad below)
   // Declared unused, yet here: neither copied nor sent (its slot may be
   // off the wire), an error at the step's end on every rank. The same for
   // one that prepare_for_backward's outputs do not reach (Exact): it was
@@ -301,6 +316,10 @@ void GradSync::Impl::on_grad(int p) {
   // parameter, and the plan only changes at the step boundary, after every
   // hook of the step has run.
   const bool in_slot = g.defined() && !skip && !surprise && gather_grad(p, g);
+  // Shard::Gradients: the gradient's memory goes once it is in the bucket.
+  if (g.defined() && !in_slot && !skip && !surprise && transient_storage()) {
+    params[p].mutable_grad() = at::Tensor();
+  }
   std::lock_guard<std::mutex> lock(mu);
   if (!active) {
     begin_step_locked();

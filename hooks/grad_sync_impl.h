@@ -27,6 +27,7 @@
 #include "hooks/priority_trial.h"
 #include "hooks/profiler.h"
 #include "hooks/reduce_fn.h"
+#include "hooks/shard_map.h"
 #include "hooks/stream_handoff.h"
 #include "plugin/amp/master_weights.h"
 #include "plugin/amp/scaler_access.h"
@@ -144,6 +145,9 @@ struct GradSync::Impl {
   // nothing is copied; undefined: none here) and the average for .grad.
   std::vector<at::Tensor> sparse_in, sparse_out;
   int64_t sparse_bytes = 0;  // sent by sparse buckets so far (the codec counts the rest)
+  // Sent by sharded reductions so far (reduce_fn is not used), and their
+  // float32-equivalent (CodecStats::bytes_raw).
+  int64_t shard_bytes = 0, shard_raw = 0;
   std::vector<int> pending;  // per bucket: gradients still missing
   int next_launch = 0;
   std::vector<int> launch_seq;  // buckets in the order they launched this step
@@ -185,6 +189,38 @@ struct GradSync::Impl {
   std::vector<int> declared_surprises;  // declared, yet a gradient came
   // ---- across the step boundary (GradSyncOptions::overlap) ------------------
   std::unique_ptr<hooks::BucketOptimizer> optimizer;  // set_optimizer: stepped per bucket
+  // ---- sharded state (GradSyncOptions::shard; grad_sync_shard.cpp) -------------
+  // Who owns which elements (inactive: Shard::None); per bucket, its
+  // owners' parts; per parameter, a flat view of the elements this rank
+  // owns (undefined: none), which the optimizer steps; per bucket, its
+  // gather (the owners' updated parts broadcast) in flight this step.
+  hooks::ShardMap shard;
+  std::vector<std::vector<hooks::ShardPart>> shard_parts;
+  std::vector<at::Tensor> shard_views;
+  std::vector<std::future<void>> gathers;
+  // Shard::Gradients: bucket storage lives from a step's first use of the
+  // bucket to the end of its reduction, which keeps this rank's part of
+  // the average (owned_grads, per bucket) until the bucket is stepped; a
+  // gather makes its own buffer. Gradient memory held now, and the most
+  // this step (ProfileSummary::grad_buffer_bytes), kept by account().
+  std::vector<at::Tensor> owned_grads;
+  std::atomic<int64_t> storage_bytes{0};
+  std::atomic<int64_t> storage_peak{0};
+  int64_t last_storage_peak = 0;  // the last completed step's
+  bool transient_storage() const { return opts.shard_ == Shard::Gradients; }
+  void account(int64_t bytes);
+  // Bucket b's storage and its slots, made (zeroed) if dropped; dropped
+  // (the reduction that holds it frees it).
+  void ensure_storage(int b);
+  void drop_storage(int b);
+  const hooks::ShardPart* my_part(int b) const;  // null: this rank owns none of b
+  // The sharded path of a bucket: its reduction to the owners; the owned
+  // elements of its used parameters stepped and the owners' parts of the
+  // parameters written into the bucket, then gathered; the gathered
+  // parameters copied out, the bucket zeroed (or released), gates opened.
+  void launch_sharded_locked(int b);
+  void step_sharded(int b, const int* agreed);
+  void finish_sharded(int b);
   // ---- mixed precision (GradSyncOptions::mixed_precision, ddpx/amp.h) -------
   // The float32 masters of low-precision parameters (inactive: none).
   amp::MasterWeights masters;
@@ -197,7 +233,7 @@ struct GradSync::Impl {
   // The tensor parameter p's optimizer steps, whose .grad gets the average:
   // its master, or the parameter.
   const at::Tensor& stepped_tensor(int p) const {
-    return masters.active() ? masters.master(p) : params[p];
+    return masters.active() ? masters.master(p) : shard.active() ? shard_views[p] : params[p];
   }
   // NextForward: a gate per parameter, then per buffer (param_gate.h), and
   // the thread that completes each step after backward has returned (waits,
@@ -383,8 +419,11 @@ struct GradSync::Impl {
   // Queues `body` (bucket b's reduction) on b's channel; on a device, on the
   // channel's stream after the streams that wrote b, with `keep` (storages
   // made on other streams that body uses) marked in use there.
+  // `op`: the flight recorder's name for it; `timed`: its end is the
+  // bucket's complete_us (not a sharded bucket's gather).
   void submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
-                     std::vector<c10::Storage> keep, std::future<void>* into = nullptr);
+                     std::vector<c10::Storage> keep, std::future<void>* into = nullptr,
+                     comm::detail::FrOp op = comm::detail::FrOp::kAllReduce, bool timed = true);
 
   // (slot, residual) of the parameters in bucket b's `runs` that owe a
   // residual from before a re-plan; they owe nothing afterwards.
@@ -407,7 +446,10 @@ struct GradSync::Impl {
   // Under Exact the ranks agree on use in prepare_for_backward, so a late
   // bucket launches when it is ready and belongs where its gradients arrive;
   // under Predict the agreement comes at the end of backward, and so do they.
-  bool prioritised() const { return opts.overlap_ == Overlap::NextForward && opts.priority_; }
+  // (Sharded buckets go whole, in plan order: no priority.)
+  bool prioritised() const {
+    return opts.overlap_ == Overlap::NextForward && opts.priority_ && !shard.active();
+  }
 
   // The buckets `p` holds for priority under `timing`: priority_tail's
   // run, down to a single bucket when that one overtakes a bucket cut by

@@ -149,14 +149,15 @@ void GradSync::Impl::launch_sparse_locked(int b) {
 }
 
 void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
-                                   std::vector<c10::Storage> keep, std::future<void>* into) {
+                                   std::vector<c10::Storage> keep, std::future<void>* into,
+                                   comm::detail::FrOp op, bool timed) {
   if (fr_group >= 0) {
     // The flight recorder: this reduction, with the step, the bucket and its
     // parameters; started and done as the channel runs it.
     auto& fr = comm::detail::FlightRecorder::get();
     comm::detail::FlightRecorder::Call call;
     call.group = fr_group;
-    call.op = comm::detail::FrOp::kAllReduce;
+    call.op = op;
     call.seq = ++fr_seq;
     call.dtype = plan[b].dtype;
     const int64_t bytes = stats.buckets[b].bytes;  // a partial launch's runs (sparse: 0)
@@ -178,7 +179,7 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
       fr.finished(id);
     };
   }
-  auto* complete = &stats.buckets[b].complete_us;
+  double* complete = timed ? &stats.buckets[b].complete_us : nullptr;
   const auto start = t0;
   const int c = b % static_cast<int>(channels.size());
   std::future<void>& future = into ? *into : futures[b];
@@ -190,7 +191,7 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
             hooks::ReduceScope scope(ctx);
             body(pg);
           }
-          *complete = hooks::us_since(start, Clock::now());
+          if (complete) *complete = hooks::us_since(start, Clock::now());
         });
     return;
   }
@@ -211,7 +212,7 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
           hooks::run_on_stream(
               comm, *before, keep, [&] { body(pg); }, done.get());
         }
-        *complete = hooks::us_since(start, Clock::now());
+        if (complete) *complete = hooks::us_since(start, Clock::now());
       });
 }
 

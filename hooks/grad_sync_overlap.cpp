@@ -114,16 +114,24 @@ void GradSync::Impl::join() {
 
 void GradSync::set_optimizer(torch::optim::Optimizer& optimizer) {
   auto& I = *impl_;
-  TORCH_CHECK(I.opts.overlap_ != Overlap::None || I.masters.active(), "GradSync::set_optimizer: "
-              "GradSyncOptions::overlap is Overlap::None, where the trainer steps its optimizer "
-              "after backward; choose Overlap::Optimizer or Overlap::NextForward to have "
-              "GradSync step it (or mixed_precision with a param_dtype below float32, whose "
-              "float32 masters only GradSync can step)");
+  TORCH_CHECK(I.opts.overlap_ != Overlap::None || I.masters.active() || I.shard.active(),
+              "GradSync::set_optimizer: GradSyncOptions::overlap is Overlap::None, where the "
+              "trainer steps its optimizer after backward; choose Overlap::Optimizer or "
+              "Overlap::NextForward to have GradSync step it (or mixed_precision with a "
+              "param_dtype below float32, whose float32 masters only GradSync can step, or "
+              "shard, whose parts only their owners can)");
   I.drain();
   std::lock_guard<std::mutex> lock(I.mu);
   TORCH_CHECK(!I.active, "GradSync::set_optimizer: called during backward");
   auto next = std::make_unique<hooks::BucketOptimizer>(
-      optimizer, I.params, I.names, I.masters.active() ? &I.masters.masters() : nullptr);
+      optimizer, I.params, I.names,
+      I.masters.active() ? &I.masters.masters() : I.shard.active() ? &I.shard_views : nullptr);
+  for (size_t p = 0; I.shard.active() && p < I.params.size(); ++p) {
+    // Its average exists only in its owners' parts: nobody else could step it.
+    TORCH_CHECK(next->holds(static_cast<int>(p)), "GradSync::set_optimizer: parameter '",
+                I.names[p], "' is not in the optimizer; with GradSyncOptions::shard it must "
+                "hold every parameter GradSync synchronises");
+  }
   for (size_t p = 0; I.opts.staleness_ > 0 && p < I.params.size(); ++p) {
     // Its average would sit in the slot the step after next accumulates into.
     TORCH_CHECK(next->steps(static_cast<int>(p)), "GradSync::set_optimizer: parameter '",
@@ -146,6 +154,9 @@ void GradSync::set_optimizer(torch::optim::Optimizer& optimizer, GradScaler& sca
   TORCH_CHECK(I.opts.staleness_ == 0, "GradSync::set_optimizer: a GradScaler does not work with "
               "GradSyncOptions::staleness(1): its look-ahead steps each rank on its own "
               "gradients, before any rank could know whether a step is to be skipped");
+  TORCH_CHECK(!I.shard.active(), "GradSync::set_optimizer: a GradScaler with "
+              "GradSyncOptions::shard is not supported: each rank sees only its part of the "
+              "averages, so whether to skip a step would need an agreement not built yet");
   set_optimizer(optimizer);
   auto handle = detail::ScalerAccess::attach(scaler, &optimizer);
   std::lock_guard<std::mutex> lock(I.mu);

@@ -26,7 +26,11 @@ void GradSync::Impl::replan(const std::vector<int>& order, std::vector<char> lat
   for (size_t b = 0; b < plan.size(); ++b) {
     keys.push_back("bucket" + std::to_string(b));
     int64_t off = 0;
-    for (int p : plan[b].params) {
+    // Sharded: slots in ascending parameter order, so that each owner's
+    // elements are one contiguous part of the bucket (shard_map.h).
+    std::vector<int> layout = plan[b].params;
+    if (shard.active()) std::sort(layout.begin(), layout.end());
+    for (int p : layout) {
       bucket_of[p] = static_cast<int>(b);
       if (plan[b].sparse) continue;  // no slot: its rows travel apart
       offset_of[p] = static_cast<int>(off);
@@ -43,7 +47,22 @@ void GradSync::Impl::replan(const std::vector<int>& order, std::vector<char> lat
       fr_names.push_back(comm::detail::FlightRecorder::get().names(std::move(list)));
     }
   }
-  std::tie(storage, views) = make_slots();
+  shard_parts.clear();
+  if (shard.active()) {
+    for (const auto& bucket : plan) shard_parts.push_back(shard.parts(bucket.params, offset_of));
+  }
+  if (transient_storage()) {
+    // Made as each bucket is first used in a step (ensure_storage); the
+    // old plan's are released by now (finish_sharded).
+    storage.assign(plan.size(), at::Tensor());
+    views.assign(params.size(), at::Tensor());
+    storage_bytes = 0;
+  } else {
+    std::tie(storage, views) = make_slots();
+    int64_t bytes = 0;
+    for (const auto& t : storage) bytes += static_cast<int64_t>(t.nbytes());
+    storage_bytes = bytes;
+  }
   if (opts.staleness_ > 0) {
     std::tie(spare_storage, spare_views) = make_slots();
   }

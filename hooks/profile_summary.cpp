@@ -88,6 +88,11 @@ std::string format_summary(const ProfileSummary& s) {
   row("hook CPU per parameter tensor", s.hook_cpu_per_param_us, "us");
   row("bytes sent", s.bytes_sent / 1e6, "MB");
   row("compression ratio", s.compression, "x");
+  if (s.param_bytes > 0) {
+    row("memory: parameters", s.param_bytes / 1e6, "MB");
+    row("memory: optimizer state", s.optimizer_state_bytes / 1e6, "MB");
+    row("memory: gradient buckets, peak", s.grad_buffer_bytes / 1e6, "MB");
+  }
   count("re-planning events", s.replans);
   count("unused mispredictions", s.unused_mispredictions);
   return out;

@@ -303,6 +303,5 @@ ProfileSummary Profiler::summary() const {
   return summarize(records_, params_);
 }
 
-std::string Profiler::summary_table() const { return format_summary(summary()); }
 
 }  // namespace ddpx::hooks

@@ -154,7 +154,6 @@ class Profiler {
   bool step_failed() const { return step_open_; }
 
   ProfileSummary summary() const;
-  std::string summary_table() const;
 
  private:
   // One trace event; times are steady-clock nanoseconds, args plain numbers.

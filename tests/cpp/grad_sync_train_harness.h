@@ -117,6 +117,10 @@ struct TrainRun {
   // and the group (null: world(), ddpx_mpi under mpirun).
   at::Device device = at::kCPU;
   ddpx::comm::ProcessGroupPtr group = nullptr;
+  // GradSyncOptions::shard: GradSync steps the optimizer in every overlap
+  // mode (Overlap::None included).
+  ddpx::Shard shard = ddpx::Shard::None;
+  bool steps_in_sync() const { return overlap != Overlap::None || shard != ddpx::Shard::None; }
 };
 
 // The reference of staleness(1), in the trainer: the average of step t is
@@ -180,6 +184,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
   const int rank = pg->getRank();
   GradSyncOptions so;
   so.overlap(r.overlap).unused(r.unused).codec(r.codec).bucket_cap_mb(0.001).first_bucket_mb(0.0005);
+  so.shard(r.shard);
   // Timing re-plans differ between runs; with a lossy codec the plan
   // decides the sums, so the runs must keep one plan to compare bit for bit.
   if (r.codec != "none") so.replan(false);
@@ -192,13 +197,13 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
   m->to(r.device);
   auto opt = make_optimizer(m, r.opt);
   auto sync = std::make_unique<GradSync>(m->named_parameters(), pg, so);
-  if (r.overlap != Overlap::None) sync->set_optimizer(*opt);
+  if (r.steps_in_sync()) sync->set_optimizer(*opt);
   if (r.overlap == Overlap::NextForward) {
     m->gate = [&sync](const std::vector<at::Tensor>& ps) { sync->wait_ready(ps); };
   }
   for (int step = 0; step < r.steps; ++step) {
-    if (step == r.resume_at && r.overlap == Overlap::None) late.apply(*opt, m->parameters());
-    if (step == r.resume_at && r.overlap != Overlap::None) {
+    if (step == r.resume_at && !r.steps_in_sync()) late.apply(*opt, m->parameters());
+    if (step == r.resume_at && r.steps_in_sync()) {
       // A checkpoint: parameters and optimizer state, written and read back
       // into a new model, optimizer and GradSync (the trainer's way).
       sync->synchronize();
@@ -218,7 +223,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
       }
     }
     set_lr(*opt, step);
-    if (r.overlap == Overlap::None) opt->zero_grad();
+    if (!r.steps_in_sync()) opt->zero_grad();
     const bool stale_ref = r.overlap == Overlap::None && r.staleness > 0 && step >= r.warmup;
     std::vector<at::Tensor> local;  // the reference's look-ahead: this rank's own gradients
     for (int k = 0; k < r.micro; ++k) {
@@ -241,7 +246,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
         loss.backward();
       }
     }
-    if (r.overlap == Overlap::None && (r.staleness == 0 || step < r.warmup)) opt->step();
+    if (!r.steps_in_sync() && (r.staleness == 0 || step < r.warmup)) opt->step();
     if (stale_ref) {
       late.after_backward(*opt, m->parameters(), step, local,
                           [&] { return make_optimizer(m, r.opt); });
@@ -290,6 +295,7 @@ inline void expect_bitwise(const std::vector<at::Tensor>& got, const std::vector
 inline void expect_same_as_synchronous(const TrainRun& ours, const std::string& what) {
   TrainRun ref = ours;
   ref.overlap = Overlap::None;
+  ref.shard = ddpx::Shard::None;
   ref.resume_at = -1;
   const auto want = train(ref);
   expect_bitwise(train(ours), want, what);

@@ -78,6 +78,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torch::jit {
@@ -102,6 +103,13 @@ enum class Overlap {
   // for by the host: on the stream backward's caller runs on, after the
   // bucket's reduction on its channel's stream; a gate opens once its update
   // is queued and makes the reading stream wait for it.
+};
+
+// Sharded training state (ZeRO; GradSyncOptions::shard).
+enum class Shard {
+  None,       // every rank holds the whole optimizer state and gradient
+  Optimizer,  // ZeRO-1: each rank keeps optimizer state for its 1/W of the parameters
+  Gradients,  // ZeRO-2: and gradient memory for its part only, once a bucket is reduced
 };
 
 enum class Unused {
@@ -201,6 +209,39 @@ struct GradSyncOptions {
   // forward runs on the committed parameters (each average applied
   // exactly one step late).
   DDPX_OPT(bool, stale_lookahead, true)
+  // Sharded training state (ZeRO-1/2). The parameters' bytes, in
+  // GradSync's parameter order, are cut into W contiguous ranges of equal
+  // size, rank r owning [r*T/W, (r+1)*T/W) (an element goes with its first
+  // byte: a tensor may be split, a rank may own nothing of a small one); the
+  // split depends on the parameters and W only, never on the bucket plan.
+  // Each bucket is reduced to its owners (a rank receives the average of
+  // its own part of the bucket: a reduce per owner, a reduce-scatter with
+  // uneven parts), the optimizer given to set_optimizer (required in every
+  // overlap mode; it must hold every parameter GradSync syncs) steps only
+  // the owned elements, its state allocated for them alone, and every owner
+  // broadcasts its updated part of the bucket back into the parameters --
+  // an all-reduce's bytes in all. The buckets go whole (a late or partly
+  // declared bucket's unused slots too). Updates land as under the overlap
+  // mode: before backward returns (None, Optimizer: each bucket stepped as
+  // its reduction lands, its gather queued behind the other reductions), or
+  // behind the next forward (NextForward: each parameter's gate opens once
+  // its gather has landed).
+  // The optimizer's state stays in the trainer's optimizer, keyed by the
+  // parameter as usual but the size of this rank's part (flat: exp_avg of
+  // a [n] slice), so optimizer.save() on each rank writes that rank's shard
+  // (GradSync::shard_range says which elements), and a job resumed at the
+  // same world size loads it back as usual.
+  // Gradients: bucket storage exists only while a bucket is in use in a
+  // step (from its first gradient to the end of its gather); .grad is
+  // released as soon as it is copied into its bucket (under no_sync it
+  // accumulates, whole, as usual) and undefined after the step.
+  // Optimizer: buckets persist and .grad is a view of its (zeroed) slot
+  // after each step, as without sharding.
+  // Exact reductions only: codec "none" (the codecs' sharded forms are not
+  // built yet: refused), and not with staleness(1), mixed_precision or
+  // sparse gradients (refused, naming the option). A GradScaler is refused
+  // too (its verdict would need every rank's part).
+  DDPX_OPT(Shard, shard, Shard::None)
 #undef DDPX_OPT
   // Mixed precision (FSDP's MixedPrecision(param_dtype, reduce_dtype); each
   // float32, bfloat16 or float16). param_dtype below float32: GradSync
@@ -309,6 +350,13 @@ struct ProfileSummary {
   // of backward that they overtook (StepStats::Bucket::held_bytes).
   double held_buckets = 0;
   double overtaken_bytes = 0;
+  // Memory of this rank, bytes, now: the parameters GradSync syncs, the
+  // state the optimizer given to set_optimizer keeps for them (0: none
+  // given), and the gradient buckets at their most during the last step
+  // (GradSyncOptions::shard(Shard::Gradients): only those in use; else all).
+  double param_bytes = 0;
+  double optimizer_state_bytes = 0;
+  double grad_buffer_bytes = 0;
 };
 
 class GradSync {
@@ -459,6 +507,10 @@ class GradSync {
   // on none; later calls and the destructor then do nothing).
   void flush_trace();
   std::vector<std::vector<std::string>> bucket_plan() const;  // parameter names per bucket
+  // GradSyncOptions::shard: the elements [first, second) of `param`
+  // (flattened; a parameter GradSync syncs) whose optimizer state this rank
+  // keeps; (0, numel) without sharding.
+  std::pair<int64_t, int64_t> shard_range(const at::Tensor& param) const;
   int64_t replans() const;
 
  private:

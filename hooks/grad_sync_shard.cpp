@@ -1,0 +1,217 @@
+// GradSync's sharded step (GradSyncOptions::shard, ZeRO-1/2; who owns what:
+// hooks/shard_map.h). Per bucket: the reduction goes to the owners (one
+// reduce per owner's part, all in flight at once: a reduce-scatter with
+// uneven parts over any c10d backend), the owned elements are stepped by
+// the trainer's optimizer (hooks/bucket_optimizer.h, on flat views of the
+// parameters), each owner writes its updated elements into the bucket --
+// the gradients there are consumed -- and broadcasts them (the all-gather),
+// after which every rank copies the bucket into its parameters. Bytes on
+// the wire: a reduce and a broadcast of each part, an all-reduce's worth.
+#include <utility>
+
+#include "hooks/grad_sync_impl.h"
+#include "plugin/comm/wire_span.h"
+
+namespace ddpx {
+
+namespace {
+
+// Each part's collective (`issue(tensor, owner)`) on its slice of `flat`,
+// all issued before any is awaited.
+template <class Issue>
+void per_part(const at::Tensor& flat, const std::vector<hooks::ShardPart>& parts, Issue issue) {
+  std::vector<std::vector<at::Tensor>> ts;
+  ts.reserve(parts.size());  // (the collectives take the vectors by reference)
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  comm::detail::WireScope wire;
+  for (const auto& part : parts) {
+    ts.push_back({flat.narrow(0, part.offset, part.numel)});
+    works.push_back(issue(ts.back(), part.rank));
+  }
+  for (auto& w : works) comm::detail::wait_named(w);
+}
+
+}  // namespace
+
+void GradSync::Impl::account(int64_t bytes) {
+  const int64_t now = storage_bytes += bytes;
+  int64_t peak = storage_peak.load();
+  while (now > peak && !storage_peak.compare_exchange_weak(peak, now)) {
+  }
+}
+
+void GradSync::Impl::ensure_storage(int b) {
+  if (storage[b].defined()) return;
+  const auto& bp = plan[b];
+  at::Tensor flat =
+      at::zeros({bp.numel}, at::TensorOptions().dtype(bp.dtype).device(bp.device));
+  for (int p : bp.params) {
+    views[p] = flat.narrow(0, offset_of[p], info[p].numel).view(params[p].sizes()).detach();
+  }
+  storage[b] = flat;
+  account(static_cast<int64_t>(flat.nbytes()));
+}
+
+void GradSync::Impl::drop_storage(int b) {
+  for (int p : plan[b].params) views[p] = at::Tensor();
+  storage[b] = at::Tensor();
+}
+
+const hooks::ShardPart* GradSync::Impl::my_part(int b) const {
+  for (const auto& part : shard_parts[b]) {
+    if (part.rank == shard.rank()) return &part;
+  }
+  return nullptr;
+}
+
+void GradSync::Impl::launch_sharded_locked(int b) {
+  hooks::Range range("ddpx::bucket_launch");
+  ensure_storage(b);  // (no gradient of it came here)
+  auto& bs = stats.buckets[b];
+  bs.launch_us = hooks::us_since(t0, Clock::now());
+  bs.bytes = plan[b].numel * static_cast<int64_t>(c10::elementSize(plan[b].dtype));
+  shard_bytes += bs.bytes;
+  shard_raw += 4 * plan[b].numel;
+  at::Tensor flat = storage[b];
+  std::vector<c10::Storage> keep;
+  at::Tensor* owned = nullptr;  // Gradients: where this rank's averaged part goes
+  const hooks::ShardPart* mine = my_part(b);
+  if (transient_storage()) {
+    // The bucket goes with its reduction, which frees it once this rank's
+    // part is out (no hook touches it again this step).
+    keep.push_back(flat.storage());  // (a device: made on backward's stream)
+    drop_storage(b);
+    owned = &owned_grads[b];
+  }
+  auto body = [this, flat, parts = shard_parts[b], owned,
+               mine = mine ? std::optional<hooks::ShardPart>(*mine) : std::nullopt](
+                  c10d::ProcessGroup& pg) mutable {
+    // Divided before the sum, as the unsharded "none" does (reduce_fn.cpp):
+    // the same averages, bit for bit where MPI sums in the same order.
+    if (world > 1) flat.div_(world);
+    per_part(flat, parts, [&pg](std::vector<at::Tensor>& t, int owner) {
+      c10d::ReduceOptions o;
+      o.rootRank = owner;
+      o.reduceOp = c10d::ReduceOp::SUM;
+      return pg.reduce(t, o);
+    });
+    if (!owned) return;
+    if (mine) {
+      *owned = flat.narrow(0, mine->offset, mine->numel).clone();
+      account(static_cast<int64_t>(owned->nbytes()));
+    }
+    account(-static_cast<int64_t>(flat.nbytes()));
+    flat = at::Tensor();
+  };
+  submit_locked(b, std::move(body), std::move(keep), nullptr,
+                comm::detail::FrOp::kReduceScatter);
+}
+
+void GradSync::Impl::step_sharded(int b, const int* agreed) {
+  at::NoGradGuard no_grad;
+  // A device bucket: queued on this thread's stream after the reduction.
+  const c10::Device device = plan[b].device;
+  if (hooks::has_streams(device) && reduced[b]) reduced[b]->block(hooks::current_stream(device));
+  const hooks::ShardPart* mine = my_part(b);
+  std::vector<int> stepped;
+  for (int p : plan[b].params) {
+    // Unused on every rank: not stepped, as without sharding.
+    if ((agreed && agreed[p] == 0) || !optimizer->steps(p)) continue;
+    const auto [lo, hi] = shard.mine(p);
+    shard_views[p].mutable_grad() =
+        transient_storage() ? owned_grads[b].narrow(0, offset_of[p] + lo - mine->offset, hi - lo)
+                            : views[p].view(-1).narrow(0, lo, hi - lo);
+    stepped.push_back(p);
+  }
+  optimizer->apply(b, stepped);
+  for (int p : stepped) shard_views[p].mutable_grad() = at::Tensor();
+  if (owned_grads[b].defined()) {
+    account(-static_cast<int64_t>(owned_grads[b].nbytes()));
+    owned_grads[b] = at::Tensor();
+  }
+  // The gather: each owner's elements of every parameter of the bucket
+  // (stepped or not) broadcast in a bucket-sized buffer -- the bucket
+  // itself (its gradients are consumed), or, Gradients, one made and freed
+  // by the gather, so one at a time per channel -- then copied into every
+  // rank's parameters.
+  struct Slot {
+    at::Tensor param;  // flat
+    int64_t offset;    // in the bucket
+    at::Tensor owned;  // this rank's elements (shard_views), or undefined
+    int64_t owned_at;  // their first index in the parameter
+  };
+  std::vector<Slot> slots;
+  for (int p : plan[b].params) {
+    slots.push_back({params[p].detach().view(-1), offset_of[p], shard_views[p],
+                     shard.mine(p).first});
+  }
+  auto body = [this, buffer = storage[b], numel = plan[b].numel,
+               options = at::TensorOptions().dtype(plan[b].dtype).device(device),
+               parts = shard_parts[b], slots = std::move(slots)](c10d::ProcessGroup& pg) mutable {
+    at::NoGradGuard no_grad;
+    const bool made = !buffer.defined();
+    if (made) {
+      buffer = at::empty({numel}, options);
+      account(static_cast<int64_t>(buffer.nbytes()));
+    }
+    for (const auto& s : slots) {
+      if (s.owned.defined()) buffer.narrow(0, s.offset + s.owned_at, s.owned.numel()).copy_(s.owned);
+    }
+    per_part(buffer, parts, [&pg](std::vector<at::Tensor>& t, int owner) {
+      c10d::BroadcastOptions o;
+      o.rootRank = owner;
+      return pg.broadcast(t, o);
+    });
+    for (const auto& s : slots) s.param.copy_(buffer.narrow(0, s.offset, s.param.numel()));
+    if (made) {
+      account(-static_cast<int64_t>(buffer.nbytes()));
+      buffer = at::Tensor();
+    }
+  };
+  std::lock_guard<std::mutex> lock(mu);
+  submit_locked(b, std::move(body), {}, &gathers[b], comm::detail::FrOp::kAllGather,
+                /*timed=*/false);
+}
+
+void GradSync::Impl::finish_sharded(int b) {
+  at::NoGradGuard no_grad;
+  const c10::Device device = plan[b].device;
+  // The gradients were consumed by the update (those of parameters no rank
+  // used: by the gather, which overwrote their slots). Gradients: .grad is
+  // undefined; Optimizer: zeroed, and .grad stays (or becomes) its slot, so
+  // the next backward accumulates into the bucket.
+  // (On a device: after the gather, on this thread's stream.)
+  if (hooks::has_streams(device) && reduced[b]) reduced[b]->block(hooks::current_stream(device));
+  if (transient_storage()) {
+    for (int p : plan[b].params) params[p].mutable_grad() = at::Tensor();
+  } else {
+    for (int p : plan[b].params) {
+      auto& g = params[p].mutable_grad();
+      if (g.defined() && !is_slot(p, g)) {
+        g = opts.gradient_as_bucket_view_ ? views[p] : at::Tensor();
+      }
+    }
+    storage[b].zero_();
+  }
+  if (gates) {
+    const auto queued = hooks::fence_current({device});
+    for (int p : plan[b].params) gates->open(p, queued);
+  }
+}
+
+}  // namespace ddpx
+
+namespace ddpx {
+
+std::pair<int64_t, int64_t> GradSync::shard_range(const at::Tensor& param) const {
+  const auto& I = *impl_;
+  for (size_t p = 0; p < I.params.size(); ++p) {
+    if (!I.params[p].is_same(param)) continue;
+    return I.shard.active() ? I.shard.mine(static_cast<int>(p))
+                            : std::pair<int64_t, int64_t>{0, I.info[p].numel};
+  }
+  TORCH_CHECK(false, "GradSync::shard_range: the tensor (shape ", param.sizes(),
+              ") is not a parameter GradSync synchronises");
+}
+
+}  // namespace ddpx

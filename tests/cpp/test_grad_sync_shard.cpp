@@ -1,0 +1,210 @@
+// GradSyncOptions::shard (ZeRO-1/2), mpirun with 2 and 3 ranks, on the
+// torch::nn model of the overlap tests (unused experts, two param groups, a
+// learning-rate schedule): a sharded run leaves the parameters where the
+// unsharded synchronous one does (GradSync, then optimizer.step()) -- bit
+// for bit: the reductions divide and then sum the same values, and a sum of
+// two (2 ranks) or three (Open MPI's reduce and all-reduce add in rank
+// order on a few ranks) comes out the same -- in every overlap mode, with
+// Unused::Exact, no_sync accumulation and a checkpoint resumed midway;
+// each rank keeps optimizer state for its own elements only; Gradients
+// keeps no .grad and frees buckets as they are reduced; the misuses fail
+// with errors that name both options.
+#include <ddpx/grad_sync.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "grad_sync_train_harness.h"
+#include "hooks/shard_map.h"
+
+namespace {
+
+using namespace ddpx_overlap_test;
+using ddpx::Shard;
+using ddpx::test::error_of;
+
+TrainRun sharded(Shard s, Overlap o, Opt opt, Unused u = Unused::Predict, int micro = 1,
+                 int resume_at = -1) {
+  TrainRun r = with(o, opt, u, micro, "none", resume_at);
+  r.shard = s;
+  r.steps = 130;  // (past both changes of the learning rate)
+  return r;
+}
+
+class GradSyncShard : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GradSyncShard, BitwiseEqualToUnsharded) {
+  expect_same_as_synchronous(GetParam().run, GetParam().name);
+}
+
+const Case kCases[] = {
+    {"OptimizerStateNoOverlapSgd", sharded(Shard::Optimizer, Overlap::None, Opt::SgdNesterov)},
+    {"OptimizerStateAdamW", sharded(Shard::Optimizer, Overlap::Optimizer, Opt::AdamW)},
+    {"OptimizerStateNextForwardExact",
+     sharded(Shard::Optimizer, Overlap::NextForward, Opt::Adam, Unused::Exact)},
+    {"OptimizerStateNoSync",
+     sharded(Shard::Optimizer, Overlap::None, Opt::AdamW, Unused::Predict, 2)},
+    {"GradientsNoOverlapAdam", sharded(Shard::Gradients, Overlap::None, Opt::Adam)},
+    {"GradientsNextForwardNoSync",
+     sharded(Shard::Gradients, Overlap::NextForward, Opt::SgdNesterov, Unused::Predict, 3)},
+    {"GradientsResumedAdamW",
+     sharded(Shard::Gradients, Overlap::Optimizer, Opt::AdamW, Unused::Predict, 1, 70)},
+    {"OptimizerStateResumedSgd",
+     sharded(Shard::Optimizer, Overlap::NextForward, Opt::SgdNesterov, Unused::Predict, 1, 45)},
+};
+
+INSTANTIATE_TEST_SUITE_P(Modes, GradSyncShard, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// ---- who owns what ------------------------------------------------------------
+
+TEST(ShardMap, CutsTheBytesIntoContiguousRangesAcrossTensorsAndDtypes) {
+  using ddpx::hooks::ParamInfo;
+  const c10::Device cpu(c10::kCPU);
+  // 10 float32 + 7 float64 + 1 float16 + 33 float32 + 0 elements + 5 float64.
+  const std::vector<ParamInfo> info{{10, at::kFloat, cpu}, {7, at::kDouble, cpu},
+                                    {1, at::kHalf, cpu},   {33, at::kFloat, cpu},
+                                    {0, at::kFloat, cpu},  {5, at::kDouble, cpu}};
+  const int64_t total = 10 * 4 + 7 * 8 + 2 + 33 * 4 + 5 * 8;
+  for (int world : {1, 2, 3, 5, 64}) {
+    int64_t bytes_seen = 0;
+    for (int r = 0; r < world; ++r) {
+      ddpx::hooks::ShardMap m(info, world, r);
+      EXPECT_EQ(m.total_bytes(), total);
+      bytes_seen += m.owned_bytes();
+      // Within one element (8 bytes at most) of an equal share.
+      EXPECT_LE(std::abs(m.owned_bytes() * world - total), 8 * world) << world << " " << r;
+    }
+    EXPECT_EQ(bytes_seen, total) << world;
+    ddpx::hooks::ShardMap m(info, world, 0);
+    for (int p = 0; p < static_cast<int>(info.size()); ++p) {
+      int64_t next = 0;  // the ranks' ranges tile the tensor, in rank order
+      for (int r = 0; r < world; ++r) {
+        const auto [lo, hi] = m.range(p, r);
+        EXPECT_LE(lo, hi);
+        if (lo == hi) continue;
+        EXPECT_EQ(lo, next) << "world " << world << " param " << p << " rank " << r;
+        next = hi;
+      }
+      EXPECT_EQ(next, info[p].numel) << "world " << world << " param " << p;
+    }
+    // A bucket of parameters 5, 1, 3 (as planned), laid out ascending:
+    // each owner's elements are one run, the runs tile the bucket.
+    std::vector<int> offset_of(info.size(), 0);
+    offset_of[1] = 0, offset_of[3] = 7, offset_of[5] = 40;
+    const auto parts = m.parts({5, 1, 3}, offset_of);
+    int64_t at = 0;
+    for (const auto& part : parts) {
+      EXPECT_EQ(part.offset, at);
+      EXPECT_GT(part.numel, 0);
+      at += part.numel;
+    }
+    EXPECT_EQ(at, 45) << world;
+  }
+}
+
+// Each rank keeps the optimizer's state for its own elements only: a flat
+// slice per parameter, the size shard_range says, summing over the ranks
+// to the whole model once; some tensor is cut between two ranks.
+TEST(GradSyncShardState, EachRankKeepsStateForItsOwnElements) {
+  auto& pg = world();
+  torch::manual_seed(7);
+  Gated m;
+  torch::optim::Adam adam(m->parameters(), torch::optim::AdamOptions(0.01));
+  GradSync sync(m->named_parameters(), pg,
+                GradSyncOptions().shard(Shard::Optimizer).bucket_cap_mb(0.001).first_bucket_mb(0.0005));
+  sync.set_optimizer(adam);
+  for (int step = 0; step < 4; ++step) {
+    m->forward(shard(global_batch(6, step), pg->getRank()), step).backward();
+  }
+  int64_t mine = 0, all = 0;
+  bool cut = false;
+  for (const auto& p : m->parameters()) {
+    const auto [lo, hi] = sync.shard_range(p);
+    all += p.numel();
+    mine += hi - lo;
+    cut = cut || (lo > 0 && lo < p.numel()) || (hi > 0 && hi < p.numel());
+    auto it = adam.state().find(p.unsafeGetTensorImpl());
+    if (lo == hi) {
+      EXPECT_TRUE(it == adam.state().end()) << "state for a parameter this rank owns none of";
+      continue;
+    }
+    ASSERT_TRUE(it != adam.state().end());
+    const auto& st = static_cast<torch::optim::AdamParamState&>(*it->second);
+    EXPECT_EQ(st.exp_avg().sizes(), at::IntArrayRef({hi - lo}));
+    EXPECT_EQ(st.exp_avg_sq().numel(), hi - lo);
+    EXPECT_TRUE(p.grad().defined()) << "Shard::Optimizer keeps .grad, its zeroed slot";
+  }
+  EXPECT_TRUE(cut) << "no tensor cut between ranks: the test model no longer tests that";
+  std::vector<at::Tensor> t{at::full({1}, mine, at::kLong)};
+  pg->allreduce(t)->wait();
+  EXPECT_EQ(t[0].item<int64_t>(), all);
+  const auto prof = sync.profile();
+  EXPECT_EQ(prof.optimizer_state_bytes, 2.0 * 8 * static_cast<double>(mine));  // two moments
+  EXPECT_EQ(prof.param_bytes, 8.0 * static_cast<double>(all));
+  EXPECT_EQ(prof.grad_buffer_bytes, 8.0 * static_cast<double>(all));  // persistent buckets
+  EXPECT_NE(sync.profile_summary().find("memory: optimizer state"), std::string::npos);
+}
+
+// Shard::Gradients: .grad is released once in its bucket and undefined
+// after the step; buckets are freed as they are reduced, so on a model of
+// many buckets whose backward is slow beside its reductions the gradient
+// memory at its peak is a few buckets plus this rank's part, not the model.
+TEST(GradSyncShardState, GradientsFreesBucketsAsTheyAreReduced) {
+  auto& pg = world();
+  torch::manual_seed(5);
+  constexpr int kLayers = 8, kWidth = 128;  // 64 KiB buckets of float32
+  std::vector<torch::nn::Linear> layers;
+  torch::nn::Sequential seq;
+  for (int i = 0; i < kLayers; ++i) {
+    layers.emplace_back(kWidth, kWidth);
+    seq->push_back(layers.back());
+  }
+  backward_pause() = std::chrono::milliseconds(
+      std::max<int64_t>(5, 4 * slowest_allreduce_ms(at::empty({kWidth, kWidth + 1}))));
+  torch::optim::SGD sgd(seq->parameters(), torch::optim::SGDOptions(0.1));
+  GradSync sync(seq->named_parameters(), pg,
+                GradSyncOptions().shard(Shard::Gradients).bucket_cap_mb(0.07).first_bucket_mb(0.07));
+  sync.set_optimizer(sgd);
+  for (int step = 0; step < 3; ++step) {
+    auto h = at::randn({2, kWidth});
+    for (auto& l : layers) h = SlowBackward::apply(torch::tanh(l(h)));
+    h.pow(2).mean().backward();
+    for (const auto& p : seq->parameters()) EXPECT_FALSE(p.grad().defined());
+  }
+  const double bucket = 4.0 * kWidth * (kWidth + 1), model = kLayers * bucket;
+  const auto prof = sync.profile();
+  EXPECT_LE(prof.grad_buffer_bytes, 3 * bucket + model / pg->getSize())
+      << "of a model of " << model << " bytes";
+  EXPECT_GT(prof.grad_buffer_bytes, 0);
+}
+
+// ---- misuse ------------------------------------------------------------------
+
+TEST(GradSyncShardErrors, UnsupportedCombinationsNameBothOptions) {
+  auto& pg = world();
+  torch::manual_seed(3);
+  Gated m;
+  auto make = [&](GradSyncOptions o) { GradSync s(m->named_parameters(), pg, o.shard(Shard::Gradients)); };
+  auto e = error_of([&] { make(GradSyncOptions().codec("fp16")); });
+  EXPECT_NE(e.find("shard(Shard::Gradients) with codec('fp16')"), std::string::npos) << e;
+  e = error_of([&] { make(GradSyncOptions().overlap(Overlap::Optimizer).staleness(1)); });
+  EXPECT_NE(e.find("with staleness(1)"), std::string::npos) << e;
+  e = error_of([&] { make(GradSyncOptions().mixed_precision(at::kBFloat16, at::kFloat)); });
+  EXPECT_NE(e.find("with mixed_precision"), std::string::npos) << e;
+  e = error_of([&] { make(GradSyncOptions().sparse_params({"trunk.weight"})); });
+  EXPECT_NE(e.find("sparse_params names 'trunk.weight'"), std::string::npos) << e;
+  // The optimizer: required (also under Overlap::None), holding every parameter.
+  GradSync sync(m->named_parameters(), pg, GradSyncOptions().shard(Shard::Optimizer));
+  auto x = shard(global_batch(6, 5), pg->getRank());
+  e = error_of([&] { m->forward(x, 0).backward(); });
+  EXPECT_NE(e.find("shard") , std::string::npos) << e;
+  EXPECT_NE(e.find("set_optimizer"), std::string::npos) << e;
+  torch::optim::SGD part(m->trunk->parameters(), torch::optim::SGDOptions(0.1));
+  e = error_of([&] { sync.set_optimizer(part); });
+  EXPECT_NE(e.find("with GradSyncOptions::shard it must hold every parameter"), std::string::npos) << e;
+}
+
+}  // namespace
