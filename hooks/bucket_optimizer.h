@@ -51,6 +51,7 @@ class BucketOptimizer {
   bool steps(int p) const { return group_of_[p] >= 0 && stepped_[p].defined(); }
   bool holds(int p) const { return group_of_[p] >= 0; }
   const char* kind() const;
+  torch::optim::Optimizer& user() { return user_; }
   // Bytes of the state the trainer's optimizer keeps for GradSync's parameters.
   int64_t state_bytes() const;
 

@@ -315,6 +315,7 @@ void GradSync::Impl::on_grad(int p) {
   // The copy needs no lock: slots (and sparse_dim entries) are per
   // parameter, and the plan only changes at the step boundary, after every
   // hook of the step has run.
+  if (g.defined() && !skip && !surprise && transient_storage()) make_room(bucket_of[p]);
   const bool in_slot = g.defined() && !skip && !surprise && gather_grad(p, g);
   // Shard::Gradients: the gradient's memory goes once it is in the bucket.
   if (g.defined() && !in_slot && !skip && !surprise && transient_storage()) {

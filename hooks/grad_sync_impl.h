@@ -209,11 +209,22 @@ struct GradSync::Impl {
   int64_t last_storage_peak = 0;  // the last completed step's
   bool transient_storage() const { return opts.shard_ == Shard::Gradients; }
   void account(int64_t bytes);
+  // Gradients: of storage_bytes, the buckets' (made, not yet freed by their
+  // reduction), and the most of them a backward runs ahead with: two of the
+  // plan's largest buckets (one filling, one on the wire; set by replan).
+  std::atomic<int64_t> bucket_bytes{0};
+  int64_t bucket_limit = 0;
+  // Gradients, before bucket b's storage is made: while the buckets would
+  // pass bucket_limit, backward waits for the oldest reduction on the wire
+  // (this rank launched it, so it completes without this rank's hooks).
+  void make_room(int b);
   // Bucket b's storage and its slots, made (zeroed) if dropped; dropped
   // (the reduction that holds it frees it).
   void ensure_storage(int b);
   void drop_storage(int b);
   const hooks::ShardPart* my_part(int b) const;  // null: this rank owns none of b
+  // Per parameter: the elements this rank steps (all of them unsharded).
+  std::vector<std::pair<int64_t, int64_t>> owned_ranges() const;
   // The sharded path of a bucket: its reduction to the owners; the owned
   // elements of its used parameters stepped and the owners' parts of the
   // parameters written into the bucket, then gathered; the gathered

@@ -57,6 +57,12 @@ void GradSync::Impl::replan(const std::vector<int>& order, std::vector<char> lat
     storage.assign(plan.size(), at::Tensor());
     views.assign(params.size(), at::Tensor());
     storage_bytes = 0;
+    int64_t largest = 0;
+    for (const auto& b : plan) {
+      largest = std::max(largest, b.numel * static_cast<int64_t>(c10::elementSize(b.dtype)));
+    }
+    bucket_limit = 2 * largest;
+    bucket_bytes = 0;
   } else {
     std::tie(storage, views) = make_slots();
     int64_t bytes = 0;

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "hooks/grad_sync_impl.h"
+#include "hooks/shard_state.h"
 #include "plugin/comm/wire_span.h"
 
 namespace ddpx {
@@ -40,6 +41,28 @@ void GradSync::Impl::account(int64_t bytes) {
   }
 }
 
+void GradSync::Impl::make_room(int b) {
+  if (storage[b].defined()) return;
+  const int64_t need =
+      plan[b].numel * static_cast<int64_t>(c10::elementSize(plan[b].dtype));
+  while (bucket_bytes.load() + need > bucket_limit) {
+    std::future<void>* oldest = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (int j : launch_seq) {
+        if (futures[j].valid() &&
+            futures[j].wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+          oldest = &futures[j];
+          break;
+        }
+      }
+    }
+    if (!oldest) return;  // nothing on the wire: what fills must be made
+    hooks::Range r("ddpx::gradient_memory_wait");
+    oldest->wait();  // (its failure is complete_step's to report)
+  }
+}
+
 void GradSync::Impl::ensure_storage(int b) {
   if (storage[b].defined()) return;
   const auto& bp = plan[b];
@@ -50,6 +73,7 @@ void GradSync::Impl::ensure_storage(int b) {
   }
   storage[b] = flat;
   account(static_cast<int64_t>(flat.nbytes()));
+  bucket_bytes += static_cast<int64_t>(flat.nbytes());
 }
 
 void GradSync::Impl::drop_storage(int b) {
@@ -101,6 +125,7 @@ void GradSync::Impl::launch_sharded_locked(int b) {
       account(static_cast<int64_t>(owned->nbytes()));
     }
     account(-static_cast<int64_t>(flat.nbytes()));
+    bucket_bytes -= static_cast<int64_t>(flat.nbytes());
     flat = at::Tensor();
   };
   submit_locked(b, std::move(body), std::move(keep), nullptr,
@@ -206,12 +231,46 @@ namespace ddpx {
 std::pair<int64_t, int64_t> GradSync::shard_range(const at::Tensor& param) const {
   const auto& I = *impl_;
   for (size_t p = 0; p < I.params.size(); ++p) {
-    if (!I.params[p].is_same(param)) continue;
-    return I.shard.active() ? I.shard.mine(static_cast<int>(p))
-                            : std::pair<int64_t, int64_t>{0, I.info[p].numel};
+    if (I.params[p].is_same(param)) return I.owned_ranges()[p];
   }
   TORCH_CHECK(false, "GradSync::shard_range: the tensor (shape ", param.sizes(),
               ") is not a parameter GradSync synchronises");
+}
+
+}  // namespace ddpx
+
+namespace ddpx {
+
+std::vector<std::pair<int64_t, int64_t>> GradSync::Impl::owned_ranges() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t p = 0; p < params.size(); ++p) {
+    out.push_back(shard.active() ? shard.mine(static_cast<int>(p))
+                                 : std::pair<int64_t, int64_t>{0, info[p].numel});
+  }
+  return out;
+}
+
+std::string GradSync::optimizer_shard() const {
+  auto& I = *impl_;
+  const_cast<GradSync*>(this)->synchronize();  // (nothing in flight)
+  TORCH_CHECK(I.optimizer, "GradSync::optimizer_shard: no optimizer was given to set_optimizer");
+  const auto owned = I.owned_ranges();
+  return hooks::save_shard(I.optimizer->user(), I.optimizer->kind(), {I.names, I.params, owned},
+                           I.shard.active() ? I.shard.world() : 1,
+                           I.shard.active() ? I.shard.rank() : 0);
+}
+
+void GradSync::load_optimizer_shards(int count, const std::function<std::string(int)>& shard) {
+  auto& I = *impl_;
+  synchronize();
+  TORCH_CHECK(I.optimizer, "GradSync::load_optimizer_shards: no optimizer was given to "
+              "set_optimizer");
+  TORCH_CHECK(count > 0, "GradSync::load_optimizer_shards: count is ", count);
+  std::lock_guard<std::mutex> lock(I.mu);
+  TORCH_CHECK(!I.active, "GradSync::load_optimizer_shards: called during backward");
+  const auto owned = I.owned_ranges();
+  hooks::load_shards(I.optimizer->user(), I.optimizer->kind(), {I.names, I.params, owned}, count,
+                     shard);
 }
 
 }  // namespace ddpx
