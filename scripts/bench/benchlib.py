@@ -133,13 +133,29 @@ def _summary(rows, key):
     return geomean([r[key] for r in rated]), max(rated, key=lambda r: r[key], default=None)
 
 
-def report(name, columns, rows, ratio_key="ratio", extra=None, also=()):
-    """Print rows (dicts) as a table, then the worst case and the geomean of
-    each ratio column in `also` and last of `ratio_key`; save JSON."""
+def print_table(columns, rows):
+    """Rows (dicts) as right-aligned columns under their names; "-" where a
+    row lacks one."""
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def proc_status_bytes(field, pid="self"):
+    """A memory field of /proc/<pid>/status in bytes: VmRSS (resident now),
+    VmHWM (resident at its peak: ru_maxrss), ... (the kernel writes kB)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(f"/proc/{pid}/status has no {field}")
+
+
+def report(name, columns, rows, ratio_key="ratio", extra=None, also=()):
+    """Print rows (dicts) as a table, then the worst case and the geomean of
+    each ratio column in `also` and last of `ratio_key`; save JSON."""
+    print_table(columns, rows)
     summary = {}
     for key in (*also, ratio_key):
         g, worst = _summary(rows, key)
@@ -177,8 +193,21 @@ def _fmt(v):
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return f"{v:.3g}" if abs(v) < 1e3 else f"{v:.0f}"  # (1234, not 1.23e+03)
     return str(v)
+
+
+def build_exe(name):
+    """Path of the executable `name` the build made (DDPX_BUILD, else build/,
+    else PATH); exits naming the target to build when there is none."""
+    import shutil
+
+    exe = Path(os.environ.get("DDPX_BUILD", ROOT / "build")) / name
+    if not exe.exists():
+        exe = Path(shutil.which(name) or exe)
+    if not exe.exists():
+        sys.exit(f"{name} is not built (ninja -C build {name})")
+    return str(exe)
 
 
 def rate_bytes(rate):
