@@ -13,9 +13,11 @@ namespace optim = torch::optim;
 
 BucketOptimizer::BucketOptimizer(optim::Optimizer& user, const std::vector<at::Tensor>& params,
                                  const std::vector<std::string>& names,
-                                 const std::vector<at::Tensor>* masters)
+                                 const std::vector<at::Tensor>* masters, bool sharded)
     : user_(user),
       params_(params),
+      names_(names),
+      sharded_(sharded),
       stepped_(masters ? *masters : params),
       group_of_(params.size(), -1) {
   // (AdamW derives from nothing but Optimizer, so the order does not matter.)
@@ -161,6 +163,31 @@ std::unique_ptr<optim::OptimizerParamState> deep_copy(const optim::OptimizerPara
 
 }  // namespace
 
+void BucketOptimizer::fit_to_part(optim_state_ptr& st, int p) const {
+  const at::Tensor& part = stepped_[p];
+  const int64_t n = part.numel(), whole = params_[p].numel();
+  const int64_t lo = part.storage_offset() - params_[p].storage_offset();
+  auto fit = [&](const at::Tensor& t) {
+    if (!t.defined()) return t;
+    if (t.numel() == n) return t.dim() == 1 ? t : t.reshape({-1});  // (the whole, shaped)
+    TORCH_CHECK(t.numel() == whole, "GradSync: the optimizer's state of '", names_[p], "' has ",
+                t.numel(), " elements: neither this rank's part of it (", n, ") nor the whole (",
+                whole, "); load a sharded checkpoint with GradSync::load_optimizer_shards");
+    return t.reshape(-1).narrow(0, lo, n).clone();
+  };
+  if (auto* s = dynamic_cast<optim::SGDParamState*>(st.get())) {
+    s->momentum_buffer(fit(s->momentum_buffer()));
+    return;
+  }
+  auto adam = [&](auto* a) {
+    a->exp_avg(fit(a->exp_avg()));
+    a->exp_avg_sq(fit(a->exp_avg_sq()));
+    a->max_exp_avg_sq(fit(a->max_exp_avg_sq()));
+  };
+  if (auto* a = dynamic_cast<optim::AdamParamState*>(st.get())) adam(a);
+  if (auto* w = dynamic_cast<optim::AdamWParamState*>(st.get())) adam(w);
+}
+
 void BucketOptimizer::step(int b, const std::vector<int>& ps, bool lookahead) {
   Sub& s = subs_.at(b);
   if (!s.opt) return;
@@ -196,6 +223,7 @@ void BucketOptimizer::step(int b, const std::vector<int>& ps, bool lookahead) {
       mine[sub_key] = std::move(it->second);
       theirs.erase(it);
     }
+    if (sharded_) fit_to_part(mine[sub_key], p);
   }
   struct GiveBack {
     decltype(mine)& from;

@@ -19,6 +19,8 @@
 
 namespace ddpx::hooks {
 
+using optim_state_ptr = std::unique_ptr<torch::optim::OptimizerParamState>;
+
 class BucketOptimizer {
  public:
   // `params`/`names`: GradSync's synced parameters. Every parameter of
@@ -27,10 +29,12 @@ class BucketOptimizer {
   // `masters`: what each parameter's step updates instead (null: the
   // parameters themselves): float32 masters, or (GradSyncOptions::shard)
   // flat views of the elements this rank owns, undefined where it owns none
-  // (the state kept under the parameter is then the size of that view).
+  // (`sharded`: the state kept under the parameter is then the size of that
+  // view; a whole parameter's state, loaded from an unsharded checkpoint,
+  // is cut to it at the parameter's first step here).
   BucketOptimizer(torch::optim::Optimizer& user, const std::vector<at::Tensor>& params,
                   const std::vector<std::string>& names,
-                  const std::vector<at::Tensor>* masters = nullptr);
+                  const std::vector<at::Tensor>* masters = nullptr, bool sharded = false);
 
   // A new bucket plan: one sub-optimizer per bucket with stepped parameters.
   void plan(const std::vector<std::vector<int>>& buckets);
@@ -62,7 +66,11 @@ class BucketOptimizer {
 
   torch::optim::Optimizer& user_;
   Kind kind_;
+  // Sharded: p's state entry made the size of its part (see the constructor).
+  void fit_to_part(optim_state_ptr& st, int p) const;
   std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  bool sharded_ = false;
   std::vector<at::Tensor> stepped_;  // per parameter: what its step updates (params_ or masters)
   std::vector<int> group_of_;        // per GradSync parameter: the trainer's group, -1: none
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> snap_;  // per trainer group

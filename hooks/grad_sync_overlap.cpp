@@ -125,7 +125,8 @@ void GradSync::set_optimizer(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(!I.active, "GradSync::set_optimizer: called during backward");
   auto next = std::make_unique<hooks::BucketOptimizer>(
       optimizer, I.params, I.names,
-      I.masters.active() ? &I.masters.masters() : I.shard.active() ? &I.shard_views : nullptr);
+      I.masters.active() ? &I.masters.masters() : I.shard.active() ? &I.shard_views : nullptr,
+      I.shard.active());
   for (size_t p = 0; I.shard.active() && p < I.params.size(); ++p) {
     // Its average exists only in its owners' parts: nobody else could step it.
     TORCH_CHECK(next->holds(static_cast<int>(p)), "GradSync::set_optimizer: parameter '",

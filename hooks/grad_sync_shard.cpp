@@ -250,27 +250,24 @@ std::vector<std::pair<int64_t, int64_t>> GradSync::Impl::owned_ranges() const {
   return out;
 }
 
-std::string GradSync::optimizer_shard() const {
+std::string GradSync::optimizer_shard(torch::optim::Optimizer& optimizer) const {
   auto& I = *impl_;
   const_cast<GradSync*>(this)->synchronize();  // (nothing in flight)
-  TORCH_CHECK(I.optimizer, "GradSync::optimizer_shard: no optimizer was given to set_optimizer");
   const auto owned = I.owned_ranges();
-  return hooks::save_shard(I.optimizer->user(), I.optimizer->kind(), {I.names, I.params, owned},
+  return hooks::save_shard(optimizer, {I.names, I.params, owned, I.shard.active()},
                            I.shard.active() ? I.shard.world() : 1,
                            I.shard.active() ? I.shard.rank() : 0);
 }
 
-void GradSync::load_optimizer_shards(int count, const std::function<std::string(int)>& shard) {
+void GradSync::load_optimizer_shards(torch::optim::Optimizer& optimizer, int count,
+                                     const std::function<std::string(int)>& shard) {
   auto& I = *impl_;
   synchronize();
-  TORCH_CHECK(I.optimizer, "GradSync::load_optimizer_shards: no optimizer was given to "
-              "set_optimizer");
   TORCH_CHECK(count > 0, "GradSync::load_optimizer_shards: count is ", count);
   std::lock_guard<std::mutex> lock(I.mu);
   TORCH_CHECK(!I.active, "GradSync::load_optimizer_shards: called during backward");
   const auto owned = I.owned_ranges();
-  hooks::load_shards(I.optimizer->user(), I.optimizer->kind(), {I.names, I.params, owned}, count,
-                     shard);
+  hooks::load_shards(optimizer, {I.names, I.params, owned, I.shard.active()}, count, shard);
 }
 
 }  // namespace ddpx

@@ -61,8 +61,16 @@ std::unique_ptr<optim::OptimizerParamState> make_entry(const std::string& kind, 
 
 }  // namespace
 
-std::string save_shard(optim::Optimizer& opt, const std::string& kind, const ShardedParams& ps,
-                       int world, int rank) {
+std::string optimizer_kind(optim::Optimizer& opt, const char* who) {
+  // (AdamW derives from nothing but Optimizer, so the order does not matter.)
+  if (dynamic_cast<optim::SGD*>(&opt)) return "SGD";
+  if (dynamic_cast<optim::AdamW*>(&opt)) return "AdamW";
+  if (dynamic_cast<optim::Adam*>(&opt)) return "Adam";
+  TORCH_CHECK(false, who, ": the optimizer must be torch::optim::SGD, Adam or AdamW");
+}
+
+std::string save_shard(optim::Optimizer& opt, const ShardedParams& ps, int world, int rank) {
+  const std::string kind = optimizer_kind(opt, "GradSync::optimizer_shard");
   c10::List<std::string> names;
   std::vector<int64_t> ranges, steps;
   std::map<std::string, std::pair<std::vector<int64_t>, c10::List<at::Tensor>>> fields;
@@ -106,8 +114,9 @@ std::string save_shard(optim::Optimizer& opt, const std::string& kind, const Sha
   return bytes;
 }
 
-void load_shards(optim::Optimizer& opt, const std::string& kind, const ShardedParams& ps,
-                 int count, const std::function<std::string(int)>& shard) {
+void load_shards(optim::Optimizer& opt, const ShardedParams& ps, int count,
+                 const std::function<std::string(int)>& shard) {
+  const std::string kind = optimizer_kind(opt, "GradSync::load_optimizer_shards");
   std::unordered_map<std::string, int> by_name;
   for (size_t p = 0; p < ps.names.size(); ++p) by_name[ps.names[p]] = static_cast<int>(p);
   struct Acc {
@@ -206,6 +215,9 @@ void load_shards(optim::Optimizer& opt, const std::string& kind, const ShardedPa
                 want, " elements of '", ps.names[p], "' this rank owns (",
                 a.covered < want ? "a shard of the checkpoint is missing" : "a shard was given twice",
                 ")");
+    if (!ps.flat) {
+      for (auto& [f, t] : a.fields) t = t.view(ps.params[p].sizes());
+    }
     state[key] = make_entry(kind, *a.step, a.fields);
   }
 }

@@ -22,18 +22,23 @@ struct ShardedParams {
   const std::vector<at::Tensor>& params;
   // Per parameter: the elements this rank owns, [first, second).
   const std::vector<std::pair<int64_t, int64_t>>& owned;
+  // The optimizer steps flat parts (sharded), so its state is flat; else
+  // shaped like each parameter.
+  bool flat;
 };
 
 // `opt`'s state of the parameters (kept under each parameter, the size of
-// its owned part) as rank `rank` of `world`'s shard; `kind`: "SGD", "Adam"
-// or "AdamW".
-std::string save_shard(torch::optim::Optimizer& opt, const std::string& kind,
-                       const ShardedParams& ps, int world, int rank);
+// its owned part, or whole) as rank `rank` of `world`'s shard. `opt` is
+// LibTorch's SGD, Adam or AdamW (else an error).
+std::string save_shard(torch::optim::Optimizer& opt, const ShardedParams& ps, int world, int rank);
 
 // Replaces `opt`'s state of the parameters by what the `count` shards
 // (`shard(k)` gives the k-th's bytes; every rank's of one checkpoint, in
 // any order) hold of the elements each owns.
-void load_shards(torch::optim::Optimizer& opt, const std::string& kind, const ShardedParams& ps,
-                 int count, const std::function<std::string(int)>& shard);
+void load_shards(torch::optim::Optimizer& opt, const ShardedParams& ps, int count,
+                 const std::function<std::string(int)>& shard);
+
+// "SGD", "Adam" or "AdamW": what `opt` is (else an error naming `who`).
+std::string optimizer_kind(torch::optim::Optimizer& opt, const char* who);
 
 }  // namespace ddpx::hooks

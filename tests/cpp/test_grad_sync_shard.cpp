@@ -16,6 +16,7 @@
 
 #include <cstring>
 #include <numeric>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -211,25 +212,28 @@ std::vector<std::string> all_bytes(c10d::ProcessGroup& pg, const std::string& mi
 }
 
 // Trains `m` from step `from` to `to` on `pg`, 12 rows a step split over its
-// ranks (the same global batch at any world size), Adam stepped by a
-// sharded GradSync that, if `shards` is given, first loads them.
+// ranks (the same global batch at any world size), Adam stepped by GradSync
+// (sharded by `how`; Shard::None: by the trainer after backward), first
+// loading `shards` if given.
 void train_span(Gated& m, torch::optim::Adam& adam, const ddpx::comm::ProcessGroupPtr& pg,
                 int from, int to, const std::vector<std::string>* shards = nullptr,
-                std::string* shard_out = nullptr) {
+                std::string* shard_out = nullptr, Shard how = Shard::Gradients) {
   GradSync sync(m->named_parameters(), pg,
-                GradSyncOptions().shard(Shard::Gradients).bucket_cap_mb(0.001).first_bucket_mb(0.0005));
-  sync.set_optimizer(adam);
+                GradSyncOptions().shard(how).bucket_cap_mb(0.001).first_bucket_mb(0.0005));
+  if (how != Shard::None) sync.set_optimizer(adam);
   if (shards) {
-    sync.load_optimizer_shards(static_cast<int>(shards->size()),
+    sync.load_optimizer_shards(adam, static_cast<int>(shards->size()),
                                [shards](int k) { return (*shards)[k]; });
   }
   const int w = pg->getSize(), r = pg->getRank();
   for (int step = from; step < to; ++step) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + step);
     const auto rows = at::randn({12, 6}, gen, at::kDouble);
+    if (how == Shard::None) adam.zero_grad();
     m->forward(rows.narrow(0, r * 12 / w, 12 / w), step).backward();
+    if (how == Shard::None) adam.step();
   }
-  if (shard_out) *shard_out = sync.optimizer_shard();
+  if (shard_out) *shard_out = sync.optimizer_shard(adam);
 }
 
 std::vector<at::Tensor> values(Gated& m) {
@@ -285,6 +289,51 @@ TEST(GradSyncShardCheckpoint, ResumesAtTheSameAndAnotherWorldSize) {
   pg->barrier()->wait();
 }
 
+// Between sharded and unsharded runs: a whole state (torch::save of an
+// unsharded run's optimizer) loads into a sharded run, cut to each rank's
+// part at its first step, and a sharded checkpoint's shards load into an
+// unsharded run as the whole state; both end where the straight run does.
+TEST(GradSyncShardCheckpoint, MovesBetweenShardedAndUnshardedRuns) {
+  auto& pg = world();
+  auto fresh = [] {
+    torch::manual_seed(7);
+    return Gated();
+  };
+  Gated straight = fresh();
+  torch::optim::Adam straight_adam(straight->parameters(), torch::optim::AdamOptions(0.01));
+  train_span(straight, straight_adam, pg, 0, 24, nullptr, nullptr, Shard::None);
+  const auto want = values(straight);
+  for (Shard first_how : {Shard::None, Shard::Optimizer}) {
+    Gated first = fresh();
+    torch::optim::Adam first_adam(first->parameters(), torch::optim::AdamOptions(0.01));
+    std::string mine;
+    train_span(first, first_adam, pg, 0, 12, nullptr, &mine, first_how);
+    std::stringstream saved;
+    torch::save(first_adam, saved);
+    const auto shards = all_bytes(*pg, mine);
+    Gated again = fresh();
+    {
+      at::NoGradGuard no_grad;
+      const auto ps = again->parameters();
+      const auto midway = values(first);
+      for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(midway[i]);
+    }
+    torch::optim::Adam adam(again->parameters(), torch::optim::AdamOptions(0.01));
+    if (first_how == Shard::None) {
+      torch::load(adam, saved);  // the whole state, into a sharded run
+      train_span(again, adam, pg, 12, 24, nullptr, nullptr, Shard::Gradients);
+    } else {
+      train_span(again, adam, pg, 12, 24, &shards, nullptr, Shard::None);
+    }
+    const auto got = values(again);
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(at::equal(got[i], want[i]))
+          << "parameter " << i << (first_how == Shard::None ? ": whole into sharded"
+                                                             : ": shards into unsharded");
+    }
+  }
+}
+
 TEST(GradSyncShardCheckpoint, AMissingOrRepeatedShardIsAnError) {
   auto& pg = world();
   torch::manual_seed(7);
@@ -295,14 +344,13 @@ TEST(GradSyncShardCheckpoint, AMissingOrRepeatedShardIsAnError) {
   const auto shards = all_bytes(*pg, mine);
   GradSync sync(m->named_parameters(), pg, GradSyncOptions().shard(Shard::Optimizer));
   sync.set_optimizer(adam);
-  auto e = error_of([&] { sync.load_optimizer_shards(1, [&](int) { return shards[0]; }); });
+  auto e = error_of([&] { sync.load_optimizer_shards(adam, 1, [&](int) { return shards[0]; }); });
   EXPECT_NE(e.find("give every rank's shard of it"), std::string::npos) << e;
   const int w = pg->getSize();
-  e = error_of([&] { sync.load_optimizer_shards(w, [&](int) { return shards[0]; }); });
+  e = error_of([&] { sync.load_optimizer_shards(adam, w, [&](int) { return shards[0]; }); });
   EXPECT_NE(e.find("give every rank's shard once"), std::string::npos) << e;
   torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  sync.set_optimizer(sgd);
-  e = error_of([&] { sync.load_optimizer_shards(w, [&](int k) { return shards[k]; }); });
+  e = error_of([&] { sync.load_optimizer_shards(sgd, w, [&](int k) { return shards[k]; }); });
   EXPECT_NE(e.find("holds the state of Adam, the optimizer is SGD"), std::string::npos) << e;
 }
 

@@ -512,20 +512,24 @@ class GradSync {
   // (flattened; a parameter GradSync syncs) whose optimizer state this rank
   // keeps; (0, numel) without sharding.
   std::pair<int64_t, int64_t> shard_range(const at::Tensor& param) const;
-  // Sharded checkpoints at any world size: optimizer_shard() is this rank's
-  // part of the state of the optimizer given to set_optimizer, as bytes
-  // (write one file per rank, or gather them into one checkpoint);
-  // load_optimizer_shards(count, shard) replaces that state by the elements
-  // this rank owns now of every rank's shard of a checkpoint (shard(k)
-  // returns the k-th's bytes, each read once, in any order; a missing or
-  // repeated one is an error), so a job resumes at the same world size or
-  // another, the state re-split by bytes. Neither holds the optimizer's
-  // options (param groups, learning rates): restore those as usual, e.g.
-  // torch::load(optimizer, ...) of one rank's torch::save, then
-  // load_optimizer_shards (which replaces the state that loaded). Local (no
-  // collective); between steps. Without sharding a shard is the whole state.
-  std::string optimizer_shard() const;
-  void load_optimizer_shards(int count, const std::function<std::string(int)>& shard);
+  // Sharded checkpoints at any world size: optimizer_shard(optimizer) is
+  // this rank's part of `optimizer`'s state (LibTorch's SGD, Adam or AdamW
+  // over GradSync's parameters), as bytes (write one file per rank, or
+  // gather them into one checkpoint); load_optimizer_shards(optimizer,
+  // count, shard) replaces its state by the elements this rank owns now of
+  // every rank's shard of a checkpoint (shard(k) returns the k-th's bytes,
+  // each read once, in any order; a missing or repeated one is an error), so
+  // a job resumes at the same world size or another, sharded or not, the
+  // state re-split by bytes. Neither holds the optimizer's options (param
+  // groups, learning rates): restore those as usual, e.g. torch::load of one
+  // rank's torch::save(optimizer), then load_optimizer_shards (which
+  // replaces the state that loaded). Without sharding a shard is the whole
+  // state. Local (no collective); between steps. (A whole, unsharded state
+  // loaded into a sharded run's optimizer is cut to this rank's part at its
+  // first step.)
+  std::string optimizer_shard(torch::optim::Optimizer& optimizer) const;
+  void load_optimizer_shards(torch::optim::Optimizer& optimizer, int count,
+                             const std::function<std::string(int)>& shard);
   int64_t replans() const;
 
  private:
