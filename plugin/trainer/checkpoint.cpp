@@ -36,6 +36,30 @@ void broadcast(c10d::ProcessGroup& pg, at::Tensor t, int root = 0) {
   pg.broadcast(v, o)->wait();
 }
 
+// Every rank's `mine`, on rank 0 (padded to the longest for the gather);
+// empty elsewhere.
+std::vector<std::string> gather_bytes(c10d::ProcessGroup& pg, const std::string& mine) {
+  std::vector<at::Tensor> sizes{at::zeros({pg.getSize()}, at::kLong)};
+  sizes[0][pg.getRank()] = static_cast<int64_t>(mine.size());
+  pg.allreduce(sizes)->wait();
+  const int64_t most = sizes[0].max().item<int64_t>();
+  std::vector<at::Tensor> in{at::zeros({most}, at::kByte)};
+  std::memcpy(in[0].data_ptr(), mine.data(), mine.size());
+  std::vector<std::vector<at::Tensor>> out(1);
+  if (pg.getRank() == 0) {
+    for (int r = 0; r < pg.getSize(); ++r) out[0].push_back(at::empty({most}, at::kByte));
+  }
+  c10d::GatherOptions go;
+  go.rootRank = 0;
+  pg.gather(out, in, go)->wait();
+  std::vector<std::string> all;
+  for (size_t r = 0; r < out[0].size(); ++r) {
+    all.emplace_back(static_cast<const char*>(out[0][r].data_ptr()),
+                     static_cast<size_t>(sizes[0][static_cast<int64_t>(r)].item<int64_t>()));
+  }
+  return all;
+}
+
 // Reads archive `ar` into the run's objects; throws naming what does not fit.
 void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos) {
   c10::IValue v;
@@ -102,6 +126,18 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
   torch::serialize::InputArchive opt;
   ar.read("optimizer", opt);
   t.optimizer.load(opt);
+  // --shard: every rank's part; this run takes what it owns (all of it,
+  // unsharded), at whatever world size the file was written.
+  if (ar.try_read("optimizer_shards", v)) {
+    const auto shards = v.toTensorList();
+    t.sync.load_optimizer_shards(t.optimizer, static_cast<int>(shards.size()), [&](int k) {
+      const at::Tensor b = shards.get(k);
+      TORCH_CHECK(b.scalar_type() == at::kByte && b.dim() == 1 && b.is_contiguous(),
+                  "optimizer_shards ", k, " is not a byte string");
+      return std::string(static_cast<const char*>(b.const_data_ptr()),
+                         static_cast<size_t>(b.numel()));
+    });
+  }
   if (t.device != at::kCPU) optimizer_state_to(t.optimizer, t.device);
   at::Tensor order, predictor, rng, where;
   ar.read("gradsync.plan_order", order);
@@ -235,12 +271,15 @@ void save_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjec
     go.rootRank = 0;
     pg.gather(out, in, go)->wait();
   }
+  // --shard: every rank's part of the optimizer state (rank 0 gathers them).
+  const auto shards = t.sharded ? gather_bytes(pg, t.sync.optimizer_shard(t.optimizer))
+                                : std::vector<std::string>{};
   if (pg.getRank() != 0) return;
-  write_durably(path, serialize(t, pos, s, residuals));
+  write_durably(path, serialize(t, pos, s, residuals, shards));
 }
 
 std::string serialize(TrainObjects& t, const Position& pos, const GradSync::State& s,
-                      const at::Tensor& residuals) {
+                      const at::Tensor& residuals, const std::vector<std::string>& shards) {
   torch::serialize::OutputArchive ar;
   ar.write("format", c10::IValue(kFormat));
   c10::List<std::string> names;
@@ -260,8 +299,17 @@ std::string serialize(TrainObjects& t, const Position& pos, const GradSync::Stat
   ar.write("samples_per_step", c10::IValue(t.samples_per_step));
   ar.write("layer_drop", c10::IValue(t.layer_drop));
   torch::serialize::OutputArchive opt;
-  t.optimizer.save(opt);
+  t.optimizer.save(opt);  // (sharded: the options, and rank 0's part, which shards replace)
   ar.write("optimizer", opt);
+  if (!shards.empty()) {
+    c10::List<at::Tensor> bytes;
+    for (const auto& b : shards) {
+      at::Tensor t8 = at::empty({static_cast<int64_t>(b.size())}, at::kByte);
+      std::memcpy(t8.data_ptr(), b.data(), b.size());
+      bytes.push_back(t8);
+    }
+    ar.write("optimizer_shards", c10::IValue(bytes));
+  }
   ar.write("gradsync.plan_order", int64_tensor(s.plan_order));
   if (residuals.defined()) ar.write("gradsync.residuals", residuals);
   // PowerSGD's warm starts: the same on every rank, so rank 0's; by parameter.

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace ddpx::trainer {
@@ -50,16 +51,21 @@ struct TrainObjects {
   // Loss scaling (--amp fp16, --param-dtype fp16): its state is in the file
   // (null: none; a file with one resumes only with one, and the reverse).
   GradScaler* scaler = nullptr;
+  // --shard: each rank holds its part of the optimizer state; a checkpoint
+  // holds every rank's (GradSync::optimizer_shard), re-split on resume.
+  bool sharded = false;
 };
 
 // Collective (the residuals are gathered); rank 0 writes.
 void save_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjects& t,
                      const Position& pos);
 
-// The checkpoint's bytes of this rank's objects: `s` is t.sync's state and
-// `residuals` every rank's codec residuals, one row each (undefined: none).
+// The checkpoint's bytes of this rank's objects: `s` is t.sync's state,
+// `residuals` every rank's codec residuals, one row each (undefined: none),
+// and `shards` every rank's part of the optimizer state (--shard; empty:
+// the optimizer's own state is whole).
 std::string serialize(TrainObjects& t, const Position& pos, const GradSync::State& s,
-                      const at::Tensor& residuals);
+                      const at::Tensor& residuals, const std::vector<std::string>& shards = {});
 
 // Collective: rank `root` of `pg` hands everyone its model, optimizer state,
 // GradSync's learnt state, data position and RNG, as a checkpoint would,

@@ -113,6 +113,12 @@ Options parse_options(int argc, char** argv) {
                    "(both bit for bit equal to none)")
       ->check(CLI::IsMember({"none", "optimizer", "next-forward"}))
       ->capture_default_str();
+  sync->add_option("--shard", o.shard,
+                   "ZeRO: optimizer (ZeRO-1): each rank keeps the optimizer state of its 1/W of "
+                   "the parameters; gradients (ZeRO-2): and gradient memory for its part only "
+                   "(bit for bit equal to none; --codec none)")
+      ->check(CLI::IsMember({"none", "optimizer", "gradients"}))
+      ->capture_default_str();
   sync->add_option("--staleness", o.staleness,
                    "1: each step's gradients are averaged during the next step and applied at "
                    "the end of its backward (inexact: one step stale; implies --overlap "
@@ -276,6 +282,27 @@ Options parse_options(int argc, char** argv) {
     std::exit(app.exit(CLI::ValidationError(
         "--staleness", "1 does not combine with --amp fp16 (loss scaling) or --param-dtype / "
                        "--reduce-dtype: choose one")));
+  }
+  if (o.shard != "none") {
+    // What GradSyncOptions::shard does not combine with, before any rank starts.
+    std::string other;
+    if (o.mode == "ps") {
+      other = "--mode ps (the parameter server holds the state)";
+    } else if (o.codec != "none") {
+      other = "--codec " + o.codec + " (sharded reductions are exact)";
+    } else if (o.staleness > 0) {
+      other = "--staleness 1";
+    } else if (mixed) {
+      other = "--param-dtype / --reduce-dtype";
+    } else if (o.amp == "fp16") {
+      other = "--amp fp16 (loss scaling)";
+    } else if (o.on_rank_loss == "shrink" && o.checkpoint.empty()) {
+      other = "--on-rank-loss shrink without --checkpoint (a lost rank's shard of the optimizer "
+              "state is reloaded from the last checkpoint)";
+    }
+    if (!other.empty()) {
+      std::exit(app.exit(CLI::ValidationError("--shard", o.shard + " does not combine with " + other)));
+    }
   }
   if (o.param_dtype != "fp32" && o.on_rank_loss == "shrink") {
     std::exit(app.exit(CLI::ValidationError(

@@ -48,6 +48,7 @@ struct Options {
   std::string unused = "predict";  // off | predict | exact
   int channels = 1;
   std::string overlap = "none";  // none | optimizer | next-forward (GradSyncOptions::overlap)
+  std::string shard = "none";    // none | optimizer | gradients (GradSyncOptions::shard)
   int staleness = 0;             // 1: each update one step late (implies --overlap optimizer)
   int stale_warmup = 10;         // synchronous steps before the stale ones
   bool stale_lookahead = true;   // the next forward one local step ahead

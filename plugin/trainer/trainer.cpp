@@ -95,6 +95,8 @@ std::string modes(const Options& o, bool scaled) {
     on.push_back("reduced in " + o.reduce_dtype);
   }
   if (scaled) on.push_back("loss scaling");
+  if (o.shard == "optimizer") on.push_back("ZeRO-1: optimizer state sharded");
+  if (o.shard == "gradients") on.push_back("ZeRO-2: optimizer state and gradients sharded");
   if (o.cudnn_benchmark) on.push_back("cudnn benchmark");
   return on.empty() ? "" : " (" + c10::Join(", ", on) + ")";
 }
@@ -169,11 +171,16 @@ std::string run(const Options& o) {
                    ? Overlap::Optimizer
                : o.overlap == "next-forward" ? Overlap::NextForward
                                              : Overlap::None)
+      .shard(o.shard == "optimizer"   ? Shard::Optimizer
+             : o.shard == "gradients" ? Shard::Gradients
+                                      : Shard::None)
       .staleness(o.staleness)
       .stale_warmup(o.stale_warmup)
       .stale_lookahead(o.stale_lookahead);
   // (Float32 masters of low-precision parameters: only GradSync steps them.)
-  const bool stepped_by_sync = so.overlap_ != Overlap::None || param_dtype != at::kFloat;
+  // (Sharded: each rank holds the average of its own part only.)
+  const bool stepped_by_sync =
+      so.overlap_ != Overlap::None || param_dtype != at::kFloat || so.shard_ != Shard::None;
   // A shared pattern is declared to GradSync each step: each block gets
   // buckets of its own, which a dropped block skips whole.
   if (drop.active() && !drop.per_rank) so.drop_units(units);
@@ -202,7 +209,7 @@ std::string run(const Options& o) {
   std::optional<TrainObjects> objs;
   const auto make_objs = [&] {
     objs.emplace(TrainObjects{model, *opt, o.optimizer, *sync, drop.describe(), device, rank, world,
-                              batch * world, scaler.get()});
+                              batch * world, scaler.get(), so.shard_ != Shard::None});
   };
   make_objs();
   Position pos;
@@ -403,7 +410,16 @@ std::string run(const Options& o) {
     sync = std::make_unique<GradSync>(model, pg, so);
     give_optimizer();
     make_objs();
-    share_state(*pg, sh.leader, *objs, pos);  // the most advanced survivor's step, for all
+    if (so.shard_ != Shard::None) {
+      // The lost ranks' parts of the optimizer state are gone with them:
+      // every survivor goes back to the last checkpoint, re-split over the
+      // ranks left (the steps since are redone).
+      TORCH_CHECK(load_checkpoint(o.checkpoint, *pg, *objs, pos), "ddpx-train: a rank was lost "
+                  "before the first checkpoint (", o.checkpoint, "); with --shard its part of the "
+                  "optimizer state can only be reloaded from one");
+    } else {
+      share_state(*pg, sh.leader, *objs, pos);  // the most advanced survivor's step, for all
+    }
     if (!own.residuals.empty()) {
       GradSync::State st = sync->state();
       st.residuals = own.residuals;
