@@ -72,7 +72,9 @@ std::unique_ptr<optim::Optimizer> BucketOptimizer::make(
 }
 
 int64_t BucketOptimizer::state_bytes() const {
-  auto bytes = [](const at::Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; };
+  auto bytes = [](const at::Tensor& t) {
+    return t.defined() ? static_cast<int64_t>(t.nbytes()) : int64_t{0};
+  };
   int64_t total = 0;
   const auto& state = user_.state();
   for (const auto& p : params_) {

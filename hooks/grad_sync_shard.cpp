@@ -43,8 +43,7 @@ void GradSync::Impl::account(int64_t bytes) {
 
 void GradSync::Impl::make_room(int b) {
   if (storage[b].defined()) return;
-  const int64_t need =
-      plan[b].numel * static_cast<int64_t>(c10::elementSize(plan[b].dtype));
+  const int64_t need = plan[b].numel * static_cast<int64_t>(c10::elementSize(plan[b].dtype));
   while (bucket_bytes.load() + need > bucket_limit) {
     std::future<void>* oldest = nullptr;
     {
@@ -66,8 +65,7 @@ void GradSync::Impl::make_room(int b) {
 void GradSync::Impl::ensure_storage(int b) {
   if (storage[b].defined()) return;
   const auto& bp = plan[b];
-  at::Tensor flat =
-      at::zeros({bp.numel}, at::TensorOptions().dtype(bp.dtype).device(bp.device));
+  at::Tensor flat = at::zeros({bp.numel}, at::TensorOptions().dtype(bp.dtype).device(bp.device));
   for (int p : bp.params) {
     views[p] = flat.narrow(0, offset_of[p], info[p].numel).view(params[p].sizes()).detach();
   }
@@ -108,8 +106,8 @@ void GradSync::Impl::launch_sharded_locked(int b) {
     owned = &owned_grads[b];
   }
   auto body = [this, flat, parts = shard_parts[b], owned,
-               mine = mine ? std::optional<hooks::ShardPart>(*mine) : std::nullopt](
-                  c10d::ProcessGroup& pg) mutable {
+               mine = mine ? std::optional<hooks::ShardPart>(*mine)
+                           : std::nullopt](c10d::ProcessGroup& pg) mutable {
     // Divided before the sum, as the unsharded "none" does (reduce_fn.cpp):
     // the same averages, bit for bit where MPI sums in the same order.
     if (world > 1) flat.div_(world);
@@ -128,8 +126,7 @@ void GradSync::Impl::launch_sharded_locked(int b) {
     bucket_bytes -= static_cast<int64_t>(flat.nbytes());
     flat = at::Tensor();
   };
-  submit_locked(b, std::move(body), std::move(keep), nullptr,
-                comm::detail::FrOp::kReduceScatter);
+  submit_locked(b, std::move(body), std::move(keep), nullptr, comm::detail::FrOp::kReduceScatter);
 }
 
 void GradSync::Impl::step_sharded(int b, const int* agreed) {
@@ -167,8 +164,8 @@ void GradSync::Impl::step_sharded(int b, const int* agreed) {
   };
   std::vector<Slot> slots;
   for (int p : plan[b].params) {
-    slots.push_back({params[p].detach().view(-1), offset_of[p], shard_views[p],
-                     shard.mine(p).first});
+    slots.push_back(
+        {params[p].detach().view(-1), offset_of[p], shard_views[p], shard.mine(p).first});
   }
   auto body = [this, buffer = storage[b], numel = plan[b].numel,
                options = at::TensorOptions().dtype(plan[b].dtype).device(device),
@@ -180,7 +177,8 @@ void GradSync::Impl::step_sharded(int b, const int* agreed) {
       account(static_cast<int64_t>(buffer.nbytes()));
     }
     for (const auto& s : slots) {
-      if (s.owned.defined()) buffer.narrow(0, s.offset + s.owned_at, s.owned.numel()).copy_(s.owned);
+      if (s.owned.defined())
+        buffer.narrow(0, s.offset + s.owned_at, s.owned.numel()).copy_(s.owned);
     }
     per_part(buffer, parts, [&pg](std::vector<at::Tensor>& t, int owner) {
       c10d::BroadcastOptions o;

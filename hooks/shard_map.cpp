@@ -48,8 +48,10 @@ std::vector<ShardPart> ShardMap::parts(const std::vector<int>& params,
       const auto [a, b] = range(p, r);
       if (a == b) continue;
       const int64_t from = offset_of[p] + a, to = offset_of[p] + b;
-      TORCH_CHECK(hi < 0 || from == hi, "ShardMap: rank ", r, "'s part of a bucket is not "
-                  "contiguous (parameter ", p, " at ", from, ", the part ends at ", hi,
+      TORCH_CHECK(hi < 0 || from == hi, "ShardMap: rank ", r,
+                  "'s part of a bucket is not "
+                  "contiguous (parameter ",
+                  p, " at ", from, ", the part ends at ", hi,
                   "): its slots must be laid out in ascending parameter order");
       if (lo < 0) lo = from;
       hi = to;

@@ -19,8 +19,8 @@
 namespace ddpx::hooks {
 
 struct ShardPart {
-  int rank;       // the owner
-  int64_t offset; // in the bucket, elements
+  int rank;        // the owner
+  int64_t offset;  // in the bucket, elements
   int64_t numel;
 };
 

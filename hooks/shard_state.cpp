@@ -89,7 +89,8 @@ std::string save_shard(optim::Optimizer& opt, const ShardedParams& ps, int world
       if (!t.defined()) continue;
       TORCH_CHECK(t.numel() == ps.owned[p].second - ps.owned[p].first, "GradSync: the optimizer's ",
                   name, " of '", ps.names[p], "' has ", t.numel(), " elements, not the ",
-                  ps.owned[p].second - ps.owned[p].first, " this rank owns (state not from this "
+                  ps.owned[p].second - ps.owned[p].first,
+                  " this rank owns (state not from this "
                   "GradSync's sharded steps?)");
       fields[name].first.push_back(entry);
       fields[name].second.push_back(t.detach().reshape(-1).cpu());
@@ -128,7 +129,8 @@ void load_shards(optim::Optimizer& opt, const ShardedParams& ps, int count,
   std::vector<char> seen(count, 0);  // the ranks of the checkpoint given so far
   for (int k = 0; k < count; ++k) {
     const std::string bytes = shard(k);
-    const std::string what = "optimizer shard " + std::to_string(k) + " of " + std::to_string(count);
+    const std::string what =
+        "optimizer shard " + std::to_string(k) + " of " + std::to_string(count);
     ddpx::detail::check_torch_archive(bytes.data(), bytes.size(), what.c_str());
     torch::serialize::InputArchive ar;
     ar.load_from(bytes.data(), bytes.size(), at::Device(at::kCPU));
@@ -137,8 +139,10 @@ void load_shards(optim::Optimizer& opt, const ShardedParams& ps, int count,
     TORCH_CHECK(v.isInt() && v.toInt() == kFormat, "GradSync: ", what, " has format ", v,
                 "; this GradSync reads ", kFormat);
     ar.read("kind", v);
-    TORCH_CHECK(v.isString() && v.toStringRef() == kind, "GradSync: ", what, " holds the state "
-                "of ", v.isString() ? v.toStringRef() : "?", ", the optimizer is ", kind);
+    TORCH_CHECK(v.isString() && v.toStringRef() == kind, "GradSync: ", what,
+                " holds the state "
+                "of ",
+                v.isString() ? v.toStringRef() : "?", ", the optimizer is ", kind);
     at::Tensor of;  // [rank, world]
     ar.read("of", of);
     TORCH_CHECK(of.scalar_type() == at::kLong && of.numel() == 2, "GradSync: ", what,
@@ -167,10 +171,12 @@ void load_shards(optim::Optimizer& opt, const ShardedParams& ps, int count,
       if (!ar.try_read(std::string("index.") + f, index)) continue;
       ar.read(std::string("state.") + f, v);
       const auto list = v.toTensorList();
-      TORCH_CHECK(index.scalar_type() == at::kLong && index.numel() == static_cast<int64_t>(list.size()),
-                  "GradSync: ", what, " is malformed (", f, ")");
+      TORCH_CHECK(
+          index.scalar_type() == at::kLong && index.numel() == static_cast<int64_t>(list.size()),
+          "GradSync: ", what, " is malformed (", f, ")");
       index = index.contiguous();
-      for (size_t i = 0; i < list.size(); ++i) fields[f][index.const_data_ptr<int64_t>()[i]] = list.get(i);
+      for (size_t i = 0; i < list.size(); ++i)
+        fields[f][index.const_data_ptr<int64_t>()[i]] = list.get(i);
     }
     for (int64_t e = 0; e < n; ++e) {
       const std::string& name = names.get(e).toStringRef();
@@ -187,8 +193,10 @@ void load_shards(optim::Optimizer& opt, const ShardedParams& ps, int count,
       if (lo >= hi) continue;
       Acc& a = acc[p];
       const int64_t step = steps[e].item<int64_t>();
-      TORCH_CHECK(!a.step || *a.step == step, "GradSync: the shards disagree on the step count "
-                  "of '", name, "' (", *a.step, " and ", step, ")");
+      TORCH_CHECK(!a.step || *a.step == step,
+                  "GradSync: the shards disagree on the step count "
+                  "of '",
+                  name, "' (", *a.step, " and ", step, ")");
       a.step = step;
       a.covered += hi - lo;
       for (auto& [f, entries] : fields) {
@@ -211,10 +219,10 @@ void load_shards(optim::Optimizer& opt, const ShardedParams& ps, int count,
     Acc& a = acc[p];
     if (a.covered == 0) continue;  // never stepped: no state, as in a fresh optimizer
     const int64_t want = ps.owned[p].second - ps.owned[p].first;
-    TORCH_CHECK(a.covered == want, "GradSync: the optimizer shards cover ", a.covered, " of the ",
-                want, " elements of '", ps.names[p], "' this rank owns (",
-                a.covered < want ? "a shard of the checkpoint is missing" : "a shard was given twice",
-                ")");
+    TORCH_CHECK(
+        a.covered == want, "GradSync: the optimizer shards cover ", a.covered, " of the ", want,
+        " elements of '", ps.names[p], "' this rank owns (",
+        a.covered < want ? "a shard of the checkpoint is missing" : "a shard was given twice", ")");
     if (!ps.flat) {
       for (auto& [f, t] : a.fields) t = t.view(ps.params[p].sizes());
     }

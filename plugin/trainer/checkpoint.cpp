@@ -221,6 +221,18 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
 
 }  // namespace
 
+// Refuses to start a fresh run over an existing checkpoint (rank 0 decides,
+// so ranks on other hosts agree).
+void refuse_to_overwrite(const Options& o, c10d::ProcessGroup& pg) {
+  at::Tensor exists = at::zeros({1}, at::kLong);
+  if (pg.getRank() == 0) exists[0] = fs::exists(o.checkpoint) ? 1 : 0;
+  std::vector<at::Tensor> v{exists};
+  pg.broadcast(v)->wait();
+  TORCH_CHECK(exists[0].item<int64_t>() == 0, "ddpx-train: checkpoint ", o.checkpoint,
+              " already exists; pass --resume to continue from it, or choose another "
+              "--checkpoint path (a fresh run never overwrites a checkpoint)");
+}
+
 void write_durably(const std::string& path, const std::string& bytes) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);

@@ -23,6 +23,8 @@
 #include <vector>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "plugin/trainer/options.h"
+
 namespace ddpx::trainer {
 
 struct Position {
@@ -55,6 +57,10 @@ struct TrainObjects {
   // holds every rank's (GradSync::optimizer_shard), re-split on resume.
   bool sharded = false;
 };
+
+// Collective: refuses (on every rank) to start a fresh run over an existing
+// checkpoint at o.checkpoint (rank 0 looks, so ranks on other hosts agree).
+void refuse_to_overwrite(const Options& o, c10d::ProcessGroup& pg);
 
 // Collective (the residuals are gathered); rank 0 writes.
 void save_checkpoint(const std::string& path, c10d::ProcessGroup& pg, TrainObjects& t,

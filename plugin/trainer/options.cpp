@@ -1,8 +1,12 @@
 #include "plugin/trainer/options.h"
 
+#include <c10/util/StringUtil.h>
+
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <vector>
 
 namespace ddpx::trainer {
 
@@ -301,7 +305,8 @@ Options parse_options(int argc, char** argv) {
               "state is reloaded from the last checkpoint)";
     }
     if (!other.empty()) {
-      std::exit(app.exit(CLI::ValidationError("--shard", o.shard + " does not combine with " + other)));
+      std::exit(
+          app.exit(CLI::ValidationError("--shard", o.shard + " does not combine with " + other)));
     }
   }
   if (o.param_dtype != "fp32" && o.on_rank_loss == "shrink") {
@@ -321,6 +326,22 @@ Options parse_options(int argc, char** argv) {
     std::exit(app.exit(CLI::ValidationError("--resume", "needs --checkpoint PATH")));
   }
   return o;
+}
+
+// " (autocast fp16, loss scaling, cudnn benchmark)" for the header line; ""
+// when none of them.
+std::string describe_modes(const Options& o, bool scaled) {
+  std::vector<std::string> on;
+  if (o.amp != "off") on.push_back("autocast " + o.amp);
+  if (o.param_dtype != "fp32") on.push_back(o.param_dtype + " parameters, fp32 masters");
+  if (o.param_dtype != "fp32" || o.reduce_dtype != "fp32") {
+    on.push_back("reduced in " + o.reduce_dtype);
+  }
+  if (scaled) on.push_back("loss scaling");
+  if (o.shard == "optimizer") on.push_back("ZeRO-1: optimizer state sharded");
+  if (o.shard == "gradients") on.push_back("ZeRO-2: optimizer state and gradients sharded");
+  if (o.cudnn_benchmark) on.push_back("cudnn benchmark");
+  return on.empty() ? "" : " (" + c10::Join(", ", on) + ")";
 }
 
 }  // namespace ddpx::trainer

@@ -93,4 +93,8 @@ struct Options {
 // Parses argv; on --help or a usage error prints and exits (CLI11's codes).
 Options parse_options(int argc, char** argv);
 
+// " (autocast fp16, loss scaling, ...)": the modes of a run for its header
+// line (`scaled`: with loss scaling); "" when none.
+std::string describe_modes(const Options& o, bool scaled);
+
 }  // namespace ddpx::trainer

@@ -12,7 +12,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -33,25 +32,12 @@ namespace ddpx::trainer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-namespace fs = std::filesystem;
 
 Unused parse_unused(const std::string& s) {
   if (s == "off") return Unused::Off;
   if (s == "exact") return Unused::Exact;
   TORCH_CHECK(s == "predict", "ddpx-train: --unused must be off, predict or exact, got '", s, "'");
   return Unused::Predict;
-}
-
-// Refuses to start a fresh run over an existing checkpoint (rank 0 decides,
-// so ranks on other hosts agree).
-void refuse_to_overwrite(const Options& o, c10d::ProcessGroup& pg) {
-  at::Tensor exists = at::zeros({1}, at::kLong);
-  if (pg.getRank() == 0) exists[0] = fs::exists(o.checkpoint) ? 1 : 0;
-  std::vector<at::Tensor> v{exists};
-  pg.broadcast(v)->wait();
-  TORCH_CHECK(exists[0].item<int64_t>() == 0, "ddpx-train: checkpoint ", o.checkpoint,
-              " already exists; pass --resume to continue from it, or choose another "
-              "--checkpoint path (a fresh run never overwrites a checkpoint)");
 }
 
 // The blocks --layer-drop drops: the model's `block_scale` (a list of floats,
@@ -83,22 +69,6 @@ void set_block_scale(torch::jit::Module& m, const std::vector<double>& scales) {
 // --amp, --param-dtype, --reduce-dtype: "fp32" | "bf16" | "fp16".
 at::ScalarType dtype_of(const std::string& s) {
   return s == "bf16" ? at::kBFloat16 : s == "fp16" ? at::kHalf : at::kFloat;
-}
-
-// " (autocast fp16, loss scaling, cudnn benchmark)" for the header line; ""
-// when none of them.
-std::string modes(const Options& o, bool scaled) {
-  std::vector<std::string> on;
-  if (o.amp != "off") on.push_back("autocast " + o.amp);
-  if (o.param_dtype != "fp32") on.push_back(o.param_dtype + " parameters, fp32 masters");
-  if (o.param_dtype != "fp32" || o.reduce_dtype != "fp32") {
-    on.push_back("reduced in " + o.reduce_dtype);
-  }
-  if (scaled) on.push_back("loss scaling");
-  if (o.shard == "optimizer") on.push_back("ZeRO-1: optimizer state sharded");
-  if (o.shard == "gradients") on.push_back("ZeRO-2: optimizer state and gradients sharded");
-  if (o.cudnn_benchmark) on.push_back("cudnn benchmark");
-  return on.empty() ? "" : " (" + c10::Join(", ", on) + ")";
 }
 
 }  // namespace
@@ -241,8 +211,8 @@ std::string run(const Options& o) {
   if (lead && !o.quiet) {
     std::cout << "[ddpx-train] " << o.model << ": " << params.size() << " parameter tensors, "
               << world << " rank(s) over " << (world > 1 ? backend : "one process") << " on "
-              << (device.is_cuda() ? "cuda" : "cpu") << modes(o, scaler != nullptr) << ", " << total
-              << " steps of " << batch << " x " << world << " samples, codec " << o.codec
+              << (device.is_cuda() ? "cuda" : "cpu") << describe_modes(o, scaler != nullptr) << ", "
+              << total << " steps of " << batch << " x " << world << " samples, codec " << o.codec
               << std::endl;
     if (drop.active()) {
       std::cout << "[ddpx-train] layer drop: " << drop.describe() << " over " << depth << " blocks"

@@ -11,13 +11,13 @@
 // with errors that name both options.
 #include <ddpx/grad_sync.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/torch.h>
 
 #include <cstring>
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
 #include "grad_sync_train_harness.h"
@@ -117,8 +117,9 @@ TEST(GradSyncShardState, EachRankKeepsStateForItsOwnElements) {
   torch::manual_seed(7);
   Gated m;
   torch::optim::Adam adam(m->parameters(), torch::optim::AdamOptions(0.01));
-  GradSync sync(m->named_parameters(), pg,
-                GradSyncOptions().shard(Shard::Optimizer).bucket_cap_mb(0.001).first_bucket_mb(0.0005));
+  GradSync sync(
+      m->named_parameters(), pg,
+      GradSyncOptions().shard(Shard::Optimizer).bucket_cap_mb(0.001).first_bucket_mb(0.0005));
   sync.set_optimizer(adam);
   for (int step = 0; step < 4; ++step) {
     m->forward(shard(global_batch(6, step), pg->getRank()), step).backward();
@@ -164,8 +165,9 @@ TEST(GradSyncShardState, GradientsHoldsItsPartAndTwoBuckets) {
   torch::nn::Sequential seq;
   for (int i = 0; i < kLayers; ++i) seq->push_back(torch::nn::Linear(kWidth, kWidth));
   torch::optim::SGD sgd(seq->parameters(), torch::optim::SGDOptions(0.1));
-  GradSync sync(seq->named_parameters(), pg,
-                GradSyncOptions().shard(Shard::Gradients).bucket_cap_mb(0.07).first_bucket_mb(0.07));
+  GradSync sync(
+      seq->named_parameters(), pg,
+      GradSyncOptions().shard(Shard::Gradients).bucket_cap_mb(0.07).first_bucket_mb(0.07));
   sync.set_optimizer(sgd);
   for (int step = 0; step < 3; ++step) {
     seq->forward(at::randn({2, kWidth})).pow(2).mean().backward();
@@ -215,8 +217,8 @@ std::vector<std::string> all_bytes(c10d::ProcessGroup& pg, const std::string& mi
 // ranks (the same global batch at any world size), Adam stepped by GradSync
 // (sharded by `how`; Shard::None: by the trainer after backward), first
 // loading `shards` if given.
-void train_span(Gated& m, torch::optim::Adam& adam, const ddpx::comm::ProcessGroupPtr& pg,
-                int from, int to, const std::vector<std::string>* shards = nullptr,
+void train_span(Gated& m, torch::optim::Adam& adam, const ddpx::comm::ProcessGroupPtr& pg, int from,
+                int to, const std::vector<std::string>* shards = nullptr,
                 std::string* shard_out = nullptr, Shard how = Shard::Gradients) {
   GradSync sync(m->named_parameters(), pg,
                 GradSyncOptions().shard(how).bucket_cap_mb(0.001).first_bucket_mb(0.0005));
@@ -328,8 +330,8 @@ TEST(GradSyncShardCheckpoint, MovesBetweenShardedAndUnshardedRuns) {
     const auto got = values(again);
     for (size_t i = 0; i < got.size(); ++i) {
       EXPECT_TRUE(at::equal(got[i], want[i]))
-          << "parameter " << i << (first_how == Shard::None ? ": whole into sharded"
-                                                             : ": shards into unsharded");
+          << "parameter " << i
+          << (first_how == Shard::None ? ": whole into sharded" : ": shards into unsharded");
     }
   }
 }
@@ -360,7 +362,9 @@ TEST(GradSyncShardErrors, UnsupportedCombinationsNameBothOptions) {
   auto& pg = world();
   torch::manual_seed(3);
   Gated m;
-  auto make = [&](GradSyncOptions o) { GradSync s(m->named_parameters(), pg, o.shard(Shard::Gradients)); };
+  auto make = [&](GradSyncOptions o) {
+    GradSync s(m->named_parameters(), pg, o.shard(Shard::Gradients));
+  };
   auto e = error_of([&] { make(GradSyncOptions().codec("fp16")); });
   EXPECT_NE(e.find("shard(Shard::Gradients) with codec('fp16')"), std::string::npos) << e;
   e = error_of([&] { make(GradSyncOptions().overlap(Overlap::Optimizer).staleness(1)); });
@@ -373,11 +377,12 @@ TEST(GradSyncShardErrors, UnsupportedCombinationsNameBothOptions) {
   GradSync sync(m->named_parameters(), pg, GradSyncOptions().shard(Shard::Optimizer));
   auto x = shard(global_batch(6, 5), pg->getRank());
   e = error_of([&] { m->forward(x, 0).backward(); });
-  EXPECT_NE(e.find("shard") , std::string::npos) << e;
+  EXPECT_NE(e.find("shard"), std::string::npos) << e;
   EXPECT_NE(e.find("set_optimizer"), std::string::npos) << e;
   torch::optim::SGD part(m->trunk->parameters(), torch::optim::SGDOptions(0.1));
   e = error_of([&] { sync.set_optimizer(part); });
-  EXPECT_NE(e.find("with GradSyncOptions::shard it must hold every parameter"), std::string::npos) << e;
+  EXPECT_NE(e.find("with GradSyncOptions::shard it must hold every parameter"), std::string::npos)
+      << e;
 }
 
 }  // namespace
