@@ -16,12 +16,6 @@ namespace ddpx {
 using hooks::Clock;
 using hooks::us_since;
 
-namespace {
-const char* shard_name(Shard s) {
-  return s == Shard::Optimizer ? "Shard::Optimizer" : "Shard::Gradients";
-}
-}  // namespace
-
 GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_parameters,
                    comm::ProcessGroupPtr pg, GradSyncOptions options,
                    const torch::OrderedDict<std::string, at::Tensor>& named_buffers) {
@@ -46,19 +40,7 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
   }
   TORCH_CHECK(options.bucket_cap_mb_ > 0 && options.first_bucket_mb_ > 0,
               "GradSync: bucket_cap_mb and first_bucket_mb must be positive");
-  if (options.shard_ != Shard::None) {
-    const char* mode = shard_name(options.shard_);
-    TORCH_CHECK(options.codec_ == "none", "GradSync: shard(", mode, ") with codec('",
-                options.codec_, "'): a sharded bucket is reduced exactly (codec 'none'); the "
-                "codecs' sharded forms are not built");
-    TORCH_CHECK(options.staleness_ == 0, "GradSync: shard(", mode, ") with staleness(1) is not "
-                "supported (its look-ahead steps every parameter on each rank)");
-    TORCH_CHECK(!options.param_dtype_ && !options.reduce_dtype_, "GradSync: shard(", mode,
-                ") with mixed_precision is not supported (the float32 masters are not sharded)");
-    TORCH_CHECK(options.sparse_params_.empty(), "GradSync: shard(", mode, ") reduces dense "
-                "gradients only; sparse_params names '",
-                options.sparse_params_.empty() ? "" : options.sparse_params_.front(), "'");
-  }
+  hooks::check_shard(options);
   impl_ = std::make_unique<Impl>(options, static_cast<int>(params.size()));
   auto& I = *impl_;
   I.names = names;
@@ -152,7 +134,7 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     I.worker = std::make_unique<hooks::Channel>(pg);  // a thread; its group is not used
   }
   if (options.shard_ != Shard::None) {
-    const char* mode = shard_name(options.shard_);
+    const char* mode = hooks::shard_name(options.shard_);
     I.shard = hooks::ShardMap(I.info, pg->getSize(), pg->getRank());
     for (size_t p = 0; p < params.size(); ++p) {
       TORCH_CHECK(params[p].is_contiguous(), "GradSync: shard(", mode, "): parameter '",

@@ -154,4 +154,23 @@ void check_mixed_precision(const GradSyncOptions& o, const std::vector<std::stri
   }
 }
 
+const char* shard_name(Shard s) {
+  return s == Shard::Optimizer ? "Shard::Optimizer" : "Shard::Gradients";
+}
+
+void check_shard(const GradSyncOptions& o) {
+  if (o.shard_ == Shard::None) return;
+  const char* mode = shard_name(o.shard_);
+  TORCH_CHECK(o.codec_ == "none", "GradSync: shard(", mode, ") with codec('",
+              o.codec_, "'): a sharded bucket is reduced exactly (codec 'none'); the "
+              "codecs' sharded forms are not built");
+  TORCH_CHECK(o.staleness_ == 0, "GradSync: shard(", mode, ") with staleness(1) is not "
+              "supported (its look-ahead steps every parameter on each rank)");
+  TORCH_CHECK(!o.param_dtype_ && !o.reduce_dtype_, "GradSync: shard(", mode,
+              ") with mixed_precision is not supported (the float32 masters are not sharded)");
+  TORCH_CHECK(o.sparse_params_.empty(), "GradSync: shard(", mode, ") reduces dense "
+              "gradients only; sparse_params names '",
+              o.sparse_params_.empty() ? "" : o.sparse_params_.front(), "'");
+}
+
 }  // namespace ddpx::hooks

@@ -39,6 +39,11 @@ void verify_same_tensors(c10d::ProcessGroup& pg, const std::vector<std::string>&
 void check_mixed_precision(const GradSyncOptions& o, const std::vector<std::string>& names,
                            const std::vector<at::Tensor>& params);
 
+// GradSyncOptions::shard's door: the options it does not combine with, each
+// named with it ("Shard::Optimizer" / "Shard::Gradients": shard_name).
+void check_shard(const GradSyncOptions& o);
+const char* shard_name(Shard s);
+
 // Broadcasts rank 0's values of `tensors` (coalesced per dtype).
 void broadcast_from_rank0(c10d::ProcessGroup& pg, const std::vector<at::Tensor>& tensors);
 
