@@ -239,7 +239,10 @@ void GradSync::Impl::complete_step() {
   // Under a GradScaler each average is unscaled as it lands, and whether to
   // step is known only once every one has (scaled_step).
   const bool scaled = optimizer && scaler && !step_stale;
-  std::vector<std::vector<int>> landed(scaled ? n_buckets : 0);
+  // So does global-norm clipping (GradSyncOptions::clip_grad_norm).
+  const bool clipped = optimizer && opts.clip_grad_norm_ > 0 && !step_stale;
+  const bool deferred = scaled || clipped;
+  std::vector<std::vector<int>> landed(deferred ? n_buckets : 0);
   amp::FoundInf found;
   for (int b : seq) {
     take(futures[b]);
@@ -248,26 +251,46 @@ void GradSync::Impl::complete_step() {
     if (needs_agreement(b)) settle();
     if (error) continue;
     const int* agreed_flags = agreed ? flags.const_data_ptr<int>() : nullptr;
-    if (shard.active()) {
+    if (!deferred) {
+      if (!shard.active()) {
+        apply_bucket(b, agreed_flags);
+        continue;
+      }
       try {
-        step_sharded(b, agreed_flags);
+        step_sharded(b, land_sharded(b, agreed_flags));
       } catch (...) {
         if (!error) error = std::current_exception();
       }
       continue;
     }
-    if (!scaled) {
-      apply_bucket(b, agreed_flags);
-      continue;
-    }
     try {
-      landed[b] = land_bucket(b, agreed_flags, /*stale=*/false);
-      if (!scaler_inv.defined()) continue;  // (a disabled scaler: nothing to unscale)
+      landed[b] = shard.active() ? land_sharded(b, agreed_flags)
+                                 : land_bucket(b, agreed_flags, /*stale=*/false);
+      if (!scaled || !scaler_inv.defined()) continue;  // (a disabled scaler: nothing to unscale)
       std::vector<at::Tensor> grads;
       for (int p : landed[b]) grads.push_back(stepped_tensor(p));
       amp::unscale_grads(grads, scaler_inv, found, /*allow_fp16=*/false, "GradSync");
     } catch (...) {
       if (!error) error = std::current_exception();
+    }
+  }
+  settle();
+  if (deferred && !error) {
+    try {
+      if (clipped) clip_landed(landed);  // (scaled: the unscaled averages)
+      if (scaled) {
+        scaled_step(seq, landed, found);
+      } else {
+        for (int b : seq) {
+          if (shard.active()) {
+            step_sharded(b, landed[b]);
+          } else {
+            step_bucket(b, landed[b], /*stale=*/false, /*skip=*/false);
+          }
+        }
+      }
+    } catch (...) {
+      error = std::current_exception();
     }
   }
   // Sharded: the gathers, in the same order; each bucket's parameters then
@@ -282,15 +305,7 @@ void GradSync::Impl::complete_step() {
       error = std::current_exception();
     }
   }
-  settle();
   wait_range.end();
-  if (scaled && !error) {
-    try {
-      scaled_step(seq, landed, found);
-    } catch (...) {
-      error = std::current_exception();
-    }
-  }
   if (scaler && scaler_inv.defined() && error) {
     detail::ScalerAccess::finish_step(scaler, at::Tensor());  // no verdict: the scale stays
   }

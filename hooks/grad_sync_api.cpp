@@ -116,6 +116,11 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
   }
   TORCH_CHECK(options.staleness_ == 0 || options.staleness_ == 1, "GradSync: staleness is ",
               options.staleness_, "; it must be 0 (exact) or 1 (each update one step late)");
+  TORCH_CHECK(options.clip_grad_norm_ >= 0, "GradSync: clip_grad_norm is ",
+              options.clip_grad_norm_, "; it must be > 0 (the largest global norm) or 0 (off)");
+  TORCH_CHECK(options.clip_grad_norm_ == 0 || options.staleness_ == 0, "GradSync: "
+              "clip_grad_norm with staleness(1) is not supported (the stale update would go "
+              "unclipped)");
   TORCH_CHECK(options.stale_warmup_ >= 0, "GradSync: stale_warmup is ", options.stale_warmup_,
               "; it must be >= 0 (synchronous steps before the stale ones)");
   if (options.staleness_ > 0) {

@@ -75,6 +75,9 @@ void GradSync::Impl::begin_step_locked(const Clock::time_point* replay_start) {
   TORCH_CHECK(!shard.active() || optimizer, "GradSync: GradSyncOptions::shard leaves each rank "
               "the average of its own part only, which only GradSync can step: give the "
               "optimizer with set_optimizer before the first backward");
+  TORCH_CHECK(opts.clip_grad_norm_ == 0 || optimizer, "GradSync: GradSyncOptions::"
+              "clip_grad_norm clips where GradSync steps the optimizer: give it with "
+              "set_optimizer, or call torch::nn::utils::clip_grad_norm_ after backward");
   if (scaler && detail::ScalerAccess::enabled(scaler)) detail::ScalerAccess::check_started(scaler);
   active = true;
   t0 = replay_start ? *replay_start : Clock::now();

@@ -230,7 +230,10 @@ struct GradSync::Impl {
   // parameters written into the bucket, then gathered; the gathered
   // parameters copied out, the bucket zeroed (or released), gates opened.
   void launch_sharded_locked(int b);
-  void step_sharded(int b, const int* agreed);
+  // (land_sharded: the owned averages become the parts' .grad; returns the
+  // parameters to step, those some rank used; step_sharded steps them.)
+  std::vector<int> land_sharded(int b, const int* agreed);
+  void step_sharded(int b, const std::vector<int>& stepped);
   void finish_sharded(int b);
   // ---- mixed precision (GradSyncOptions::mixed_precision, ddpx/amp.h) -------
   // The float32 masters of low-precision parameters (inactive: none).
@@ -563,6 +566,10 @@ struct GradSync::Impl {
   // (stats.skipped); then the scaler's update.
   void scaled_step(const std::vector<int>& seq, const std::vector<std::vector<int>>& landed,
                    const amp::FoundInf& found);
+  // GradSyncOptions::clip_grad_norm, once every bucket has landed (`landed`:
+  // per bucket, the parameters to step): their averages scaled so that the
+  // global norm is at most the limit (sharded: over every rank's parts).
+  void clip_landed(const std::vector<std::vector<int>>& landed);
   // The step-end agreement flagged a surprise gradient: the error.
   std::exception_ptr surprise_error();
   [[noreturn]] void fail_step(std::exception_ptr error);

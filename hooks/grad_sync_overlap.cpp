@@ -3,7 +3,11 @@
 // (hooks/bucket_optimizer.h), and, under Overlap::NextForward, the step
 // completed on a worker thread while the next forward runs, each parameter
 // read waiting at its own gate (hooks/param_gate.h).
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <cmath>
 
 #include <utility>
 
@@ -81,6 +85,35 @@ void GradSync::Impl::step_bucket(int b, const std::vector<int>& stepped, bool st
     const auto queued = hooks::fence_current({plan[b].device});
     for (int p : plan[b].params) gates->open(p, queued);
   }
+}
+
+void GradSync::Impl::clip_landed(const std::vector<std::vector<int>>& landed) {
+  at::NoGradGuard no_grad;
+  // In parameter order, as a trainer's clip_grad_norm_(model->parameters())
+  // sums them. (Their .grad: the averages, or this rank's parts of them.)
+  std::vector<int> order;
+  for (const auto& ps : landed) order.insert(order.end(), ps.begin(), ps.end());
+  std::sort(order.begin(), order.end());
+  std::vector<at::Tensor> stepped;
+  for (int p : order) stepped.push_back(stepped_tensor(p));
+  const double max_norm = opts.clip_grad_norm_;
+  if (!shard.active()) {
+    torch::nn::utils::clip_grad_norm_(stepped, max_norm);  // LibTorch's own, on the whole
+    return;
+  }
+  // LibTorch's formula over the parts of every rank: the norm of the norms
+  // (each rank's sum of its parts' squared norms, summed by one all-reduce
+  // of a double), coefficient max_norm / (norm + 1e-6) clamped to 1.
+  at::Tensor sum = at::zeros({1}, at::kDouble);
+  for (const auto& t : stepped) sum += t.grad().norm().to(at::kDouble).cpu().pow(2);
+  channels[0]
+      ->submit([&sum](c10d::ProcessGroup& pg) {
+        std::vector<at::Tensor> v{sum};
+        comm::detail::wait_named(pg.allreduce(v));
+      })
+      .get();
+  const double coef = std::min(1.0, max_norm / (std::sqrt(sum.item<double>()) + 1e-6));
+  for (const auto& t : stepped) t.grad().mul_(coef);
 }
 
 void GradSync::Impl::scaled_step(const std::vector<int>& seq,

@@ -129,8 +129,7 @@ void GradSync::Impl::launch_sharded_locked(int b) {
   submit_locked(b, std::move(body), std::move(keep), nullptr, comm::detail::FrOp::kReduceScatter);
 }
 
-void GradSync::Impl::step_sharded(int b, const int* agreed) {
-  at::NoGradGuard no_grad;
+std::vector<int> GradSync::Impl::land_sharded(int b, const int* agreed) {
   // A device bucket: queued on this thread's stream after the reduction.
   const c10::Device device = plan[b].device;
   if (hooks::has_streams(device) && reduced[b]) reduced[b]->block(hooks::current_stream(device));
@@ -145,6 +144,12 @@ void GradSync::Impl::step_sharded(int b, const int* agreed) {
                             : views[p].view(-1).narrow(0, lo, hi - lo);
     stepped.push_back(p);
   }
+  return stepped;
+}
+
+void GradSync::Impl::step_sharded(int b, const std::vector<int>& stepped) {
+  at::NoGradGuard no_grad;
+  const c10::Device device = plan[b].device;
   optimizer->apply(b, stepped);
   for (int p : stepped) shard_views[p].mutable_grad() = at::Tensor();
   if (owned_grads[b].defined()) {

@@ -120,6 +120,9 @@ struct TrainRun {
   // GradSyncOptions::shard: GradSync steps the optimizer in every overlap
   // mode (Overlap::None included).
   ddpx::Shard shard = ddpx::Shard::None;
+  // Global-norm clipping: GradSyncOptions::clip_grad_norm, or in the
+  // reference torch::nn::utils::clip_grad_norm_ before optimizer.step().
+  double clip = 0;
   bool steps_in_sync() const { return overlap != Overlap::None || shard != ddpx::Shard::None; }
 };
 
@@ -184,7 +187,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
   const int rank = pg->getRank();
   GradSyncOptions so;
   so.overlap(r.overlap).unused(r.unused).codec(r.codec).bucket_cap_mb(0.001).first_bucket_mb(0.0005);
-  so.shard(r.shard);
+  so.shard(r.shard).clip_grad_norm(r.steps_in_sync() ? r.clip : 0.0);
   // Timing re-plans differ between runs; with a lossy codec the plan
   // decides the sums, so the runs must keep one plan to compare bit for bit.
   if (r.codec != "none") so.replan(false);
@@ -246,7 +249,10 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
         loss.backward();
       }
     }
-    if (!r.steps_in_sync() && (r.staleness == 0 || step < r.warmup)) opt->step();
+    if (!r.steps_in_sync() && (r.staleness == 0 || step < r.warmup)) {
+      if (r.clip > 0) torch::nn::utils::clip_grad_norm_(m->parameters(), r.clip);
+      opt->step();
+    }
     if (stale_ref) {
       late.after_backward(*opt, m->parameters(), step, local,
                           [&] { return make_optimizer(m, r.opt); });

@@ -62,6 +62,33 @@ const Case kCases[] = {
 INSTANTIATE_TEST_SUITE_P(Modes, GradSyncShard, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// Global-norm clipping (GradSyncOptions::clip_grad_norm) against LibTorch's
+// clip_grad_norm_ after backward: bit for bit unsharded (its own code runs
+// on the averages), within rounding sharded (the norm sums every rank's
+// parts in another order); a limit low enough to clip most steps.
+TEST(GradSyncShardClip, ClipsTheGlobalNormOverEveryRanksParts) {
+  for (Shard s : {Shard::None, Shard::Gradients}) {
+    TrainRun ours = sharded(s, s == Shard::None ? Overlap::Optimizer : Overlap::NextForward,
+                            Opt::AdamW);
+    ours.clip = 0.05;
+    TrainRun ref = ours;
+    ref.overlap = Overlap::None;
+    ref.shard = Shard::None;
+    const auto want = train(ref), got = train(ours);
+    TrainRun unclipped = ref;
+    unclipped.clip = 0;
+    EXPECT_FALSE(at::allclose(train(unclipped)[0], want[0])) << "the limit never clipped";
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (s == Shard::None) {
+        EXPECT_TRUE(at::equal(got[i], want[i])) << "parameter " << i;
+      } else {
+        EXPECT_TRUE(at::allclose(got[i], want[i], 1e-10, 1e-12))
+            << "parameter " << i << " differs by " << (got[i] - want[i]).abs().max().item<double>();
+      }
+    }
+  }
+}
+
 // ---- who owns what ------------------------------------------------------------
 
 TEST(ShardMap, CutsTheBytesIntoContiguousRangesAcrossTensorsAndDtypes) {

@@ -243,6 +243,14 @@ struct GradSyncOptions {
   // sparse gradients (refused, naming the option). A GradScaler is refused
   // too (its verdict would need every rank's part).
   DDPX_OPT(Shard, shard, Shard::None)
+  // Global-norm gradient clipping where GradSync steps the optimizer
+  // (set_optimizer; 0: off): once every bucket's average has landed, they
+  // are scaled as torch::nn::utils::clip_grad_norm_(params, max_norm) would
+  // (its own code on the whole averages; sharded: its formula over every
+  // rank's parts, the norm summed by one all-reduce of a double), then
+  // stepped. So no update overlaps the tail of the reductions. Without an
+  // optimizer given, call clip_grad_norm_ after backward yourself.
+  DDPX_OPT(double, clip_grad_norm, 0.0)
 #undef DDPX_OPT
   // Mixed precision (FSDP's MixedPrecision(param_dtype, reduce_dtype); each
   // float32, bfloat16 or float16). param_dtype below float32: GradSync
@@ -404,8 +412,9 @@ class GradSync {
   // optimizer.step() nor zero_grad(): each bucket's gradients are consumed
   // by its update (.grad is the slot, zeroed after the update). Required by
   // Overlap::Optimizer and NextForward; call before the first backward.
-  // Global-norm clipping needs every gradient before any update: it cannot
-  // be done in these modes (clip per bucket is not the same thing).
+  // Global-norm clipping needs every gradient before any update: give the
+  // limit to GradSync (GradSyncOptions::clip_grad_norm), which then steps
+  // the buckets once all have landed (clip per bucket is not the same thing).
   void set_optimizer(torch::optim::Optimizer& optimizer);
   // The same with loss scaling (ddpx/amp.h): each bucket's average is
   // unscaled as it lands (ATen's _amp_foreach_non_finite_check_and_unscale_);
