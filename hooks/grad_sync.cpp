@@ -244,6 +244,15 @@ void GradSync::Impl::complete_step() {
   const bool deferred = scaled || clipped;
   std::vector<std::vector<int>> landed(deferred ? n_buckets : 0);
   amp::FoundInf found;
+  // Sharded: the buckets stepped, in the order their gathers go. Under
+  // NextForward the gathers wait for the last step and go first layer first
+  // (reverse launch order), so the next forward's first gates open after
+  // one gather, not after all of them.
+  std::vector<int> gather_seq;
+  auto gather = [&](int b) {
+    if (!gates) gather_sharded(b);
+    gather_seq.push_back(b);
+  };
   for (int b : seq) {
     take(futures[b]);
     take(rest_futures[b]);
@@ -258,6 +267,7 @@ void GradSync::Impl::complete_step() {
       }
       try {
         step_sharded(b, land_sharded(b, agreed_flags));
+        gather(b);
       } catch (...) {
         if (!error) error = std::current_exception();
       }
@@ -284,6 +294,7 @@ void GradSync::Impl::complete_step() {
         for (int b : seq) {
           if (shard.active()) {
             step_sharded(b, landed[b]);
+            gather(b);
           } else {
             step_bucket(b, landed[b], /*stale=*/false, /*skip=*/false);
           }
@@ -293,9 +304,19 @@ void GradSync::Impl::complete_step() {
       error = std::current_exception();
     }
   }
-  // Sharded: the gathers, in the same order; each bucket's parameters then
-  // hold the update (and, NextForward, their gates open).
-  for (int b : seq) {
+  if (gates) {
+    std::reverse(gather_seq.begin(), gather_seq.end());
+    for (int b : gather_seq) {
+      try {
+        gather_sharded(b);
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+  }
+  // Sharded: the gathers landing; each bucket's parameters then hold the
+  // update (and, NextForward, their gates open).
+  for (int b : gather_seq) {
     if (!gathers[b].valid()) continue;
     take(gathers[b]);
     if (error) continue;

@@ -234,6 +234,8 @@ struct GradSync::Impl {
   // parameters to step, those some rank used; step_sharded steps them.)
   std::vector<int> land_sharded(int b, const int* agreed);
   void step_sharded(int b, const std::vector<int>& stepped);
+  // Queues bucket b's gather (after its step) on its channel.
+  void gather_sharded(int b);
   void finish_sharded(int b);
   // ---- mixed precision (GradSyncOptions::mixed_precision, ddpx/amp.h) -------
   // The float32 masters of low-precision parameters (inactive: none).

@@ -156,6 +156,10 @@ void GradSync::Impl::step_sharded(int b, const std::vector<int>& stepped) {
     account(-static_cast<int64_t>(owned_grads[b].nbytes()));
     owned_grads[b] = at::Tensor();
   }
+}
+
+void GradSync::Impl::gather_sharded(int b) {
+  const c10::Device device = plan[b].device;
   // The gather: each owner's elements of every parameter of the bucket
   // (stepped or not) broadcast in a bucket-sized buffer -- the bucket
   // itself (its gradients are consumed), or, Gradients, one made and freed
