@@ -7,6 +7,8 @@
 
 #include <unordered_map>
 
+#include "hooks/shard_state.h"
+
 namespace ddpx::hooks {
 
 namespace optim = torch::optim;
@@ -72,21 +74,13 @@ std::unique_ptr<optim::Optimizer> BucketOptimizer::make(
 }
 
 int64_t BucketOptimizer::state_bytes() const {
-  auto bytes = [](const at::Tensor& t) {
-    return t.defined() ? static_cast<int64_t>(t.nbytes()) : int64_t{0};
-  };
-  int64_t total = 0;
+  int64_t total = 0, step = 0;
   const auto& state = user_.state();
   for (const auto& p : params_) {
     const auto it = state.find(p.unsafeGetTensorImpl());
     if (it == state.end()) continue;
-    const auto* st = it->second.get();
-    if (const auto* s = dynamic_cast<const optim::SGDParamState*>(st)) {
-      total += bytes(s->momentum_buffer());
-    } else if (const auto* a = dynamic_cast<const optim::AdamParamState*>(st)) {
-      total += bytes(a->exp_avg()) + bytes(a->exp_avg_sq()) + bytes(a->max_exp_avg_sq());
-    } else if (const auto* w = dynamic_cast<const optim::AdamWParamState*>(st)) {
-      total += bytes(w->exp_avg()) + bytes(w->exp_avg_sq()) + bytes(w->max_exp_avg_sq());
+    for (const auto& field : state_tensors(*it->second, &step)) {
+      if (field.second.defined()) total += static_cast<int64_t>(field.second.nbytes());
     }
   }
   return total;

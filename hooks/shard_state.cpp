@@ -20,23 +20,6 @@ namespace {
 constexpr int64_t kFormat = 1;
 const char* const kFields[] = {"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
 
-// The state entry's tensors by field name (undefined: absent) and its step.
-std::map<std::string, at::Tensor> fields_of(const optim::OptimizerParamState& st, int64_t* step) {
-  *step = 0;
-  if (const auto* s = dynamic_cast<const optim::SGDParamState*>(&st)) {
-    return {{"momentum_buffer", s->momentum_buffer()}};
-  }
-  auto adam = [step](const auto& a) -> std::map<std::string, at::Tensor> {
-    *step = a.step();
-    return {{"exp_avg", a.exp_avg()},
-            {"exp_avg_sq", a.exp_avg_sq()},
-            {"max_exp_avg_sq", a.max_exp_avg_sq()}};
-  };
-  if (const auto* a = dynamic_cast<const optim::AdamParamState*>(&st)) return adam(*a);
-  if (const auto* w = dynamic_cast<const optim::AdamWParamState*>(&st)) return adam(*w);
-  TORCH_CHECK(false, "GradSync: unexpected optimizer state entry");
-}
-
 template <class State>
 std::unique_ptr<optim::OptimizerParamState> adam_entry(int64_t step,
                                                        std::map<std::string, at::Tensor>& f) {
@@ -61,6 +44,23 @@ std::unique_ptr<optim::OptimizerParamState> make_entry(const std::string& kind, 
 
 }  // namespace
 
+std::map<std::string, at::Tensor> state_tensors(const optim::OptimizerParamState& st,
+                                                int64_t* step) {
+  *step = 0;
+  if (const auto* s = dynamic_cast<const optim::SGDParamState*>(&st)) {
+    return {{"momentum_buffer", s->momentum_buffer()}};
+  }
+  auto adam = [step](const auto& a) -> std::map<std::string, at::Tensor> {
+    *step = a.step();
+    return {{"exp_avg", a.exp_avg()},
+            {"exp_avg_sq", a.exp_avg_sq()},
+            {"max_exp_avg_sq", a.max_exp_avg_sq()}};
+  };
+  if (const auto* a = dynamic_cast<const optim::AdamParamState*>(&st)) return adam(*a);
+  if (const auto* w = dynamic_cast<const optim::AdamWParamState*>(&st)) return adam(*w);
+  TORCH_CHECK(false, "GradSync: unexpected optimizer state entry");
+}
+
 std::string optimizer_kind(optim::Optimizer& opt, const char* who) {
   // (AdamW derives from nothing but Optimizer, so the order does not matter.)
   if (dynamic_cast<optim::SGD*>(&opt)) return "SGD";
@@ -79,7 +79,7 @@ std::string save_shard(optim::Optimizer& opt, const ShardedParams& ps, int world
     const auto it = state.find(ps.params[p].unsafeGetTensorImpl());
     if (it == state.end()) continue;
     int64_t step = 0;
-    const auto f = fields_of(*it->second, &step);
+    const auto f = state_tensors(*it->second, &step);
     const int64_t entry = static_cast<int64_t>(names.size());
     names.push_back(ps.names[p]);
     ranges.push_back(ps.owned[p].first);

@@ -11,6 +11,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <functional>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,6 +38,11 @@ std::string save_shard(torch::optim::Optimizer& opt, const ShardedParams& ps, in
 // any order) hold of the elements each owns.
 void load_shards(torch::optim::Optimizer& opt, const ShardedParams& ps, int count,
                  const std::function<std::string(int)>& shard);
+
+// A state entry of SGD, Adam or AdamW: its tensors by field name
+// (undefined: absent) and, Adam's, its step (else 0).
+std::map<std::string, at::Tensor> state_tensors(const torch::optim::OptimizerParamState& st,
+                                                int64_t* step);
 
 // "SGD", "Adam" or "AdamW": what `opt` is (else an error naming `who`).
 std::string optimizer_kind(torch::optim::Optimizer& opt, const char* who);
