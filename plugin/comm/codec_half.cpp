@@ -68,6 +68,31 @@ class HalfCodec final : public LossyCodec {
     return out.view(input.sizes());
   }
 
+  // The same encoding (x + e) / world over all of flat, each owner's run of
+  // it sent to the owner, who adds the world's rows in rank order in float32
+  // and rounds once: the bits of allreduce_mean's result at its elements.
+  bool has_scatter() const override { return true; }
+  at::Tensor reduce_scatter_mean_packed(const at::Tensor& flat,
+                                        const std::vector<std::vector<int64_t>>& shapes,
+                                        const std::vector<Run>& runs, const std::string& key,
+                                        c10d::ProcessGroup& pg) override {
+    int64_t bytes = 0;
+    agree_on_scatter(pg, flat, shapes, runs, spec(), key, &bytes);
+    const Run* mine = run_of(runs, pg.getRank());
+    const int64_t n = flat.numel();
+    at::Tensor out;
+    if (n > 0) {
+      const at::Tensor x = flat_float(flat);
+      const at::Tensor q = half_pack_ef(x, residual(key, x), wire_, pg.getSize());
+      std::vector<int64_t> counts(pg.getSize(), 0);
+      for (const auto& r : runs) counts[r.rank] = r.numel;
+      const at::Tensor rows = scatter_rows(pg, q, counts, mine ? mine->numel : 0, &bytes);
+      if (mine) out = add_rows_in_order(rows).to(flat.scalar_type());
+    }
+    count_call(bytes, n);
+    return out;
+  }
+
  private:
   std::string name_;
   at::ScalarType wire_;

@@ -77,6 +77,27 @@ std::vector<PieceSpan> cut_pieces(const std::vector<int64_t>& parts, int64_t chu
   return out;
 }
 
+// The chunk parts of elements [begin, end) of a packed input whose tensors
+// have `parts` numels: each tensor's elements in the range, on the tensor's
+// own chunk grid -- a piece starting inside a chunk first completes it --
+// so every chunk but one cut by `begin` is the unsharded message's chunk.
+std::vector<int64_t> run_parts(const std::vector<int64_t>& parts, int64_t chunk, int64_t begin,
+                               int64_t end) {
+  std::vector<int64_t> out;
+  int64_t ts = 0;  // the tensor's first element in the input
+  for (int64_t m : parts) {
+    const int64_t a = std::max(begin, ts), b = std::min(end, ts + m);
+    if (a < b) {
+      const int64_t into = (a - ts) % chunk;
+      const int64_t head = into == 0 ? 0 : std::min(b - a, chunk - into);
+      if (head > 0) out.push_back(head);
+      if (b - a > head) out.push_back(b - a - head);
+    }
+    ts += m;
+  }
+  return out;
+}
+
 class Int8Codec final : public LossyCodec {
  public:
   explicit Int8Codec(int64_t chunk) : chunk_(chunk) {}
@@ -99,6 +120,58 @@ class Int8Codec final : public LossyCodec {
     int64_t bytes = 0;  // the chunking follows the parts: agreed on too
     const auto parts = agree_on_part_numels(pg, flat, shapes, spec(), key, &bytes);
     return reduce(flat, parts, key, pg, bytes);
+  }
+
+  // Each owner's run packed as its own message (chunks on the tensors' grids,
+  // cut at the run's start: run_parts), the messages sent to their owners in
+  // one all-to-all; the owner decodes and adds the world's messages in rank
+  // order, as allreduce_mean decodes a gathered row set.
+  bool has_scatter() const override { return true; }
+  at::Tensor reduce_scatter_mean_packed(const at::Tensor& flat,
+                                        const std::vector<std::vector<int64_t>>& shapes,
+                                        const std::vector<Run>& runs, const std::string& key,
+                                        c10d::ProcessGroup& pg) override {
+    int64_t bytes = 0;
+    const auto parts = agree_on_scatter(pg, flat, shapes, runs, spec(), key, &bytes);
+    const Run* mine = run_of(runs, pg.getRank());
+    const int64_t n = flat.numel();
+    at::Tensor out;
+    if (n > 0) {
+      const at::Tensor x = flat_float(flat);
+      at::Tensor e = residual(key, x);
+      std::vector<at::Tensor> msgs;
+      std::vector<int64_t> counts(pg.getSize(), 0);
+      for (const auto& r : runs) {
+        if (r.numel == 0) continue;
+        const auto rp = run_parts(parts, chunk_, r.offset, r.offset + r.numel);
+        const at::Tensor xr = x.narrow(0, r.offset, r.numel);
+        if (e.defined()) {
+          at::Tensor er = e.narrow(0, r.offset, r.numel);
+          msgs.push_back(int8_pack_ef(xr, er, chunk_, rp));
+        } else {
+          msgs.push_back(int8_pack(xr, chunk_, rp));
+        }
+        counts[r.rank] = msgs.back().numel();
+      }
+      std::vector<int64_t> mine_parts;
+      int64_t each = 0;  // the bytes of this rank's run's message, the same from every rank
+      if (mine && mine->numel > 0) {
+        mine_parts = run_parts(parts, chunk_, mine->offset, mine->offset + mine->numel);
+        each = counts[pg.getRank()];
+      }
+      const at::Tensor send = msgs.size() == 1 ? msgs[0] : at::cat(msgs);
+      const at::Tensor rows = scatter_rows(pg, send, counts, each, &bytes);
+      if (mine) {
+        at::Tensor sum = at::zeros({mine->numel}, flat.options().dtype(at::kFloat));
+        if (mine->numel > 0) {
+          int8_unpack_sum_out(rows, mine->numel, chunk_, 1.0 / static_cast<double>(pg.getSize()),
+                              sum, mine_parts);
+        }
+        out = sum.to(flat.scalar_type());
+      }
+    }
+    count_call(bytes, n);
+    return out;
   }
 
  private:

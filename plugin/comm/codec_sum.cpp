@@ -29,8 +29,8 @@ namespace {
 // 1 Gbit/s), and two ranks gain nothing from it.
 constexpr int64_t kScatterMinElements = int64_t{1} << 14;
 
-// rows [world, L] of dtype d: their sum in rank order in float32, as a fresh
-// [L] tensor of dtype d.
+}  // namespace
+
 at::Tensor add_rows_in_order(const at::Tensor& rows) {
   const int64_t w = rows.size(0);
   at::Tensor acc;
@@ -44,8 +44,6 @@ at::Tensor add_rows_in_order(const at::Tensor& rows) {
   for (int64_t r = 2; r < w; ++r) acc.add_(rows[r]);
   return acc.scalar_type() == rows.scalar_type() ? acc : acc.to(rows.scalar_type());
 }
-
-}  // namespace
 
 OrderedSum::OrderedSum(c10d::ProcessGroup& pg, const at::Tensor& flat, int64_t* bytes)
     : pg_(&pg), n_(flat.numel()), bytes_(bytes) {

@@ -85,6 +85,30 @@ class OrderedSum {
   c10::intrusive_ptr<c10d::Work> work_;
 };
 
+// rows [world, L]: their sum in rank order in float32, rounded once to the
+// rows' dtype ([L]); the adding of ordered_sum.
+at::Tensor add_rows_in_order(const at::Tensor& rows);
+
+// The door of Codec::reduce_scatter_mean_packed: check_packed, `runs`
+// tiling flat with strictly ascending ranks of the group, and step 1 of the
+// protocol with the parts and the runs agreed on too (*bytes: what the
+// agreement sent). Returns the parts' numels, in order.
+std::vector<int64_t> agree_on_scatter(c10d::ProcessGroup& pg, const at::Tensor& flat,
+                                      const std::vector<std::vector<int64_t>>& shapes,
+                                      const std::vector<Codec::Run>& runs,
+                                      const std::string& spec, const std::string& key,
+                                      int64_t* bytes);
+
+// This rank's run, or null.
+const Codec::Run* run_of(const std::vector<Codec::Run>& runs, int rank);
+
+// The all-to-all of a reduce-scatter: `send` (1-D, contiguous) is cut into
+// consecutive slices of counts[r] elements, slice r going to rank r; every
+// rank sends this rank `each` elements. Returns [world, each] (row r from
+// rank r), waited on. Adds send's bytes to *bytes.
+at::Tensor scatter_rows(c10d::ProcessGroup& pg, const at::Tensor& send,
+                        const std::vector<int64_t>& counts, int64_t each, int64_t* bytes);
+
 // Asynchronous form for pipelining: starts the collective and returns its
 // Work; the caller keeps the tensors alive and waits before reading them.
 // *rows becomes the [world, L] result buffer.

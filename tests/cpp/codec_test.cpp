@@ -13,46 +13,14 @@
 #include <cmath>
 #include <limits>
 
+#include "codec_test_util.h"
 #include "kernels/common/int8_codec.h"
 
 using ddpx::comm::Codec;
 using ddpx::comm::make_codec;
+using namespace ddpx::test::codec;
 
 namespace {
-
-ddpx::comm::ProcessGroupPtr group(const std::string& backend) {
-  // Leaked: the groups must outlive every test and never be torn down after
-  // MPI's exit handler has finalised MPI.
-  static auto* groups = new std::map<std::string, ddpx::comm::ProcessGroupPtr>();
-  auto& g = (*groups)[backend];
-  if (!g) {
-    ddpx::comm::MakeOptions o;
-    o.name = "codec_test_" + backend;
-    g = ddpx::comm::make(backend, o);
-  }
-  return g;
-}
-
-// Rank r's input for test case `seed`: normal * scale.
-at::Tensor input_of(int rank, int64_t seed, at::IntArrayRef shape, double scale = 1.0) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(seed * 1000 + rank);
-  return at::randn(shape, g, at::kFloat) * scale;
-}
-
-at::Tensor true_mean(int world, int64_t seed, at::IntArrayRef shape, double scale = 1.0) {
-  auto s = at::zeros(shape, at::kDouble);
-  for (int r = 0; r < world; ++r) s += input_of(r, seed, shape, scale).to(at::kDouble);
-  return s / world;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
 
 class CodecTest : public ::testing::TestWithParam<std::string> {
  protected:

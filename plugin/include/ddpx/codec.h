@@ -95,6 +95,37 @@ class Codec {
     return allreduce_mean_packed(flat, shapes, key, pg, {});
   }
 
+  // The sharded form (GradSyncOptions::shard, ZeRO): the same mean of the
+  // packed `flat`, each of its `runs` delivered to its owner only -- a
+  // reduce-scatter with uneven parts (one all-to-all of the encoded runs;
+  // the owner decodes and adds the world's contributions in rank order).
+  // `runs` tile flat in order, their ranks strictly ascending (a rank may
+  // own nothing). Returns this rank's run of the mean, a new [numel] tensor
+  // of flat's dtype, or an undefined tensor when it owns none. Error
+  // feedback as allreduce_mean: `key`'s residual is this rank's over all of
+  // flat -- what it sent every owner (a residual of the owned run alone
+  // would drop the error of the other runs' contributions).
+  //   fp16, bf16  bit for bit the owner's elements of allreduce_mean_packed
+  //               (the same encoding, residual and rank-order sum);
+  //   int8        chunks restart where a run starts within a tensor, so each
+  //               run's codes decode with its own scales ("per-part scales");
+  //               the chunks that do not straddle a run's start are the
+  //               unsharded ones, bit for bit; a straddling chunk is cut in two,
+  //               each piece within absmax/254 of its own elements;
+  //   the rest    has_scatter() is false and this is an error: top-k's budget
+  //               and PowerSGD's P = M Q are over whole tensors, which a run
+  //               may cut ("none" is reduced exactly by GradSync itself).
+  struct Run {
+    int64_t offset = 0;  // in flat, elements
+    int64_t numel = 0;
+    int rank = 0;  // the owner
+  };
+  virtual bool has_scatter() const { return false; }
+  virtual at::Tensor reduce_scatter_mean_packed(const at::Tensor& flat,
+                                                const std::vector<std::vector<int64_t>>& shapes,
+                                                const std::vector<Run>& runs,
+                                                const std::string& key, c10d::ProcessGroup& pg);
+
   CodecStats stats() const;
   // Drops one key's state ("" = every key's).
   void reset_state(const std::string& key = "");
@@ -107,6 +138,13 @@ class Codec {
   std::map<std::string, at::Tensor> take_residuals();
   // Copies of every key's residual, the state left as it is (a checkpoint).
   std::map<std::string, at::Tensor> residuals() const;
+  // The residual under `key` itself, not a copy (flat float32; the next call
+  // under `key` updates it in place), undefined before the key's first
+  // call. For a caller that sends elements no rank will use (GradSync's
+  // sharded bucket goes whole, with the parameters no rank used this step)
+  // and puts their residual back after the call, so the error they owe
+  // waits for the step that uses them.
+  at::Tensor live_residual(const std::string& key) const { return state(key, "residual"); }
   // Copies of the warm starts kept under part keys (PowerSGD: Q^T, [r, cols]
   // float32, the same on every rank), by part key; and setting them again
   // (a checkpoint's). A warm start that does not fit its part when next
