@@ -258,7 +258,7 @@ void GradSync::Impl::launch_held_locked() {
 void GradSync::Impl::launch_bucket_locked(int b, const std::vector<char>& anywhere) {
   launch_seq.push_back(b);
   if (shard.active()) {
-    launch_sharded_locked(b);  // whole: unused and declared slots too
+    launch_sharded_locked(b, anywhere);  // whole: unused and declared slots too
     return;
   }
   if (!plan[b].late && skipped_in[b] == 0) {

@@ -229,7 +229,7 @@ struct GradSync::Impl {
   // elements of its used parameters stepped and the owners' parts of the
   // parameters written into the bucket, then gathered; the gathered
   // parameters copied out, the bucket zeroed (or released), gates opened.
-  void launch_sharded_locked(int b);
+  void launch_sharded_locked(int b, const std::vector<char>& anywhere);
   // (land_sharded: the owned averages become the parts' .grad; returns the
   // parameters to step, those some rank used; step_sharded steps them.)
   std::vector<int> land_sharded(int b, const int* agreed);
@@ -449,7 +449,13 @@ struct GradSync::Impl {
   // The runs of bucket b's slots to send: not declared unused and, in a late
   // bucket, used by some rank (globally_used from the step-end agreement);
   // empty when none is.
-  std::vector<Run> sent_runs(int b, const std::vector<char>& globally_used) const;
+  std::vector<Run> sent_runs(int b, const std::vector<char>& globally_used,
+                             bool sent = true) const;
+  // The complement: the slots of the parameters no rank uses this step.
+  std::vector<Run> unsent_runs(int b, const std::vector<char>& globally_used) const {
+    return sent_runs(b, globally_used, false);
+  }
+  bool idle_in_step(int b, int p, const std::vector<char>& globally_used) const;
 
   void on_grad(int p);
 

@@ -234,11 +234,15 @@ std::vector<std::pair<at::Tensor, at::Tensor>> GradSync::Impl::take_carries_lock
   return owed;
 }
 
+bool GradSync::Impl::idle_in_step(int b, int p, const std::vector<char>& globally_used) const {
+  return declared[p] || (plan[b].late && !globally_used.empty() && !globally_used[p]);
+}
+
 std::vector<GradSync::Impl::Run> GradSync::Impl::sent_runs(
-    int b, const std::vector<char>& globally_used) const {
+    int b, const std::vector<char>& globally_used, bool sent) const {
   std::vector<Run> runs;
   for (int p : plan[b].params) {
-    if (declared[p] || (plan[b].late && !globally_used[p])) continue;
+    if (idle_in_step(b, p, globally_used) == sent) continue;
     const int64_t off = offset_of[p], n = info[p].numel;
     if (!runs.empty() && runs.back().offset + runs.back().numel == off) {
       runs.back().numel += n;

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/hash.h>
+#include <ddpx/codec.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
@@ -161,9 +162,10 @@ const char* shard_name(Shard s) {
 void check_shard(const GradSyncOptions& o) {
   if (o.shard_ == Shard::None) return;
   const char* mode = shard_name(o.shard_);
-  TORCH_CHECK(o.codec_ == "none", "GradSync: shard(", mode, ") with codec('",
-              o.codec_, "'): a sharded bucket is reduced exactly (codec 'none'); the "
-              "codecs' sharded forms are not built");
+  TORCH_CHECK(o.codec_ == "none" || comm::make_codec(o.codec_)->has_scatter(), "GradSync: shard(",
+              mode, ") with codec('", o.codec_, "'): the codec has no sharded form (its "
+              "compression is over whole tensors, which an owner's part may cut); use 'none', "
+              "'fp16', 'bf16' or 'int8'");
   TORCH_CHECK(o.staleness_ == 0, "GradSync: shard(", mode, ") with staleness(1) is not "
               "supported (its look-ahead steps every parameter on each rank)");
   TORCH_CHECK(!o.param_dtype_ && !o.reduce_dtype_, "GradSync: shard(", mode,

@@ -1,7 +1,8 @@
 // GradSync's sharded step (GradSyncOptions::shard, ZeRO-1/2; who owns what:
 // hooks/shard_map.h). Per bucket: the reduction goes to the owners (one
 // reduce per owner's part, all in flight at once: a reduce-scatter with
-// uneven parts over any c10d backend), the owned elements are stepped by
+// uneven parts over any c10d backend; a codec's encoded parts in one
+// all-to-all, Codec::reduce_scatter_mean_packed), the owned elements are stepped by
 // the trainer's optimizer (hooks/bucket_optimizer.h, on flat views of the
 // parameters), each owner writes its updated elements into the bucket --
 // the gradients there are consumed -- and broadcasts them (the all-gather),
@@ -86,16 +87,27 @@ const hooks::ShardPart* GradSync::Impl::my_part(int b) const {
   return nullptr;
 }
 
-void GradSync::Impl::launch_sharded_locked(int b) {
+void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywhere) {
   hooks::Range range("ddpx::bucket_launch");
   ensure_storage(b);  // (no gradient of it came here)
   auto& bs = stats.buckets[b];
   bs.launch_us = hooks::us_since(t0, Clock::now());
   bs.bytes = plan[b].numel * static_cast<int64_t>(c10::elementSize(plan[b].dtype));
-  shard_bytes += bs.bytes;
-  shard_raw += 4 * plan[b].numel;
+  if (!lossy) {  // (a codec counts what it sends)
+    shard_bytes += bs.bytes;
+    shard_raw += 4 * plan[b].numel;
+  }
   at::Tensor flat = storage[b];
   std::vector<c10::Storage> keep;
+  // Error feedback a re-plan left owed: added to the slots before encoding.
+  auto owed = take_carries_locked(b, {{0, plan[b].numel}});
+  for (const auto& o : owed) keep.push_back(o.second.storage());
+  // A codec: the slots of parameters no rank uses this step (sent_runs'
+  // rule) go out with the rest, but their residual is put back after the
+  // call -- no rank steps them, so the error they owe waits for a step that
+  // does (as unsharded, which leaves them out of the call).
+  std::vector<Run> idle;
+  if (lossy) idle = unsent_runs(b, anywhere);
   at::Tensor* owned = nullptr;  // Gradients: where this rank's averaged part goes
   const hooks::ShardPart* mine = my_part(b);
   if (transient_storage()) {
@@ -105,21 +117,42 @@ void GradSync::Impl::launch_sharded_locked(int b) {
     drop_storage(b);
     owned = &owned_grads[b];
   }
-  auto body = [this, flat, parts = shard_parts[b], owned,
+  // (The bucket's key and shapes change only at a re-plan, after every future.)
+  auto body = [this, flat, parts = shard_parts[b], owned, bucket_key = &keys[b], bucket_shapes = &shapes[b],
+               owed = std::move(owed), idle = std::move(idle),
                mine = mine ? std::optional<hooks::ShardPart>(*mine)
                            : std::nullopt](c10d::ProcessGroup& pg) mutable {
-    // Divided before the sum, as the unsharded "none" does (reduce_fn.cpp):
-    // the same averages, bit for bit where MPI sums in the same order.
-    if (world > 1) flat.div_(world);
-    per_part(flat, parts, [&pg](std::vector<at::Tensor>& t, int owner) {
-      c10d::ReduceOptions o;
-      o.rootRank = owner;
-      o.reduceOp = c10d::ReduceOp::SUM;
-      return pg.reduce(t, o);
-    });
+    at::Tensor mean;  // a codec's: this rank's part of the average
+    if (lossy) {
+      for (auto& [slot, r] : owed) slot.add_(r.view(slot.sizes()));
+      std::vector<comm::Codec::Run> runs;
+      for (const auto& part : parts) runs.push_back({part.offset, part.numel, part.rank});
+      std::vector<at::Tensor> owe;  // the idle slots' residuals, before the call
+      const at::Tensor before = idle.empty() ? at::Tensor() : lossy->live_residual(*bucket_key);
+      for (const auto& r : idle) {
+        owe.push_back(before.defined() ? before.narrow(0, r.offset, r.numel).clone() : at::Tensor());
+      }
+      mean = lossy->reduce_scatter_mean_packed(flat, *bucket_shapes, runs, *bucket_key, pg);
+      const at::Tensor after = idle.empty() ? at::Tensor() : lossy->live_residual(*bucket_key);
+      for (size_t i = 0; i < idle.size() && after.defined(); ++i) {
+        at::Tensor e = after.narrow(0, idle[i].offset, idle[i].numel);
+        owe[i].defined() ? e.copy_(owe[i]) : e.zero_();
+      }
+      if (mine && !owned) flat.narrow(0, mine->offset, mine->numel).copy_(mean);
+    } else {
+      // Divided before the sum, as the unsharded "none" does (reduce_fn.cpp):
+      // the same averages, bit for bit where MPI sums in the same order.
+      if (world > 1) flat.div_(world);
+      per_part(flat, parts, [&pg](std::vector<at::Tensor>& t, int owner) {
+        c10d::ReduceOptions o;
+        o.rootRank = owner;
+        o.reduceOp = c10d::ReduceOp::SUM;
+        return pg.reduce(t, o);
+      });
+    }
     if (!owned) return;
     if (mine) {
-      *owned = flat.narrow(0, mine->offset, mine->numel).clone();
+      *owned = mean.defined() ? mean : flat.narrow(0, mine->offset, mine->numel).clone();
       account(static_cast<int64_t>(owned->nbytes()));
     }
     account(-static_cast<int64_t>(flat.nbytes()));
@@ -136,12 +169,28 @@ std::vector<int> GradSync::Impl::land_sharded(int b, const int* agreed) {
   const hooks::ShardPart* mine = my_part(b);
   std::vector<int> stepped;
   for (int p : plan[b].params) {
-    // Unused on every rank: not stepped, as without sharding.
-    if ((agreed && agreed[p] == 0) || !optimizer->steps(p)) continue;
     const auto [lo, hi] = shard.mine(p);
-    shard_views[p].mutable_grad() =
-        transient_storage() ? owned_grads[b].narrow(0, offset_of[p] + lo - mine->offset, hi - lo)
-                            : views[p].view(-1).narrow(0, lo, hi - lo);
+    auto owned_mean = [&, lo = lo, hi = hi] {
+      return transient_storage()
+                 ? owned_grads[b].narrow(0, offset_of[p] + lo - mine->offset, hi - lo)
+                 : views[p].view(-1).narrow(0, lo, hi - lo);
+    };
+    // Unused on every rank: not stepped, as without sharding. A codec: its
+    // slots were sent, carrying the ranks' residuals for it (a reliable
+    // bucket's; in late ones they were put back), and no rank applies the
+    // mean -- so the owner owes it again, world times over: the residuals'
+    // sum over the ranks, all that error feedback needs, is conserved.
+    // (Unsharded, every rank owes the mean; only the owner has it here.)
+    if (agreed && agreed[p] == 0) {
+      if (lossy && hi > lo && !plan[b].late && !declared[p]) {
+        at::Tensor owed = at::zeros({info[p].numel}, owned_mean().options().dtype(at::kFloat));
+        owed.narrow(0, lo, hi - lo).copy_(owned_mean()).mul_(shard.world());
+        owe(p, owed);
+      }
+      continue;
+    }
+    if (!optimizer->steps(p)) continue;
+    shard_views[p].mutable_grad() = owned_mean();
     stepped.push_back(p);
   }
   return stepped;

@@ -32,6 +32,7 @@ using namespace ddpx::test::grad_sync;
 struct GatedImpl : torch::nn::Module {
   torch::nn::Linear trunk{nullptr}, a{nullptr}, b{nullptr}, head{nullptr};
   std::function<void(const std::vector<at::Tensor>&)> gate;
+  bool both = false;  // both experts every step: no parameter unused
   GatedImpl() {
     trunk = register_module("trunk", torch::nn::Linear(6, 12));
     a = register_module("a", torch::nn::Linear(12, 12));
@@ -46,7 +47,7 @@ struct GatedImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x, int step) {
     auto h = torch::tanh(run(trunk, x));
-    h = torch::tanh(step % 2 == 0 ? run(a, h) : run(b, h));
+    h = torch::tanh(both ? run(a, h) + run(b, h) : step % 2 == 0 ? run(a, h) : run(b, h));
     return run(head, h).pow(2).mean();
   }
 };
@@ -123,6 +124,7 @@ struct TrainRun {
   // Global-norm clipping: GradSyncOptions::clip_grad_norm, or in the
   // reference torch::nn::utils::clip_grad_norm_ before optimizer.step().
   double clip = 0;
+  bool every_param_used = false;  // Gated::both
   bool steps_in_sync() const { return overlap != Overlap::None || shard != ddpx::Shard::None; }
 };
 
@@ -197,6 +199,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
   LateApply late;  // the reference's, with staleness
   torch::manual_seed(7);
   Gated m;
+  m->both = r.every_param_used;
   m->to(r.device);
   auto opt = make_optimizer(m, r.opt);
   auto sync = std::make_unique<GradSync>(m->named_parameters(), pg, so);
@@ -216,6 +219,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
       sync.reset();
       torch::manual_seed(99);  // other initial values: the load must restore them
       m = Gated();
+      m->both = r.every_param_used;
       torch::load(m, model_bytes, r.device);
       opt = make_optimizer(m, r.opt);
       torch::load(*opt, opt_bytes);

@@ -6,7 +6,8 @@
 // synchronous path on the same device leaves them (the CPU suites' check,
 // tests/cpp/test_grad_sync_overlap.cpp, on CUDA), over ddpx_mpi (CUDA tensors
 // staged through host memory) and Gloo; and NCCL at world size 1 (one GPU
-// cannot hold two NCCL ranks) through the same code path.
+// cannot hold two NCCL ranks) through the same code path. Sharded runs
+// (GradSyncOptions::shard) too, against the unsharded synchronous path.
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
 #include <gtest/gtest.h>
@@ -46,6 +47,18 @@ TrainRun on_cuda(TrainRun r, int staleness = 0, int warmup = 0) {
   return r;
 }
 
+using ddpx::Shard;
+
+// A sharded run; a codec's on the model whose every parameter is used (with
+// unused ones it parts from the unsharded codec in the last bits:
+// test_grad_sync_shard.cpp).
+TrainRun sharded_run(Shard s, Overlap o, Opt opt, int micro = 1, const char* codec = "none") {
+  TrainRun r = with(o, opt, Unused::Predict, micro, codec);
+  r.shard = s;
+  r.every_param_used = std::string(codec) != "none";
+  return r;
+}
+
 class GradSyncCudaModes : public ::testing::TestWithParam<CudaCase> {};
 
 TEST_P(GradSyncCudaModes, BitwiseEqualToTheSynchronousPathOnTheGpu) {
@@ -68,6 +81,13 @@ const CudaCase kCudaCases[] = {
     {"NextForwardResumed", on_cuda(with(Overlap::NextForward, Opt::AdamW, kPredict, 1, "none", 85)), ""},
     {"GlooOptimizerAdamW", on_cuda(with(Overlap::Optimizer, Opt::AdamW)), "gloo"},
     {"GlooNextForwardCodecInt8", on_cuda(with(Overlap::NextForward, Opt::SgdNesterov, kPredict, 1, "int8")), "gloo"},
+    // GradSyncOptions::shard (ZeRO-1/2): the reduce to the owners, the
+    // owned step and the gather on the channels' streams.
+    {"ShardOptimizerStateNoOverlap", on_cuda(sharded_run(Shard::Optimizer, Overlap::None, Opt::AdamW)), ""},
+    {"ShardGradientsNextForwardNoSync",
+     on_cuda(sharded_run(Shard::Gradients, Overlap::NextForward, Opt::SgdNesterov, 2)), ""},
+    {"ShardGradientsCodecFp16", on_cuda(sharded_run(Shard::Gradients, Overlap::Optimizer, Opt::Adam, 1, "fp16")), ""},
+    {"GlooShardGradientsOptimizer", on_cuda(sharded_run(Shard::Gradients, Overlap::Optimizer, Opt::AdamW)), "gloo"},
 };
 
 INSTANTIATE_TEST_SUITE_P(Cuda, GradSyncCudaModes, ::testing::ValuesIn(kCudaCases),
@@ -92,6 +112,16 @@ TEST(GradSyncCudaNccl, WorldSizeOneMatchesTheSynchronousPath) {
     ref.overlap = Overlap::None;
     expect_bitwise(train(ours), train(ref), overlap == Overlap::Optimizer ? "nccl optimizer"
                                                                           : "nccl next forward");
+  }
+  // Sharded over NCCL (one rank owns everything: the reduce and the gather
+  // still run through NCCL's reduce and broadcast; the codec's all-to-all).
+  for (const char* codec : {"none", "bf16"}) {
+    TrainRun ours = on_cuda(sharded_run(Shard::Gradients, Overlap::NextForward, Opt::AdamW, 1, codec));
+    ours.group = pg;
+    TrainRun ref = ours;
+    ref.overlap = Overlap::None;
+    ref.shard = Shard::None;
+    expect_bitwise(train(ours), train(ref), std::string("nccl sharded ") + codec);
   }
 }
 

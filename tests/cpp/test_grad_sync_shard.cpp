@@ -37,6 +37,17 @@ TrainRun sharded(Shard s, Overlap o, Opt opt, Unused u = Unused::Predict, int mi
   return r;
 }
 
+// The codecs' sharded forms against the same codec unsharded, on the model
+// with both experts used every step: bit for bit for fp16 and bf16. (With
+// parameters no rank used, the runs part in the last bits: below.)
+TrainRun sharded(Shard s, Overlap o, Opt opt, const char* codec, Unused u = Unused::Predict,
+                 int micro = 1) {
+  TrainRun r = sharded(s, o, opt, u, micro);
+  r.codec = codec;
+  r.every_param_used = true;
+  return r;
+}
+
 class GradSyncShard : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GradSyncShard, BitwiseEqualToUnsharded) {
@@ -57,10 +68,50 @@ const Case kCases[] = {
      sharded(Shard::Gradients, Overlap::Optimizer, Opt::AdamW, Unused::Predict, 1, 70)},
     {"OptimizerStateResumedSgd",
      sharded(Shard::Optimizer, Overlap::NextForward, Opt::SgdNesterov, Unused::Predict, 1, 45)},
+    // fp16/bf16: the unsharded codec's run, bit for bit (codec_scatter_test.cpp).
+    {"Fp16OptimizerStateAdamW", sharded(Shard::Optimizer, Overlap::Optimizer, Opt::AdamW, "fp16")},
+    {"Bf16GradientsNextForwardNoSync",
+     sharded(Shard::Gradients, Overlap::NextForward, Opt::SgdNesterov, "bf16", Unused::Predict, 2)},
+    {"Fp16GradientsExact",
+     sharded(Shard::Gradients, Overlap::None, Opt::Adam, "fp16", Unused::Exact)},
 };
 
 INSTANTIATE_TEST_SUITE_P(Modes, GradSyncShard, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// With parameters no rank used (an expert every other step): their slots go
+// out in a reliable bucket, carrying each rank's residual for them, and the
+// mean nobody steps is owed again -- unsharded by every rank, sharded by
+// the owner alone, world times over (only it has the mean): the same sum of
+// residuals, rounded otherwise; int8 also cuts its chunks at the owners'
+// bounds (codec_scatter_test.cpp). So the runs part by roundings of the
+// codec's own size: the sharded run stays as close to the unsharded codec's
+// as that one is to the exact run (Adam: a rounding moves a step fully).
+TEST(GradSyncShardCodecs, WithUnusedParametersStayNextToTheUnshardedCodec) {
+  struct C {
+    const char* codec;
+    Shard shard;
+    Overlap overlap;
+  };
+  for (const C& c : {C{"fp16", Shard::Optimizer, Overlap::NextForward},
+                     C{"int8", Shard::Gradients, Overlap::Optimizer}}) {
+    TrainRun ours = sharded(Shard::None, Overlap::None, Opt::Adam);
+    ours.codec = c.codec;
+    ours.steps = 40;
+    TrainRun ref = ours, exact = ours;
+    ours.shard = c.shard;
+    ours.overlap = c.overlap;
+    exact.codec = "none";
+    const auto got = train(ours), want = train(ref), none = train(exact);
+    double off = 0, codec_error = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      off = std::max(off, (got[i] - want[i]).abs().max().item<double>());
+      codec_error = std::max(codec_error, (none[i] - want[i]).abs().max().item<double>());
+    }
+    EXPECT_GT(off, 0.0) << c.codec << ": the same bits; the case tests nothing";
+    EXPECT_LE(off, 1.5 * codec_error) << c.codec;
+  }
+}
 
 // Global-norm clipping (GradSyncOptions::clip_grad_norm) against LibTorch's
 // clip_grad_norm_ after backward: bit for bit unsharded (its own code runs
@@ -392,8 +443,14 @@ TEST(GradSyncShardErrors, UnsupportedCombinationsNameBothOptions) {
   auto make = [&](GradSyncOptions o) {
     GradSync s(m->named_parameters(), pg, o.shard(Shard::Gradients));
   };
-  auto e = error_of([&] { make(GradSyncOptions().codec("fp16")); });
-  EXPECT_NE(e.find("shard(Shard::Gradients) with codec('fp16')"), std::string::npos) << e;
+  for (const char* codec : {"topk:0.1", "powersgd:2"}) {
+    auto e = error_of([&] { make(GradSyncOptions().codec(codec)); });
+    EXPECT_NE(e.find("shard(Shard::Gradients) with codec('" + std::string(codec) +
+                     "'): the codec has no sharded form"),
+              std::string::npos)
+        << e;
+  }
+  std::string e;
   e = error_of([&] { make(GradSyncOptions().overlap(Overlap::Optimizer).staleness(1)); });
   EXPECT_NE(e.find("with staleness(1)"), std::string::npos) << e;
   e = error_of([&] { make(GradSyncOptions().mixed_precision(at::kBFloat16, at::kFloat)); });

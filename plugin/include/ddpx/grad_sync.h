@@ -238,10 +238,17 @@ struct GradSyncOptions {
   // accumulates, whole, as usual) and undefined after the step.
   // Optimizer: buckets persist and .grad is a view of its (zeroed) slot
   // after each step, as without sharding.
-  // Exact reductions only: codec "none" (the codecs' sharded forms are not
-  // built yet: refused), and not with staleness(1), mixed_precision or
-  // sparse gradients (refused, naming the option). A GradScaler is refused
-  // too (its verdict would need every rank's part).
+  // Codecs: "none" (exact: a reduce per owner's part, the parameters bit for
+  // bit those of the unsharded run), and the sharded forms of "fp16",
+  // "bf16" (bit for bit the unsharded codec's run) and "int8" (chunks cut at
+  // the owners' bounds: within the codec's bound of the unsharded one) --
+  // Codec::reduce_scatter_mean_packed; each rank's error-feedback residual
+  // covers the whole bucket (its contributions to every owner), float32
+  // state of a gradient's size outside the Gradients bound. top-k and
+  // PowerSGD are refused (their compression is over whole tensors).
+  // Not with staleness(1), mixed_precision or sparse gradients (refused,
+  // naming the option). A GradScaler is refused too (its verdict would need
+  // every rank's part).
   DDPX_OPT(Shard, shard, Shard::None)
   // Global-norm gradient clipping where GradSync steps the optimizer
   // (set_optimizer; 0: off): once every bucket's average has landed, they
