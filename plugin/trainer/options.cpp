@@ -1,6 +1,7 @@
 #include "plugin/trainer/options.h"
 
 #include <c10/util/StringUtil.h>
+#include <ddpx/codec.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
@@ -9,6 +10,20 @@
 #include <vector>
 
 namespace ddpx::trainer {
+
+namespace {
+
+// Whether --codec has a sharded form; a bad spec passes here and is
+// GradSync's to report, with the codecs' grammar.
+bool codec_has_scatter(const std::string& spec) {
+  try {
+    return comm::make_codec(spec)->has_scatter();
+  } catch (const c10::Error&) {
+    return true;
+  }
+}
+
+}  // namespace
 
 Options parse_options(int argc, char** argv) {
   Options o;
@@ -61,6 +76,11 @@ Options parse_options(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   run->add_option("--weight-decay", o.weight_decay)->check(CLI::NonNegativeNumber);
+  run->add_option("--clip-grad-norm", o.clip_grad_norm,
+                  "clip the averaged gradients' global norm to this before each step, as "
+                  "torch.nn.utils.clip_grad_norm_ (sharded: over every rank's parts); 0: off")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   run->add_option("--lr-schedule", o.lr_schedule, "constant | cosine | step (x0.1 at 50% and 75%)")
       ->check(CLI::IsMember({"constant", "cosine", "step"}))
       ->capture_default_str();
@@ -287,13 +307,20 @@ Options parse_options(int argc, char** argv) {
         "--staleness", "1 does not combine with --amp fp16 (loss scaling) or --param-dtype / "
                        "--reduce-dtype: choose one")));
   }
+  if (o.clip_grad_norm > 0 && (o.staleness > 0 || o.mode == "ps")) {
+    std::exit(app.exit(CLI::ValidationError(
+        "--clip-grad-norm", o.staleness > 0 ? "does not combine with --staleness 1 (the stale "
+                                              "update would go unclipped)"
+                                            : "is GradSync's (--mode sync)")));
+  }
   if (o.shard != "none") {
     // What GradSyncOptions::shard does not combine with, before any rank starts.
     std::string other;
     if (o.mode == "ps") {
       other = "--mode ps (the parameter server holds the state)";
-    } else if (o.codec != "none") {
-      other = "--codec " + o.codec + " (sharded reductions are exact)";
+    } else if (o.codec != "none" && !codec_has_scatter(o.codec)) {
+      other = "--codec " + o.codec + " (its compression is over whole tensors, which an "
+              "owner's part may cut; none, fp16, bf16 and int8 have sharded forms)";
     } else if (o.staleness > 0) {
       other = "--staleness 1";
     } else if (mixed) {
@@ -340,6 +367,7 @@ std::string describe_modes(const Options& o, bool scaled) {
   if (scaled) on.push_back("loss scaling");
   if (o.shard == "optimizer") on.push_back("ZeRO-1: optimizer state sharded");
   if (o.shard == "gradients") on.push_back("ZeRO-2: optimizer state and gradients sharded");
+  if (o.clip_grad_norm > 0) on.push_back("gradient norm clipped to " + c10::str(o.clip_grad_norm));
   if (o.cudnn_benchmark) on.push_back("cudnn benchmark");
   return on.empty() ? "" : " (" + c10::Join(", ", on) + ")";
 }

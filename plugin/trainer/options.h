@@ -27,6 +27,7 @@ struct Options {
   double lr = 0.05;
   double momentum = 0.9;
   double weight_decay = 0.0;
+  double clip_grad_norm = 0.0;  // 0: off (GradSyncOptions::clip_grad_norm, or clip_grad_norm_)
   std::string lr_schedule = "constant";  // constant | cosine | step
   int64_t warmup_steps = 0;
   uint64_t seed = 1;

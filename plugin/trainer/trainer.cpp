@@ -7,6 +7,7 @@
 #include <ddpx/grad_sync.h>
 #include <ddpx/layer_drop.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/utils.h>  // torch::manual_seed
 
 #include <chrono>
@@ -151,6 +152,7 @@ std::string run(const Options& o) {
   // (Sharded: each rank holds the average of its own part only.)
   const bool stepped_by_sync =
       so.overlap_ != Overlap::None || param_dtype != at::kFloat || so.shard_ != Shard::None;
+  so.clip_grad_norm(stepped_by_sync ? o.clip_grad_norm : 0.0);  // (else: below, before step())
   // A shared pattern is declared to GradSync each step: each block gets
   // buckets of its own, which a dropped block skips whole.
   if (drop.active() && !drop.per_rank) so.drop_units(units);
@@ -275,6 +277,8 @@ std::string run(const Options& o) {
     (scaler ? scaler->scale(loss) : loss).backward();
     if (!stepped_by_sync) {
       auto in_trace = sync->phase("optimizer_step");
+      if (scaler && o.clip_grad_norm > 0) scaler->unscale_(*opt);  // (clip the true gradients)
+      if (o.clip_grad_norm > 0) torch::nn::utils::clip_grad_norm_(params, o.clip_grad_norm);
       if (scaler) {
         skipped_here += scaler->step(*opt) ? 0 : 1;
         scaler->update();

@@ -3,8 +3,9 @@ mpirun. Sharded runs end at the very parameters of the unsharded run; a
 sharded checkpoint (every rank's part of the optimizer state) resumes at
 another world size, sharded or not; a rank lost under --on-rank-loss shrink
 sends the survivors back to the last checkpoint (its part of the state is
-gone with it), re-split over the ranks left; bad combinations fail before
-any rank starts, naming both options.
+gone with it), re-split over the ranks left; --codec bf16 sharded is the
+unsharded bf16 run; --clip-grad-norm clips alike wherever the step runs;
+bad combinations fail before any rank starts, naming both options.
 """
 import pytest
 import torch
@@ -39,6 +40,21 @@ def test_sharded_runs_are_bitwise_the_unsharded_run(tmp_path, data_cache):
         assert gpos == wpos and g.keys() == w.keys()
         for k in w:
             assert torch.equal(g[k], w[k]), (shard, k, (g[k] - w[k]).abs().max().item())
+
+
+def test_a_sharded_bf16_run_is_bitwise_the_unsharded_bf16_run(tmp_path, data_cache):
+    """The codec's sharded form (Codec::reduce_scatter_mean_packed): the same
+    encoding, residuals and rank-order sums, so the same parameters."""
+    common = ["--batch-size", 32, "--codec", "bf16"]
+    want, _ = train(tmp_path, data_cache, 2, "none", *common, steps=20)
+    got, out = train(tmp_path, data_cache, 2, "zero2", *common, "--shard", "gradients",
+                     "--overlap", "optimizer", steps=20)
+    assert "ZeRO-2" in out and "codec bf16" in out, out
+    g, _ = checkpoint_params(got)
+    w, _ = checkpoint_params(want)
+    assert g.keys() == w.keys()
+    for k in w:
+        assert torch.equal(g[k], w[k]), (k, (g[k] - w[k]).abs().max().item())
 
 
 def test_a_sharded_checkpoint_resumes_at_another_world_size(tmp_path, data_cache):
@@ -93,9 +109,30 @@ def test_a_lost_rank_sends_the_survivors_back_to_the_last_checkpoint(tmp_path, d
         assert (got[k] - want[k]).abs().max() <= 1e-6, k
 
 
+def test_clip_grad_norm_where_the_trainer_or_gradsync_steps(tmp_path, data_cache):
+    """--clip-grad-norm: clip_grad_norm_ before the trainer's step, or
+    GradSyncOptions::clip_grad_norm where GradSync steps (bit for bit: its
+    own code on the whole averages; sharded: over every rank's parts, within
+    rounding); a limit low enough to clip."""
+    clip = ["--batch-size", 32, "--clip-grad-norm", 0.05]
+    want, out = train(tmp_path, data_cache, 2, "trainer", *clip, steps=10)
+    assert "gradient norm clipped to 0.05" in out, out
+    w, _ = checkpoint_params(want)
+    unclipped, _ = checkpoint_params(train(tmp_path, data_cache, 2, "off", "--batch-size", 32,
+                                           steps=10)[0])
+    assert any(not torch.equal(w[k], unclipped[k]) for k in w), "the limit never clipped"
+    for name, extra, tol in (("gradsync", ["--overlap", "optimizer"], 0.0),
+                             ("zero2", ["--shard", "gradients"], 1e-6)):
+        g, _ = checkpoint_params(train(tmp_path, data_cache, 2, name, *clip, *extra, steps=10)[0])
+        for k in w:
+            assert (g[k] - w[k]).abs().max() <= tol, (name, k)
+
+
 @pytest.mark.parametrize("extra, message", [
-    (["--codec", "fp16"], "--shard: optimizer does not combine with --codec fp16"),
+    (["--codec", "topk:0.01"], "--shard: optimizer does not combine with --codec topk:0.01"),
     (["--staleness", 1], "--shard: optimizer does not combine with --staleness 1"),
+    (["--clip-grad-norm", 1, "--staleness", 1],
+     "--clip-grad-norm: does not combine with --staleness 1"),
     (["--on-rank-loss", "shrink", "--global-batch", 8],
      "--shard: optimizer does not combine with --on-rank-loss shrink without --checkpoint"),
 ])
