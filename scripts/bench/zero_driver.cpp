@@ -37,7 +37,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Args {
-  std::string model, name, kase = "gs", overlap = "none", out;
+  std::string model, name, kase = "gs", overlap = "none", codec = "none", out;
   int warmup = 3, steps = 5, threads = 1, round = 0;
   double lr = 1e-3, bucket_cap_mb = 25.0;
 };
@@ -118,7 +118,8 @@ nlohmann::json run(const Args& a) {
   // elements are this rank's); so do the overlapped modes.
   const bool by_sync = shard != ddpx::Shard::None || overlap != ddpx::Overlap::None;
   const auto options =
-      ddpx::GradSyncOptions().bucket_cap_mb(a.bucket_cap_mb).shard(shard).overlap(overlap);
+      ddpx::GradSyncOptions().bucket_cap_mb(a.bucket_cap_mb).shard(shard).overlap(overlap).codec(
+          a.codec);
   ddpx::GradSync sync(m, pg, options);
   if (by_sync) sync.set_optimizer(adam);
 
@@ -141,6 +142,7 @@ nlohmann::json run(const Args& a) {
           {"world", pg->getSize()},
           {"round", a.round},
           {"overlap", a.overlap},
+          {"codec", a.codec},
           {"step_ms", median(ms)},
           {"times_ms", ms},
           {"param_bytes", prof.param_bytes},
@@ -167,6 +169,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", a.steps, "timed steps");
   app.add_option("--threads", a.threads, "intra-op threads");
   app.add_option("--lr", a.lr, "Adam's learning rate");
+  app.add_option("--codec", a.codec, "GradSync's codec (sharded: none, fp16, bf16 or int8)");
   app.add_option("--bucket-cap-mb", a.bucket_cap_mb, "GradSync's bucket cap");
   app.add_option("--round", a.round, "echoed in the record");
   app.add_option("--out", a.out, "file for this rank's JSON record (default: stdout)");
