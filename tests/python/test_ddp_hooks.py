@@ -190,6 +190,43 @@ def test_every_named_hook_trains(group, name, atol):
                 assert (a - s).norm() <= (b - s).norm() * 1.5
 
 
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
+def test_sharded_zero_step_behind_the_hook(world, codec):
+    """ZeRO in Python: PyTorch's ZeroRedundancyOptimizer(overlap_with_ddp=True)
+    stepped by its hook_with_zero_step around codec_hook, which leaves the
+    mean in the bucket as PyTorch's own hooks do (the wrapper steps on the
+    bucket). Against DDP + Adam with the same hook: the ZeRO wrapper does not
+    update in the first two iterations (DDP settles its buckets), so the
+    reference runs their backward without a step -- the codec's residuals
+    move alike -- and then the same parameters, bit for bit, on every rank.
+    (The wrapper refuses Gloo: ddpx_mpi only.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def run(zero):
+        m = mlp()
+        ddp = DDP(m, bucket_cap_mb=0.02)
+        if zero:
+            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam,
+                                          overlap_with_ddp=True, lr=0.01)
+            ddp.register_comm_hook(CodecState(codec), hook_with_zero_step(codec_hook, ddp, opt))
+        else:
+            opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+            ddp.register_comm_hook(CodecState(codec), codec_hook)
+        for step in range(6):
+            x, y = batch(step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x)[:, :5], y).backward()
+            if not zero and step >= 2:
+                opt.step()
+        return [p.detach().clone() for p in m.parameters()]
+
+    want, got, start = run(False), run(True), mlp()
+    assert any(not torch.equal(w, s) for w, s in zip(want, start.parameters()))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (g - w).abs().max().item()
+
+
 def test_ops_compressed_allreduce_on_a_group(group):
     x = torch.randn(7, 5, generator=torch.Generator().manual_seed(dist.get_rank()))
     xs = [torch.empty_like(x) for _ in range(dist.get_world_size())]

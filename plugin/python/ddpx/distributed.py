@@ -142,8 +142,12 @@ class CodecState:
         codec = self.codec
 
         def run():
-            return torch.ops.ddpx.compressed_allreduce_packed(flat, sizes, dims, part_keys, codec,
+            # Into the bucket, as PyTorch's own hooks leave it: a wrapper that
+            # reads the bucket once the future is done (ddp_zero_hook's
+            # hook_with_zero_step steps ZeroRedundancyOptimizer on it) sees the mean.
+            mean = torch.ops.ddpx.compressed_allreduce_packed(flat, sizes, dims, part_keys, codec,
                                                               key, group)
+            return flat.copy_(mean)
 
         if self._uses_worker(bucket):
             return self._worker.submit(run)
