@@ -40,6 +40,9 @@ BucketOptimizer::BucketOptimizer(optim::Optimizer& user, const std::vector<at::T
     for (size_t k = 0; k < groups[g].params().size(); ++k) {
       const at::Tensor& t = groups[g].params()[k];
       const auto it = index.find(t.unsafeGetTensorImpl());
+      // A frozen tensor (an optimizer over model->parameters() holds them):
+      // it never gets a .grad, so optimizer.step() would skip it; so do we.
+      if (it == index.end() && !t.requires_grad()) continue;
       TORCH_CHECK(it != index.end(), "GradSync::set_optimizer: parameter ", k, " of param group ",
                   g, " (shape ", t.sizes(), ") is not a parameter GradSync synchronises (one "
                   "that requires grad); GradSync can only step what it averages");

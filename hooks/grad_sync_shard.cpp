@@ -117,27 +117,14 @@ void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywh
     drop_storage(b);
     owned = &owned_grads[b];
   }
-  // (The bucket's key and shapes change only at a re-plan, after every future.)
-  auto body = [this, flat, parts = shard_parts[b], owned, bucket_key = &keys[b], bucket_shapes = &shapes[b],
-               owed = std::move(owed), idle = std::move(idle),
+  auto body = [this, b, flat, parts = shard_parts[b], owned, owed = std::move(owed),
+               idle = std::move(idle),
                mine = mine ? std::optional<hooks::ShardPart>(*mine)
                            : std::nullopt](c10d::ProcessGroup& pg) mutable {
     at::Tensor mean;  // a codec's: this rank's part of the average
     if (lossy) {
       for (auto& [slot, r] : owed) slot.add_(r.view(slot.sizes()));
-      std::vector<comm::Codec::Run> runs;
-      for (const auto& part : parts) runs.push_back({part.offset, part.numel, part.rank});
-      std::vector<at::Tensor> owe;  // the idle slots' residuals, before the call
-      const at::Tensor before = idle.empty() ? at::Tensor() : lossy->live_residual(*bucket_key);
-      for (const auto& r : idle) {
-        owe.push_back(before.defined() ? before.narrow(0, r.offset, r.numel).clone() : at::Tensor());
-      }
-      mean = lossy->reduce_scatter_mean_packed(flat, *bucket_shapes, runs, *bucket_key, pg);
-      const at::Tensor after = idle.empty() ? at::Tensor() : lossy->live_residual(*bucket_key);
-      for (size_t i = 0; i < idle.size() && after.defined(); ++i) {
-        at::Tensor e = after.narrow(0, idle[i].offset, idle[i].numel);
-        owe[i].defined() ? e.copy_(owe[i]) : e.zero_();
-      }
+      mean = scatter_through_codec(b, flat, parts, idle, pg);
       if (mine && !owned) flat.narrow(0, mine->offset, mine->numel).copy_(mean);
     } else {
       // Divided before the sum, as the unsharded "none" does (reduce_fn.cpp):
@@ -160,6 +147,28 @@ void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywh
     flat = at::Tensor();
   };
   submit_locked(b, std::move(body), std::move(keep), nullptr, comm::detail::FrOp::kReduceScatter);
+}
+
+at::Tensor GradSync::Impl::scatter_through_codec(int b, const at::Tensor& flat,
+                                                 const std::vector<hooks::ShardPart>& parts,
+                                                 const std::vector<Run>& idle,
+                                                 c10d::ProcessGroup& pg) {
+  // (The bucket's key and shapes change only at a re-plan, after every future.)
+  const std::string& key = keys[b];
+  std::vector<comm::Codec::Run> runs;
+  for (const auto& part : parts) runs.push_back({part.offset, part.numel, part.rank});
+  std::vector<at::Tensor> owe;  // the idle slots' residuals, before the call
+  const at::Tensor before = idle.empty() ? at::Tensor() : lossy->live_residual(key);
+  for (const auto& r : idle) {
+    owe.push_back(before.defined() ? before.narrow(0, r.offset, r.numel).clone() : at::Tensor());
+  }
+  at::Tensor mean = lossy->reduce_scatter_mean_packed(flat, shapes[b], runs, key, pg);
+  const at::Tensor after = idle.empty() ? at::Tensor() : lossy->live_residual(key);
+  for (size_t i = 0; i < idle.size() && after.defined(); ++i) {
+    at::Tensor e = after.narrow(0, idle[i].offset, idle[i].numel);
+    owe[i].defined() ? e.copy_(owe[i]) : e.zero_();
+  }
+  return mean;
 }
 
 std::vector<int> GradSync::Impl::land_sharded(int b, const int* agreed) {

@@ -180,9 +180,10 @@ TEST_P(CodecScatter, BadRunsAndCodecsWithoutTheFormAreErrorsOnEveryRank) {
       {{{0, 50, 1}, {50, 100, 0}}, "ranks must ascend strictly"},
       {{{0, 50, 0}, {50, 100, w}}, "ranks must ascend strictly within [0, " + std::to_string(w)},
   };
-  for (const auto& [runs, want] : bad) {
+  for (const auto& item : bad) {
+    const Runs& runs = item.first;  // (clang 14 captures no structured binding)
     const auto e = error_of([&] { c->reduce_scatter_mean_packed(x, kShapes, runs, "", pg()); });
-    EXPECT_NE(e.find(want), std::string::npos) << e;
+    EXPECT_NE(e.find(item.second), std::string::npos) << e;
   }
   // Ranks that give different runs: the agreement fails on every rank.
   const Runs mine_only{{0, kNumel, rank() == 0 ? 0 : w - 1}};

@@ -140,6 +140,67 @@ TEST(GradSyncShardClip, ClipsTheGlobalNormOverEveryRanksParts) {
   }
 }
 
+// Float64 and float32 parameters in one model, a frozen layer between them
+// (not synced, not sharded, yet held by the optimizer, as a trainer's
+// optimizer over model->parameters() holds it), and buckets that mix the
+// dtypes' byte ranges: the sharded runs (and the unsharded one GradSync
+// steps) leave the parameters bit for bit where the unsharded synchronous
+// one does, the frozen layer untouched.
+struct MixedImpl : torch::nn::Module {
+  torch::nn::Linear in{nullptr}, frozen{nullptr}, out{nullptr};
+  MixedImpl() {
+    in = register_module("in", torch::nn::Linear(6, 10));
+    frozen = register_module("frozen", torch::nn::Linear(10, 10));
+    out = register_module("out", torch::nn::Linear(10, 3));
+    in->to(at::kDouble);
+    frozen->to(at::kDouble);
+    for (auto& p : frozen->parameters()) p.requires_grad_(false);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = torch::tanh(frozen(torch::tanh(in(x))));
+    return out(h.to(at::kFloat)).pow(2).mean();
+  }
+};
+TORCH_MODULE(Mixed);
+
+std::vector<at::Tensor> train_mixed(Shard s, Overlap o) {
+  auto& pg = world();
+  torch::manual_seed(11);
+  Mixed m;
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(0.01).weight_decay(1e-3));
+  GradSync sync(m->named_parameters(), pg,
+                GradSyncOptions().shard(s).overlap(o).bucket_cap_mb(0.0002).first_bucket_mb(0.0001));
+  const bool by_sync = s != Shard::None || o != Overlap::None;
+  if (by_sync) sync.set_optimizer(opt);
+  for (int step = 0; step < 25; ++step) {
+    if (!by_sync) opt.zero_grad();
+    m->forward(shard(global_batch(6, 700 + step), pg->getRank())).backward();
+    if (!by_sync) opt.step();
+  }
+  sync.synchronize();
+  std::vector<at::Tensor> out;
+  for (const auto& p : m->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+TEST(GradSyncShardMixed, DtypesAndAFrozenLayerAsUnsharded) {
+  const auto want = train_mixed(Shard::None, Overlap::None);
+  torch::manual_seed(11);
+  Mixed init;
+  EXPECT_TRUE(at::equal(want[2], init->frozen->weight)) << "the frozen layer moved";
+  EXPECT_FALSE(at::equal(want[0], init->in->weight)) << "the reference did not train";
+  for (Shard s : {Shard::None, Shard::Optimizer, Shard::Gradients}) {
+    for (Overlap o : {Overlap::None, Overlap::Optimizer}) {
+      if (s == Shard::None && o == Overlap::None) continue;  // (the reference)
+      expect_bitwise(train_mixed(s, o), want,
+                     std::string(s == Shard::None        ? "unsharded"
+                                 : s == Shard::Optimizer ? "optimizer"
+                                                         : "gradients") +
+                         (o == Overlap::None ? " / none" : " / optimizer"));
+    }
+  }
+}
+
 // ---- who owns what ------------------------------------------------------------
 
 TEST(ShardMap, CutsTheBytesIntoContiguousRangesAcrossTensorsAndDtypes) {

@@ -415,7 +415,8 @@ class GradSync {
   // load it as usual, after synchronize()). Parameters equal, bit for bit,
   // those of calling optimizer.step() after a synced backward with
   // zero_grad() (set_to_none) before each step. Parameters no rank used are
-  // not stepped. With an optimizer attached the trainer calls neither
+  // not stepped, nor are frozen tensors (requires_grad false) the optimizer
+  // holds, as step() skips them. With an optimizer attached the trainer calls neither
   // optimizer.step() nor zero_grad(): each bucket's gradients are consumed
   // by its update (.grad is the slot, zeroed after the update). Required by
   // Overlap::Optimizer and NextForward; call before the first backward.
