@@ -6,6 +6,19 @@
 
 namespace ddpx {
 
+std::future<void> GradSync::Impl::agree_max(at::Tensor flags, const char* range,
+                                            Clock::time_point* t0, Clock::time_point* t1) {
+  return channels[0]->submit([flags, range, t0, t1](c10d::ProcessGroup& pg) mutable {
+    hooks::Range r(range);
+    if (t0) *t0 = Clock::now();
+    std::vector<at::Tensor> t{flags};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    comm::detail::wait_named(pg.allreduce(t, o));
+    if (t1) *t1 = Clock::now();
+  });
+}
+
 bool GradSync::Impl::is_slot(int p, const at::Tensor& g) const {
   // Write-back makes .grad share the slot's TensorImpl: comparing pointers
   // first spares the hook two reads of tensor metadata, which after a

@@ -528,17 +528,7 @@ struct GradSync::Impl {
   // there), in a torch.profiler range named `range`; t0/t1 (if given) get
   // the collective's start and end.
   std::future<void> agree_max(at::Tensor flags, const char* range, Clock::time_point* t0 = nullptr,
-                              Clock::time_point* t1 = nullptr) {
-    return channels[0]->submit([flags, range, t0, t1](c10d::ProcessGroup& pg) mutable {
-      hooks::Range r(range);
-      if (t0) *t0 = Clock::now();
-      std::vector<at::Tensor> t{flags};
-      c10d::AllreduceOptions o;
-      o.reduceOp = c10d::ReduceOp::MAX;
-      comm::detail::wait_named(pg.allreduce(t, o));
-      if (t1) *t1 = Clock::now();
-    });
-  }
+                              Clock::time_point* t1 = nullptr);
 
   std::vector<char> late_for(const hooks::OrderPredictor& p) const {
     return opts.unused_ == Unused::Off ? std::vector<char>(params.size(), 0) : p.late_set();
