@@ -2,7 +2,7 @@
 // What the codec tests share (codec_test.cpp, codec_scatter_test.cpp): the
 // groups they run over, each rank's seeded input (every rank can rebuild
 // every rank's, so references are computed locally in float64), and the
-// message of a c10::Error.
+// message of a c10::Error (mpi_test_util.h's).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ddpx/comm.h>
@@ -10,6 +10,8 @@
 #include <functional>
 #include <map>
 #include <string>
+
+#include "mpi_test_util.h"
 
 namespace ddpx::test::codec {
 
@@ -38,13 +40,6 @@ inline at::Tensor true_mean(int world, int64_t seed, at::IntArrayRef shape, doub
   return s / world;
 }
 
-inline std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using ddpx::test::error_of;
 
 }  // namespace ddpx::test::codec
