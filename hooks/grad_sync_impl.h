@@ -456,8 +456,9 @@ struct GradSync::Impl {
     return sent_runs(b, globally_used, false);
   }
   bool idle_in_step(int b, int p, const std::vector<char>& globally_used) const;
-  // (Sharded, grad_sync_shard.cpp: a codec's reduce-scatter of bucket b, the `idle` slots' residuals put
-  // back; this rank's part of the mean, or undefined.)
+  // (Sharded, grad_sync_shard.cpp: a codec's reduce-scatter of bucket b,
+  // the `idle` slots' residuals put back; this rank's part of the mean, or
+  // undefined.)
   at::Tensor scatter_through_codec(int b, const at::Tensor& flat,
                                    const std::vector<hooks::ShardPart>& parts,
                                    const std::vector<Run>& idle, c10d::ProcessGroup& pg);

@@ -2,11 +2,11 @@
 // hooks/shard_map.h). Per bucket: the reduction goes to the owners (one
 // reduce per owner's part, all in flight at once: a reduce-scatter with
 // uneven parts over any c10d backend; a codec's encoded parts in one
-// all-to-all, Codec::reduce_scatter_mean_packed), the owned elements are stepped by
-// the trainer's optimizer (hooks/bucket_optimizer.h, on flat views of the
-// parameters), each owner writes its updated elements into the bucket --
-// the gradients there are consumed -- and broadcasts them (the all-gather),
-// after which every rank copies the bucket into its parameters. Bytes on
+// all-to-all, Codec::reduce_scatter_mean_packed), the owned elements are
+// stepped by the trainer's optimizer (hooks/bucket_optimizer.h, on flat
+// views of the parameters), each owner writes its updated elements into the
+// bucket -- the gradients there are consumed -- and broadcasts them (the
+// all-gather), after which every rank copies the bucket into its parameters. Bytes on
 // the wire: a reduce and a broadcast of each part, an all-reduce's worth.
 #include <utility>
 

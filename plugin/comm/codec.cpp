@@ -154,7 +154,7 @@ int64_t check_agreement(c10d::ProcessGroup& pg, const at::Tensor& input, const s
 std::vector<int64_t> agree_on_part_numels(c10d::ProcessGroup& pg, const at::Tensor& flat,
                                           const std::vector<std::vector<int64_t>>& shapes,
                                           const std::string& spec, const std::string& key,
-                                          int64_t* bytes) {
+                                          int64_t* bytes, const std::string& more_layout) {
   check_packed(flat, shapes, spec);
   std::vector<int64_t> parts;
   std::string layout;
@@ -162,7 +162,7 @@ std::vector<int64_t> agree_on_part_numels(c10d::ProcessGroup& pg, const at::Tens
     parts.push_back(c10::multiply_integers(s));
     layout += std::to_string(parts.back()) + ",";
   }
-  *bytes = check_agreement(pg, flat, spec, key, layout);
+  *bytes = check_agreement(pg, flat, spec, key, layout + more_layout);
   return parts;
 }
 

@@ -9,7 +9,6 @@
 // carry per-rank scales), so the owner must receive every rank's own run --
 // the bytes of a reduce-scatter, in one collective whatever the world size.
 #include <ATen/ATen.h>
-#include <c10/util/accumulate.h>
 
 #include <string>
 
@@ -36,15 +35,8 @@ std::vector<int64_t> agree_on_scatter(c10d::ProcessGroup& pg, const at::Tensor& 
                                       const std::vector<Codec::Run>& runs,
                                       const std::string& spec, const std::string& key,
                                       int64_t* bytes) {
-  check_packed(flat, shapes, spec);
   TORCH_CHECK(flat.is_contiguous(), "ddpx codec '", spec, "': a packed input must be contiguous");
-  std::string layout = "parts:";
-  std::vector<int64_t> parts;
-  for (const auto& s : shapes) {
-    parts.push_back(c10::multiply_integers(s));
-    layout += std::to_string(parts.back()) + ",";
-  }
-  layout += "runs:";
+  std::string layout = "runs:";
   int64_t at = 0;
   int last = -1;
   for (const auto& r : runs) {
@@ -60,8 +52,7 @@ std::vector<int64_t> agree_on_scatter(c10d::ProcessGroup& pg, const at::Tensor& 
   }
   TORCH_CHECK(at == flat.numel(), "ddpx codec '", spec, "': the runs hold ", at,
               " elements but the packed input has ", flat.numel());
-  *bytes = check_agreement(pg, flat, spec, key, layout);
-  return parts;
+  return agree_on_part_numels(pg, flat, shapes, spec, key, bytes, layout);
 }
 
 const Codec::Run* run_of(const std::vector<Codec::Run>& runs, int rank) {

@@ -43,11 +43,11 @@ int64_t check_agreement(c10d::ProcessGroup& pg, const at::Tensor& input, const s
 
 // check_packed and step 1 for a codec that works per part (int8's chunks,
 // top-k's budget): the parts' numels, in order, agreed on by the ranks with
-// the rest (*bytes: what the agreement sent).
+// the rest and `more_layout` (*bytes: what the agreement sent).
 std::vector<int64_t> agree_on_part_numels(c10d::ProcessGroup& pg, const at::Tensor& flat,
                                           const std::vector<std::vector<int64_t>>& shapes,
                                           const std::string& spec, const std::string& key,
-                                          int64_t* bytes);
+                                          int64_t* bytes, const std::string& more_layout = "");
 
 // In-place SUM allreduce of a contiguous tensor, waited on; returns bytes sent.
 int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t);

@@ -416,10 +416,11 @@ class GradSync {
   // those of calling optimizer.step() after a synced backward with
   // zero_grad() (set_to_none) before each step. Parameters no rank used are
   // not stepped, nor are frozen tensors (requires_grad false) the optimizer
-  // holds, as step() skips them. With an optimizer attached the trainer calls neither
-  // optimizer.step() nor zero_grad(): each bucket's gradients are consumed
-  // by its update (.grad is the slot, zeroed after the update). Required by
-  // Overlap::Optimizer and NextForward; call before the first backward.
+  // holds, as step() skips them. With an optimizer attached the trainer
+  // calls neither optimizer.step() nor zero_grad(): each bucket's gradients
+  // are consumed by its update (.grad is the slot, zeroed after the
+  // update). Required by Overlap::Optimizer and NextForward; call before the
+  // first backward.
   // Global-norm clipping needs every gradient before any update: give the
   // limit to GradSync (GradSyncOptions::clip_grad_norm), which then steps
   // the buckets once all have landed (clip per bucket is not the same thing).
