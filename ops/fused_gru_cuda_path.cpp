@@ -1,29 +1,33 @@
 #include "ops/fused_gru_cuda_path.h"
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include <cstdlib>
 #include <cstring>
 
 namespace ddpx::detail {
 
-bool gru_cudnn_serves(const at::Tensor& input) {
-  if (!input.is_cuda()) return false;
+GruCudaPath gru_cuda_path_choice() {
   const char* env = std::getenv("DDPX_GRU_PATH");
   if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0 ||
       std::strcmp(env, "cudnn") == 0) {
-    return true;
+    return GruCudaPath::kCudnn;
   }
+  if (std::strcmp(env, "step") == 0) return GruCudaPath::kStep;
   TORCH_CHECK(std::strcmp(env, "fused") == 0,
-              "DDPX_GRU_PATH must be one of auto, cudnn, fused; got '", env, "'");
-  return false;
+              "DDPX_GRU_PATH must be one of auto, cudnn, fused, step; got '", env, "'");
+  return GruCudaPath::kFused;
 }
 
-std::tuple<at::Tensor, at::Tensor> gru_through_cudnn(
-    const at::Tensor& input, const std::optional<at::Tensor>& hx, at::TensorList params,
-    bool has_biases, int64_t num_layers, double dropout, bool train, bool bidirectional,
-    bool batch_first) {
+bool gru_cudnn_serves(const at::Tensor& input) {
+  return input.is_cuda() && gru_cuda_path_choice() == GruCudaPath::kCudnn;
+}
+
+std::tuple<at::Tensor, at::Tensor> gru_through_cudnn(const at::Tensor& input,
+                                                     const std::optional<at::Tensor>& hx,
+                                                     at::TensorList params, bool has_biases,
+                                                     int64_t num_layers, double dropout, bool train,
+                                                     bool bidirectional, bool batch_first) {
   TORCH_CHECK(input.dim() == 2 || input.dim() == 3,
               "input must be 2-D [seq, input_size] (unbatched) or 3-D, got ", input.dim(), "-D");
   TORCH_CHECK(params.size() >= 2, "params must hold w_ih and w_hh of every layer, got ",
@@ -39,23 +43,10 @@ std::tuple<at::Tensor, at::Tensor> gru_through_cudnn(
   } else {
     h0 = at::zeros({states, batch, hidden}, x.options());
   }
-  auto [y, h_n] = at::gru(x, h0, params, has_biases, num_layers, dropout, train, bidirectional,
-                          batch_first);
+  auto [y, h_n] =
+      at::gru(x, h0, params, has_biases, num_layers, dropout, train, bidirectional, batch_first);
   if (unbatched) return {y.squeeze(batch_first ? 0 : 1), h_n.squeeze(1)};
   return {y, h_n};
 }
-
-namespace {
-
-std::string fused_gru_path_cuda(const at::Tensor& input, int64_t hidden_size, bool batch_first) {
-  TORCH_CHECK(input.dim() == 2 || input.dim() == 3,
-              "input must be 2-D [seq, input_size] (unbatched) or 3-D, got ", input.dim(), "-D");
-  TORCH_CHECK(hidden_size > 0, "hidden_size must be positive, got ", hidden_size);
-  return gru_cudnn_serves(input) ? "cudnn" : "fused";
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(ddpx, CUDA, m) { m.impl("fused_gru_path", &fused_gru_path_cuda); }
 
 }  // namespace ddpx::detail

@@ -11,11 +11,15 @@
 //   hidden 64  (T 32..128, B 16..64, 1..2 layers)   2.1 - 8.6
 //   hidden 256 (T 32..128, B 16..64, 1..2 layers)   0.97 - 1.21
 //
-// Our kernel launches per time step and layer; cuDNN's persistent RNN kernels
-// keep the recurrent weights on chip. Nowhere did ours win by more than the
-// noise (3%), so on CUDA the rule is cuDNN for every shape, and our kernels
-// stay for DDPX_GRU_PATH=fused (the tests and the benchmark's own_ratio).
-// DDPX_GRU_PATH (read on every call): auto (or unset), cudnn, fused.
+// Our kernel then launched per time step and layer; cuDNN's persistent RNN
+// kernels keep the recurrent weights on chip. Nowhere did ours win by more
+// than the noise (3%), so on CUDA the rule is cuDNN for every shape. Our own
+// persistent kernels (kernels/cuda/gru_persistent_kernel.cu) came after that
+// run and have not run on a GPU: they serve DDPX_GRU_PATH=fused until their
+// measurements say where the rule should pick them.
+// DDPX_GRU_PATH (read on every call): auto (or unset), cudnn; fused (ours:
+// persistent where its plan fits the device, else per step); step (ours, per
+// step: the tests' and the benchmark's second column).
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -24,15 +28,21 @@
 
 namespace ddpx::detail {
 
+enum class GruCudaPath { kCudnn, kFused, kStep };
+
+// DDPX_GRU_PATH's choice (an error naming the variable for any other value).
+GruCudaPath gru_cuda_path_choice();
+
 // Whether cuDNN serves a fused_gru call on `input` (a CUDA tensor).
 bool gru_cudnn_serves(const at::Tensor& input);
 
 // fused_gru's contract through at::gru: an unbatched input stays unbatched,
 // hx None means zeros. Called with autograd on, ATen records its own
 // backward (and its dropout masks).
-std::tuple<at::Tensor, at::Tensor> gru_through_cudnn(
-    const at::Tensor& input, const std::optional<at::Tensor>& hx, at::TensorList params,
-    bool has_biases, int64_t num_layers, double dropout, bool train, bool bidirectional,
-    bool batch_first);
+std::tuple<at::Tensor, at::Tensor> gru_through_cudnn(const at::Tensor& input,
+                                                     const std::optional<at::Tensor>& hx,
+                                                     at::TensorList params, bool has_biases,
+                                                     int64_t num_layers, double dropout, bool train,
+                                                     bool bidirectional, bool batch_first);
 
 }  // namespace ddpx::detail

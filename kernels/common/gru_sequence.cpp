@@ -67,8 +67,22 @@ void forward_direction(const at::Tensor& x_proj, const CellParams& w, const at::
                        const at::Tensor& out, int64_t d, bool reverse, const at::Tensor& gates,
                        const at::Tensor& h_n, at::Tensor& h_proj, const GruStepKernels& kernels) {
   const int64_t T = out.size(0), B = out.size(1), DH = out.size(2), H = h0.size(1);
-  const at::Tensor w_hh_t = w.w_hh.t();              // [hidden, 3*hidden]
   const at::Tensor out_d = out.narrow(2, d * H, H);  // [seq, batch, hidden], row stride DH
+  if (kernels.forward_sequence != nullptr && T > 0) {
+    const at::Tensor w_hh = w.w_hh.contiguous();
+    persist::SeqForward<void> q;
+    q.steps = T, q.batch = B, q.hidden = H, q.reverse = reverse;
+    q.x_proj = x_proj.data_ptr(), q.w_hh = w_hh.data_ptr();
+    q.b_ih = w.b_ih.defined() ? w.b_ih.data_ptr() : nullptr;
+    q.b_hh = w.b_hh.defined() ? w.b_hh.data_ptr() : nullptr;
+    q.h0 = h0.data_ptr(), q.out = elem_ptr(out, d * H), q.out_row = DH, q.out_step = B * DH;
+    q.gates = gates.defined() ? gates.data_ptr() : nullptr;
+    if (kernels.forward_sequence(out.scalar_type(), q)) {
+      h_n.copy_(out_d[reverse ? 0 : T - 1]);
+      return;
+    }
+  }
+  const at::Tensor w_hh_t = w.w_hh.t();  // [hidden, 3*hidden]
   GruForwardStep<void> p;
   p.batch = B;
   p.hidden = H;
@@ -104,6 +118,16 @@ void backward_direction(const at::Tensor& g_out, const CellParams& w, const at::
   const int64_t T = layer_out.size(0), B = layer_out.size(1), DH = layer_out.size(2);
   const int64_t H = h0.size(1);
   dh.copy_(g_hn);
+  if (kernels.backward_sequence != nullptr && !kernels.sums_bias_grads && T > 0) {
+    const at::Tensor w_hh = w.w_hh.contiguous();
+    persist::SeqBackward<void> q;
+    q.steps = T, q.batch = B, q.hidden = H, q.reverse = reverse, q.w_hh = w_hh.data_ptr();
+    q.grad_out = elem_ptr(g_out, d * H), q.grad_out_row = DH, q.grad_out_step = B * DH;
+    q.gates = gates.data_ptr(), q.h0 = h0.data_ptr();
+    q.out = elem_ptr(layer_out, d * H), q.out_row = DH, q.out_step = B * DH;
+    q.dx_proj = dx_proj.data_ptr(), q.dh_proj = dh_proj.data_ptr(), q.dh = dh.data_ptr();
+    if (kernels.backward_sequence(g_out.scalar_type(), q)) return;
+  }
   GruBackwardStep<void> p;
   p.batch = B;
   p.hidden = H;

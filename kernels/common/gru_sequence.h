@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/common/gru_cell.h"
+#include "kernels/common/gru_persistent.h"
 
 namespace ddpx::detail {
 
@@ -55,6 +56,12 @@ struct GruStepKernels {
   // backward fills GruBackwardStep::bias_grad (else the driver sums dx_proj
   // and dh_proj over the sequence afterwards).
   bool sums_bias_grads = false;
+  // Optional: one direction's whole recurrence at once (a persistent
+  // kernel), returning false where it does not serve the problem; the driver
+  // then runs its per-step loop with the two kernels above. The backward one
+  // leaves bias sums to the driver.
+  bool (*forward_sequence)(c10::ScalarType dtype, const persist::SeqForward<void>& seq) = nullptr;
+  bool (*backward_sequence)(c10::ScalarType dtype, const persist::SeqBackward<void>& seq) = nullptr;
 };
 
 struct GruForwardResult {

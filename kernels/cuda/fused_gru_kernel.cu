@@ -1,7 +1,10 @@
 // CUDA kernels of ddpx::fused_gru, _fused_gru_forward and _fused_gru_backward:
-// the shared sequence driver (GEMMs through ATen, i.e. cuBLAS) with a fused
-// gate step of one thread per [batch, hidden] element; the per-element math is
-// kernels/common/gru_cell.h, computed in float for half and bfloat16.
+// the shared sequence driver (GEMMs through ATen, i.e. cuBLAS) with, per
+// layer and direction, the persistent recurrence (gru_persistent_kernel.cu)
+// where its plan fits the device, else a fused gate step of one thread per
+// [batch, hidden] element per time step; the per-element math is
+// kernels/common/gru_cell.h, computed in float for half and bfloat16. Also
+// fused_gru_path on CUDA.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -11,6 +14,8 @@
 
 #include "kernels/common/gru_cell.h"
 #include "kernels/common/gru_sequence.h"
+#include "kernels/cuda/gru_persistent_launch.h"
+#include "ops/fused_gru_cuda_path.h"
 
 namespace ddpx {
 namespace {
@@ -70,6 +75,16 @@ void backward_step(c10::ScalarType dtype, const GruBackwardStep<void>& step) {
 // Bias gradients: one at::sum over the sequence afterwards (cheap on a GPU).
 constexpr detail::GruStepKernels kCudaSteps{&forward_step, &backward_step,
                                             /*sums_bias_grads=*/false};
+constexpr detail::GruStepKernels kCudaPersistent{
+    &forward_step, &backward_step, /*sums_bias_grads=*/false, &detail::gru_persistent_forward,
+    &detail::gru_persistent_backward};
+
+// DDPX_GRU_PATH=step keeps our kernels per step (the autograd kernel has
+// already sent the call here rather than to cuDNN).
+const detail::GruStepKernels& cuda_kernels() {
+  return detail::gru_cuda_path_choice() == detail::GruCudaPath::kStep ? kCudaSteps
+                                                                      : kCudaPersistent;
+}
 
 void check_cuda_dtype(const at::Tensor& input) {
   const auto t = input.scalar_type();
@@ -85,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor> fused_gru_cuda(const at::Tensor& input,
   const c10::cuda::CUDAGuard guard(input.device());
   check_cuda_dtype(input);
   const GruOptions opt{has_biases, num_layers, dropout, train, bidirectional, batch_first};
-  auto r = detail::gru_sequence_forward(input, hx, params, opt, /*save=*/false, kCudaSteps);
+  auto r = detail::gru_sequence_forward(input, hx, params, opt, /*save=*/false, cuda_kernels());
   return {std::move(r.output), std::move(r.h_n)};
 }
 
@@ -96,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru
   const c10::cuda::CUDAGuard guard(input.device());
   check_cuda_dtype(input);
   const GruOptions opt{has_biases, num_layers, dropout, train, bidirectional, batch_first};
-  auto r = detail::gru_sequence_forward(input, hx, params, opt, /*save=*/true, kCudaSteps);
+  auto r = detail::gru_sequence_forward(input, hx, params, opt, /*save=*/true, cuda_kernels());
   return {std::move(r.output), std::move(r.h_n), std::move(r.gates), std::move(r.layer_outputs),
           std::move(r.dropout_masks)};
 }
@@ -112,13 +127,29 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> fused_gru_backward_c
   const GruOptions opt{has_biases,      num_layers,    /*dropout=*/0.0,
                        /*train=*/false, bidirectional, batch_first};
   auto r = detail::gru_sequence_backward(grad_output, grad_hy, input, hx, params, output, gates,
-                                         layer_outputs, dropout_masks, opt, kCudaSteps);
+                                         layer_outputs, dropout_masks, opt, cuda_kernels());
   return {std::move(r.grad_input), std::move(r.grad_hx), std::move(r.grad_params)};
+}
+
+// "cudnn", "persistent" (ours, the whole recurrence per launch) or "step".
+std::string fused_gru_path_cuda(const at::Tensor& input, int64_t hidden_size, bool batch_first) {
+  TORCH_CHECK(input.dim() == 2 || input.dim() == 3,
+              "input must be 2-D [seq, input_size] (unbatched) or 3-D, got ", input.dim(), "-D");
+  TORCH_CHECK(hidden_size > 0, "hidden_size must be positive, got ", hidden_size);
+  const detail::GruCudaPath choice = detail::gru_cuda_path_choice();
+  if (choice == detail::GruCudaPath::kCudnn) return "cudnn";
+  if (choice == detail::GruCudaPath::kStep) return "step";
+  const int64_t batch = input.dim() == 2 ? 1 : input.size(batch_first ? 0 : 1);
+  const bool persistent =
+      batch > 0 &&
+      detail::gru_persistent_serves(input.get_device(), hidden_size, batch, input.scalar_type());
+  return persistent ? "persistent" : "step";
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ddpx, CUDA, m) {
+  m.impl("fused_gru_path", &fused_gru_path_cuda);
   m.impl("fused_gru", &fused_gru_cuda);
   m.impl("_fused_gru_forward", &fused_gru_forward_cuda);
   m.impl("_fused_gru_backward", &fused_gru_backward_cuda);

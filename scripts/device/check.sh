@@ -12,9 +12,11 @@
 #                                                report "no GPU", deps not unpacked
 # DDPX_CHECK_BUDGET_S (default 540): a step that cannot start with its
 # minimum time left is recorded as "not run: out of time" instead of being cut.
-# DDPX_CHECK_GROUPS (default build,tests,bench,sanitize,ddp,pip; also
-# benchmode, the conv suite with measured paths, and ddpfull, the whole DDP
-# suite): which groups run.
+# DDPX_CHECK_GROUPS (default build,tests,bench,sanitize,ddp,pip,ncu; also
+# benchmode, the conv suite with measured paths, ddpfull, the whole DDP
+# suite, and grufull, the whole GRU suite and its TF32 and bfloat16 runs):
+# which groups run. At most 8 files come back from a device call: at the end
+# every file in OUT_DIR but the log and check.json goes into results.tar.gz.
 set -uo pipefail
 out=${1:?usage: check.sh OUT_DIR [--rehearse]}
 rehearse=0; [ "${2:-}" = --rehearse ] && rehearse=1
@@ -142,10 +144,21 @@ build_targets() {
     echo "$(basename "$lib"): $(nm -DC --defined-only "$lib" | grep -c 'ostream::_M_insert') ostream::_M_insert symbols exported (0 expected); $(readelf -d "$lib" | grep -c NEEDED) needed"
   done
 }
-bail() { python3 "$here/scripts/device/summarize.py" "$out" "$steps"; exit 1; }
+# At most 8 files come back from a device call: everything in OUT_DIR but
+# the log and check.json goes into one archive.
+pack_results() {
+  local f files=()
+  for f in "$out"/*; do
+    case $(basename "$f") in check.log | check.json | results.tar.gz) ;; *) files+=("$(basename "$f")") ;; esac
+  done
+  [ ${#files[@]} -gt 0 ] || return 0
+  tar -czf "$out/results.tar.gz" -C "$out" "${files[@]}" && (cd "$out" && rm -rf -- "${files[@]}")
+  echo "results.tar.gz: ${files[*]}"
+}
+bail() { python3 "$here/scripts/device/summarize.py" "$out" "$steps"; pack_results; exit 1; }
 # DDPX_CHECK_GROUPS: which groups run (a rerun on the warm machine names the
 # ones the first call did not reach; the build is still there).
-groups=",${DDPX_CHECK_GROUPS:-build,tests,bench,sanitize,ddp,pip},"
+groups=",${DDPX_CHECK_GROUPS:-build,tests,bench,sanitize,ddp,pip,ncu},"
 want() { [[ "$groups" == *",$1,"* ]]; }
 if want build; then
   [ -f "$build/build.ninja" ] || step configure 30 120 configure || bail
@@ -187,7 +200,9 @@ fi
 if want bench; then
   # --aa: cuDNN against itself per case, the noise a ratio carries on the card
   gpu_step "bench conv2d --device cuda --aa" 30 150 python3 "$here/scripts/bench/conv2d" --device cuda --aa
-  gpu_step "bench gru --cuda" 30 120 python3 "$here/scripts/bench/gru" --cuda
+  # the persistent kernels (persist_ratio) and the per-step ones (step_ratio)
+  # beside the rule's choice, 16 cases of issue 59's grid
+  gpu_step "bench gru --cuda --quick" 30 120 python3 "$here/scripts/bench/gru" --cuda --quick
   # ddpx-train with --amp fp16 / bf16 and bf16 parameters against float32 on
   # the card: samples/s and test accuracy (LeNet, HAN; issue 63)
   gpu_step "bench train --amp-only --device cuda --quick" 30 180 \
@@ -225,5 +240,22 @@ fi
 if want ddpfull; then
   gpu_step "bench ddp --device cuda" 60 540 python3 "$here/scripts/bench/ddp" --device cuda
 fi
+if want grufull; then
+  gpu_step "bench gru --cuda --quick --tf32" 30 120 python3 "$here/scripts/bench/gru" --cuda --quick --tf32
+  gpu_step "bench gru --cuda --quick --dtype bfloat16" 30 120 python3 "$here/scripts/bench/gru" --cuda --quick --dtype bfloat16
+  gpu_step "bench gru --cuda" 60 420 python3 "$here/scripts/bench/gru" --cuda
+fi
+# --- Nsight Compute on the persistent GRU kernels (last: it runs only when
+# the steps before left it time): speed of light, occupancy, warp stalls,
+# memory, in the log -------------------------------------------------------------------------
+if want ncu; then
+  gpu_step "ncu persistent GRU" 30 120 ncu --target-processes all -k regex:persistent \
+    --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 "$here/scripts/device/ncu_gru.py"
+fi
 
 python3 "$here/scripts/device/summarize.py" "$out" "$steps"
+rc=$?
+pack_results
+exit $rc

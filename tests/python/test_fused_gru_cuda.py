@@ -1,5 +1,9 @@
 """ddpx::fused_gru's CUDA kernels (label gpu): against torch.nn.GRU on the same
 GPU (cuDNN) and against our own CPU kernel; float16/bfloat16 against float32.
+DDPX_GRU_PATH=fused runs the persistent recurrence where its plan fits (every
+case of the suite, and sizes that take many blocks, batch chunks and, for
+float32 at hidden 2048, the per-step fallback); DDPX_GRU_PATH=step the
+per-step kernels.
 
 Tolerances: float64 rtol 1e-7 / atol 1e-8 (cuDNN and cuBLAS sum in other
 orders); float32 rtol 1e-3 / atol 1e-4 with TF32 off on both sides (cuDNN's
@@ -75,11 +79,52 @@ def _check_against_cudnn_gru(cfg, path=None):
 
 @pytest.mark.parametrize("cfg", CUDA_CONFIGS, ids=[_cfg_id(c) for c in CUDA_CONFIGS])
 def test_cuda_matches_cudnn_gru(cfg):
-    _check_against_cudnn_gru(cfg, "fused")
+    _check_against_cudnn_gru(cfg, "persistent")
+
+
+STEP_CONFIGS = CONFIGS[:7] + CONFIGS[-9:]  # the corners and some random ones
+
+
+@pytest.mark.parametrize("cfg", STEP_CONFIGS, ids=[_cfg_id(c) for c in STEP_CONFIGS])
+def test_cuda_step_kernels_match_cudnn_gru(cfg, monkeypatch):
+    monkeypatch.setenv("DDPX_GRU_PATH", "step")
+    _check_against_cudnn_gru(cfg, "step")
+
+
+# The persistent plan at sizes the suite does not reach: 1024 hidden units on
+# 128 blocks of 8, batch rows staged in chunks (backward: 8 of 64 at a time);
+# bfloat16 at hidden 2048 (its weights fit on chip, float32's do not).
+LARGE = [
+    # layers, bidirectional, batch_first, bias, seq, batch, input, hidden, hx, noncontig, unbatched
+    (1, True, False, True, 3, 64, 16, 1024, True, False, False, torch.float32),
+    (2, False, True, True, 4, 5, 8, 256, False, False, False, torch.float32),
+    (1, False, False, False, 3, 33, 4, 130, True, False, False, torch.float64),
+]
+
+
+@pytest.mark.parametrize("cfg", LARGE, ids=[_cfg_id(c) for c in LARGE])
+def test_cuda_persistent_large_matches_cudnn_gru(cfg):
+    _check_against_cudnn_gru(cfg, "persistent")
+
+
+def test_cuda_persistent_plan_limits():
+    x16 = torch.randn(3, 4, 8, device="cuda", dtype=torch.bfloat16)
+    path = torch.ops.ddpx.fused_gru_path
+    assert path(x16, 2048, False) == "persistent"
+    assert path(x16.float(), 2048, False) == "step"  # 384 KiB of weights per block
+    torch.manual_seed(0)
+    gru = make_gru(8, 2048, 1, dtype=torch.float32).cuda()
+    x = torch.randn(3, 4, 8, device="cuda")
+    y_ref, h_ref = gru(x)
+    y, h = run_ours(gru, x, None, copy_params(gru))
+    assert_close(y, y_ref, **TOL[torch.float32])
+    assert_close(h, h_ref, **TOL[torch.float32])
 
 
 @pytest.mark.sanitizer
-def test_cuda_matches_our_cpu_kernel_in_double():
+@pytest.mark.parametrize("path", ["fused", "step"])
+def test_cuda_matches_our_cpu_kernel_in_double(path, monkeypatch):
+    monkeypatch.setenv("DDPX_GRU_PATH", path)
     torch.manual_seed(0)
     gru = make_gru(5, 17, 3, bidirectional=True, batch_first=True)
     x = torch.randn(4, 9, 5, dtype=torch.float64, requires_grad=True)
@@ -152,7 +197,9 @@ def test_cuda_auto_path_is_cudnn_with_our_contract(cfg):
 def test_cuda_path_override(monkeypatch):
     x = torch.randn(5, 2, 3, device="cuda")
     monkeypatch.setenv("DDPX_GRU_PATH", "fused")
-    assert torch.ops.ddpx.fused_gru_path(x, 4, False) == "fused"
+    assert torch.ops.ddpx.fused_gru_path(x, 4, False) == "persistent"
+    monkeypatch.setenv("DDPX_GRU_PATH", "step")
+    assert torch.ops.ddpx.fused_gru_path(x, 4, False) == "step"
     monkeypatch.setenv("DDPX_GRU_PATH", "sideways")
     with pytest.raises(RuntimeError, match="DDPX_GRU_PATH must be one of"):
         torch.ops.ddpx.fused_gru_path(x, 4, False)

@@ -1,0 +1,372 @@
+#pragma once
+// The persistent CUDA GRU recurrence (kernels/cuda/gru_persistent_kernel.cu):
+// its plan and every phase of a block as __host__ __device__ functions, so
+// that tests/cpp/test_gru_persistent.cpp runs every block and thread of a
+// launch on the CPU with the code the GPU runs.
+//
+// Why: the per-step driver (gru_sequence.cpp) launches a GEMM and a gate
+// kernel per time step and layer; on the H100/H200 that made ours 2.1-8.6x
+// cuDNN at hidden 64 and 0.97-1.21x at 256 (bench_results/gpu/), launch
+// bound. A persistent kernel (Diamos et al., "Persistent RNNs", ICML 2016)
+// launches once per layer and direction and keeps each block's slice of the
+// recurrent weights in shared memory across all time steps.
+//
+// The work of one (layer, direction), one cooperative launch of `blocks`
+// blocks. Block j owns hidden units [j*units, j*units + units_j):
+//   forward, per time step (in the direction's order):
+//     stage h_{t-1} (a chunk of batch rows at a time) into shared memory;
+//     dots: W_hh[rows r, z, n of its units] . h_{t-1}   (3*units_j x chunk, K = hidden)
+//     gates: its units' h_t and saved gates (gru_cell.h), to global memory;
+//     grid-wide sync (h_t complete for the next step).
+//   backward, per time step in reverse, then once more for dL/dh0:
+//     stage dh_proj of the step after (all 3*hidden columns, a chunk of rows);
+//     dots: (dh_proj W_hh)[its units]    (units_j x chunk, K = 3*hidden);
+//     gates: dL/dh_t = carried z*dh' + that + grad_out[t], then the gate
+//     gradients of its units into dx_proj[t], dh_proj[t], the carry z*dh_t;
+//     grid-wide sync (dh_proj[t] complete for the step before).
+// The input projection (one GEMM over all steps) and the weight gradients
+// (GEMMs over all steps afterwards) stay with the driver.
+//
+// Dots: a thread owns a kRows x kCols register tile of outputs and a `lanes`-th
+// of the reduction (k = lane, lane + lanes, ...: a warp's lanes read
+// consecutive shared-memory words); the lanes' partial sums go through
+// shared memory and are added in lane order (deterministic).
+#include <cstdint>
+
+#include "kernels/common/gru_cell.h"
+#include "kernels/common/host_device.h"
+
+#if defined(__CUDACC__)
+#define DDPX_PERSIST_UNROLL _Pragma("unroll")
+#else
+#define DDPX_PERSIST_UNROLL
+#endif
+
+namespace ddpx::detail::persist {
+
+constexpr int kThreads = 256;
+constexpr int kRows = 4, kCols = 4;  // a thread's register tile of dot outputs
+
+// Forward: one direction's recurrence. Pointers on the device; T the storage type.
+template <typename T>
+struct SeqForward {
+  int64_t steps = 0, batch = 0, hidden = 0;
+  bool reverse = false;
+  const T* x_proj = nullptr;  // [steps, batch, 3*hidden] W_ih x_t, without bias
+  const T* w_hh = nullptr;    // [3*hidden, hidden] contiguous
+  const T* b_ih = nullptr;    // [3*hidden] or nullptr
+  const T* b_hh = nullptr;    // [3*hidden] or nullptr
+  const T* h0 = nullptr;      // [batch, hidden] contiguous
+  T* out = nullptr;           // h_t at out + t*out_step + b*out_row + j
+  int64_t out_row = 0, out_step = 0;
+  T* gates = nullptr;  // [steps, batch, 4*hidden] (r, z, n, hn) or nullptr
+};
+
+// Backward: BPTT through one direction's recurrence.
+template <typename T>
+struct SeqBackward {
+  int64_t steps = 0, batch = 0, hidden = 0;
+  bool reverse = false;
+  const T* w_hh = nullptr;      // [3*hidden, hidden] contiguous
+  const T* grad_out = nullptr;  // dL/dh_t from the layer output, like SeqForward::out
+  int64_t grad_out_row = 0, grad_out_step = 0;
+  const T* gates = nullptr;  // [steps, batch, 4*hidden] saved by forward
+  const T* h0 = nullptr;     // [batch, hidden] contiguous
+  const T* out = nullptr;    // h_t of this direction, like SeqForward::out
+  int64_t out_row = 0, out_step = 0;
+  T* dx_proj = nullptr;  // [steps, batch, 3*hidden]
+  T* dh_proj = nullptr;  // [steps, batch, 3*hidden]
+  T* dh = nullptr;       // [batch, hidden] contiguous; in: dL/dh_n, out: dL/dh0
+};
+
+// How a launch cuts the work; blocks == 0: the persistent kernel does not
+// serve this problem (the driver runs its per-step loop).
+struct Plan {
+  int blocks = 0;
+  int units = 0;  // hidden units per block (the last block may own fewer)
+  int chunk = 0;  // batch rows staged and reduced at once
+  int64_t smem_bytes = 0;
+};
+
+DDPX_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+DDPX_HD int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// The dot phase's split of an m x bc output over the block's threads: tiles
+// of kRows x kCols, each reduced by `lanes` threads (a power of two, at most
+// k, and tiles*lanes <= kThreads unless tiles alone exceed it).
+struct DotSplit {
+  int tiles_m = 0, tiles_b = 0, tiles = 0, lanes = 1;
+};
+
+DDPX_HD DotSplit dot_split(int m, int bc, int64_t k) {
+  DotSplit s;
+  s.tiles_m = static_cast<int>(ceil_div(m, kRows));
+  s.tiles_b = static_cast<int>(ceil_div(bc, kCols));
+  s.tiles = s.tiles_m * s.tiles_b;
+  while (s.tiles * s.lanes * 2 <= kThreads && s.lanes * 2 <= k) s.lanes *= 2;
+  return s;
+}
+
+// Partial sums in shared memory: [kRows*kCols][tiles][lanes] accumulators. A
+// block with fewer units or rows than the plan's may split into more lanes,
+// never into more than kThreads tile-lanes unless its tiles alone are more.
+DDPX_HD int64_t red_elems(const DotSplit& s) {
+  return int64_t{kRows} * kCols * (s.tiles > kThreads ? s.tiles : kThreads);
+}
+
+// The reduction length of a block's dots and the weight slab's rows per unit.
+DDPX_HD int64_t dot_k(int64_t hidden, bool backward) { return backward ? 3 * hidden : hidden; }
+
+// Shared memory of a block: partial sums (acc_size each), then the weight
+// slab (3*units*hidden elements), then the staged chunk (chunk rows of
+// dot_k elements).
+struct Layout {
+  int64_t red = 0, w = 0, x = 0, bytes = 0;
+};
+
+DDPX_HD Layout layout(int64_t hidden, bool backward, int units, int chunk, int elem_size,
+                      int acc_size) {
+  const int64_t k = dot_k(hidden, backward);
+  const int m = backward ? units : 3 * units;
+  const DotSplit s = dot_split(m, chunk, k);
+  Layout l;
+  l.red = 0;
+  l.w = align16(red_elems(s) * acc_size);
+  l.x = l.w + align16(3 * int64_t{units} * hidden * elem_size);
+  l.bytes = l.x + align16(int64_t{chunk} * k * elem_size);
+  return l;
+}
+
+// The plan for `max_blocks` co-resident blocks (the SMs: one block each) and
+// `max_smem` bytes of shared memory per block: as many blocks as give each
+// one unit or more, and the largest chunk of batch rows (a power of two, at
+// most 64) that fits.
+inline Plan make_plan(int64_t hidden, int64_t batch, int elem_size, int acc_size, int max_blocks,
+                      int64_t max_smem, bool backward) {
+  Plan p;
+  if (hidden <= 0 || batch <= 0 || max_blocks <= 0) return p;
+  const int64_t units = ceil_div(hidden, max_blocks);
+  if (units > 1024) return p;
+  int chunk = 64;
+  while (chunk > batch && chunk > 1) chunk /= 2;
+  for (; chunk >= 1; chunk /= 2) {
+    const Layout l = layout(hidden, backward, static_cast<int>(units), chunk, elem_size, acc_size);
+    if (l.bytes <= max_smem) {
+      p.units = static_cast<int>(units);
+      p.blocks = static_cast<int>(ceil_div(hidden, units));
+      p.chunk = chunk;
+      p.smem_bytes = l.bytes;
+      return p;
+    }
+  }
+  return p;
+}
+
+// Hidden units of block `block`: [first, first + count).
+DDPX_HD int units_of(const Plan& p, int64_t hidden, int block) {
+  const int64_t first = int64_t{block} * p.units;
+  const int64_t left = hidden - first;
+  return static_cast<int>(left < p.units ? left : p.units);
+}
+
+// Time index of the step-th step of the direction.
+DDPX_HD int64_t time_of(int64_t step, int64_t steps, bool reverse) {
+  return reverse ? steps - 1 - step : step;
+}
+
+// ---- phases (thread `th` of kThreads; each loops over its share) ----------------
+
+// Forward, once per launch: the block's rows of W_hh, gate-major: slab row
+// g*units_j + u is W_hh row g*hidden + first + u.
+template <typename T>
+DDPX_HD void load_forward_weights(const SeqForward<T>& p, const Plan& plan, int block, T* w,
+                                  int th) {
+  const int uj = units_of(plan, p.hidden, block);
+  const int64_t first = int64_t{block} * plan.units, H = p.hidden;
+  const int64_t n = 3 * int64_t{uj} * H;
+  for (int64_t i = th; i < n; i += kThreads) {
+    const int64_t row = i / H, k = i % H;
+    const int64_t g = row / uj, u = row % uj;
+    w[i] = p.w_hh[(g * H + first + u) * H + k];
+  }
+}
+
+// Backward, once per launch: the block's columns of W_hh, transposed: slab
+// row u holds W_hh[:, first + u] (3*hidden elements).
+template <typename T>
+DDPX_HD void load_backward_weights(const SeqBackward<T>& p, const Plan& plan, int block, T* w,
+                                   int th) {
+  const int uj = units_of(plan, p.hidden, block);
+  const int64_t first = int64_t{block} * plan.units, H = p.hidden, K = 3 * H;
+  const int64_t n = int64_t{uj} * K;
+  for (int64_t i = th; i < n; i += kThreads) {
+    const int64_t u = i / K, k = i % K;
+    w[i] = p.w_hh[k * H + first + u];
+  }
+}
+
+// Rows [b0, b0 + bc) of a [batch, k] matrix at src (row stride `row`) into x.
+template <typename T>
+DDPX_HD void stage_rows(const T* src, int64_t row, int64_t k, int64_t b0, int bc, T* x, int th) {
+  const int64_t n = int64_t{bc} * k;
+  for (int64_t i = th; i < n; i += kThreads) {
+    const int64_t b = i / k, c = i % k;
+    x[i] = src[(b0 + b) * row + c];
+  }
+}
+
+// h_{t-1} of the step-th forward step (h0 at step 0).
+template <typename T>
+DDPX_HD void stage_forward_chunk(const SeqForward<T>& p, int64_t step, int64_t b0, int bc, T* x,
+                                 int th) {
+  if (step == 0) {
+    stage_rows(p.h0, p.hidden, p.hidden, b0, bc, x, th);
+    return;
+  }
+  const int64_t prev = time_of(step - 1, p.steps, p.reverse);
+  stage_rows<T>(p.out + prev * p.out_step, p.out_row, p.hidden, b0, bc, x, th);
+}
+
+// dh_proj of the step after the step-th backward step (step < steps - 1).
+template <typename T>
+DDPX_HD void stage_backward_chunk(const SeqBackward<T>& p, int64_t step, int64_t b0, int bc, T* x,
+                                  int th) {
+  const int64_t next = time_of(step + 1, p.steps, p.reverse);
+  const int64_t H3 = 3 * p.hidden;
+  stage_rows<T>(p.dh_proj + next * p.batch * H3, H3, H3, b0, bc, x, th);
+}
+
+// Partial dot products: out[i][b] = sum_k a[i*k_len + k] * x[b*k_len + k] over
+// this thread's lane of k, for each tile it owns, into red.
+template <typename T, typename Acc>
+DDPX_HD void dot_phase(const DotSplit& s, int m, int bc, int64_t k_len, const T* a, const T* x,
+                       Acc* red, int th) {
+  for (int item = th; item < s.tiles * s.lanes; item += kThreads) {
+    const int tile = item / s.lanes, lane = item % s.lanes;
+    const int m0 = tile / s.tiles_b * kRows, b0 = tile % s.tiles_b * kCols;
+    // Rows and columns past the edge read the last valid one (no branch in
+    // the loop); their sums are never read.
+    const T* ar[kRows];
+    const T* xr[kCols];
+    DDPX_PERSIST_UNROLL
+    for (int i = 0; i < kRows; ++i) ar[i] = a + (m0 + i < m ? m0 + i : m - 1) * k_len;
+    DDPX_PERSIST_UNROLL
+    for (int j = 0; j < kCols; ++j) xr[j] = x + (b0 + j < bc ? b0 + j : bc - 1) * k_len;
+    Acc acc[kRows][kCols];
+    DDPX_PERSIST_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      DDPX_PERSIST_UNROLL
+      for (int j = 0; j < kCols; ++j) acc[i][j] = Acc(0);
+    }
+    for (int64_t kk = lane; kk < k_len; kk += s.lanes) {
+      Acc av[kRows], xv[kCols];
+      DDPX_PERSIST_UNROLL
+      for (int i = 0; i < kRows; ++i) av[i] = static_cast<Acc>(ar[i][kk]);
+      DDPX_PERSIST_UNROLL
+      for (int j = 0; j < kCols; ++j) xv[j] = static_cast<Acc>(xr[j][kk]);
+      DDPX_PERSIST_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        DDPX_PERSIST_UNROLL
+        for (int j = 0; j < kCols; ++j) acc[i][j] += av[i] * xv[j];
+      }
+    }
+    DDPX_PERSIST_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      DDPX_PERSIST_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        red[((i * kCols + j) * s.tiles + tile) * s.lanes + lane] = acc[i][j];
+      }
+    }
+  }
+}
+
+// The full dot product of output (row, b): its lanes' partial sums in lane order.
+template <typename Acc>
+DDPX_HD Acc dot_result(const DotSplit& s, const Acc* red, int row, int b) {
+  const int tile = row / kRows * s.tiles_b + b / kCols;
+  const Acc* r = red + ((row % kRows * kCols + b % kCols) * s.tiles + tile) * s.lanes;
+  Acc sum = r[0];
+  for (int l = 1; l < s.lanes; ++l) sum += r[l];
+  return sum;
+}
+
+// Forward gates of the block's units for batch rows [b0, b0 + bc) of the
+// step-th step; x holds those rows of h_{t-1}, red the dots.
+template <typename T, typename Acc>
+DDPX_HD void forward_gates_phase(const SeqForward<T>& p, const Plan& plan, int block, int64_t step,
+                                 int64_t b0, int bc, const T* x, const Acc* red, int th) {
+  const int uj = units_of(plan, p.hidden, block);
+  const DotSplit s = dot_split(3 * uj, bc, p.hidden);
+  const int64_t H = p.hidden, first = int64_t{block} * plan.units;
+  const int64_t t = time_of(step, p.steps, p.reverse);
+  for (int item = th; item < uj * bc; item += kThreads) {
+    const int u = item % uj, b = item / uj;
+    const int64_t j = first + u, row = b0 + b;
+    Acc hr = dot_result(s, red, u, b), hz = dot_result(s, red, uj + u, b),
+        hn = dot_result(s, red, 2 * uj + u, b);
+    if (p.b_hh != nullptr) {
+      hr += static_cast<Acc>(p.b_hh[j]);
+      hz += static_cast<Acc>(p.b_hh[H + j]);
+      hn += static_cast<Acc>(p.b_hh[2 * H + j]);
+    }
+    const T* xp = p.x_proj + (t * p.batch + row) * 3 * H + j;
+    Acc xr = static_cast<Acc>(xp[0]), xz = static_cast<Acc>(xp[H]),
+        xn = static_cast<Acc>(xp[2 * H]);
+    if (p.b_ih != nullptr) {
+      xr += static_cast<Acc>(p.b_ih[j]);
+      xz += static_cast<Acc>(p.b_ih[H + j]);
+      xn += static_cast<Acc>(p.b_ih[2 * H + j]);
+    }
+    GruGates<Acc> g;
+    const Acc h = gru_cell_forward<Acc>(xr, xz, xn, hr, hz, hn, static_cast<Acc>(x[b * H + j]), g);
+    p.out[t * p.out_step + row * p.out_row + j] = static_cast<T>(h);
+    if (p.gates != nullptr) {
+      T* sv = p.gates + (t * p.batch + row) * 4 * H + j;
+      sv[0] = static_cast<T>(g.r);
+      sv[H] = static_cast<T>(g.z);
+      sv[2 * H] = static_cast<T>(g.n);
+      sv[3 * H] = static_cast<T>(g.hn);
+    }
+  }
+}
+
+// Backward gates of the block's units for batch rows [b0, b0 + bc) of the
+// step-th step (step == -1: only dL/dh0 = carry + dots into dh). `dots`:
+// whether red holds (dh_proj of the step after) . W_hh (false at the last step).
+template <typename T, typename Acc>
+DDPX_HD void backward_gates_phase(const SeqBackward<T>& p, const Plan& plan, int block,
+                                  int64_t step, int64_t b0, int bc, bool dots, const Acc* red,
+                                  int th) {
+  const int uj = units_of(plan, p.hidden, block);
+  const DotSplit s = dot_split(uj, bc, 3 * p.hidden);
+  const int64_t H = p.hidden, first = int64_t{block} * plan.units;
+  for (int item = th; item < uj * bc; item += kThreads) {
+    const int u = item % uj, b = item / uj;
+    const int64_t j = first + u, row = b0 + b;
+    T* carry = p.dh + row * H + j;
+    Acc dh = static_cast<Acc>(*carry);
+    if (dots) dh += dot_result(s, red, u, b);
+    if (step < 0) {
+      *carry = static_cast<T>(dh);
+      continue;
+    }
+    const int64_t t = time_of(step, p.steps, p.reverse);
+    dh += static_cast<Acc>(p.grad_out[t * p.grad_out_step + row * p.grad_out_row + j]);
+    const T* sv = p.gates + (t * p.batch + row) * 4 * H + j;
+    const GruGates<Acc> g{static_cast<Acc>(sv[0]), static_cast<Acc>(sv[H]),
+                          static_cast<Acc>(sv[2 * H]), static_cast<Acc>(sv[3 * H])};
+    const T* hp =
+        step == 0 ? p.h0 + row * H
+                  : p.out + time_of(step - 1, p.steps, p.reverse) * p.out_step + row * p.out_row;
+    const GruGateGrads<Acc> d = gru_cell_backward<Acc>(dh, g, static_cast<Acc>(hp[j]));
+    T* dx = p.dx_proj + (t * p.batch + row) * 3 * H + j;
+    T* dhp = p.dh_proj + (t * p.batch + row) * 3 * H + j;
+    dx[0] = dhp[0] = static_cast<T>(d.dxr);
+    dx[H] = dhp[H] = static_cast<T>(d.dxz);
+    dx[2 * H] = static_cast<T>(d.dxn);
+    dhp[2 * H] = static_cast<T>(d.dhn);
+    *carry = static_cast<T>(d.dh_direct);
+  }
+}
+
+}  // namespace ddpx::detail::persist

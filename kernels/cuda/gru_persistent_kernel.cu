@@ -1,0 +1,202 @@
+// The persistent GRU recurrence on CUDA: one cooperative launch per layer and
+// direction, forward and backward (the plan, the phases and why in
+// kernels/common/gru_persistent.h; tests/cpp/test_gru_persistent.cpp emulates
+// these two kernels' loops block by block on the CPU).
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <cooperative_groups.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "kernels/cuda/gru_persistent_launch.h"
+
+namespace ddpx::detail {
+namespace {
+
+namespace cg = cooperative_groups;
+using persist::kThreads;
+
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kThreads)
+    gru_forward_persistent_kernel(persist::SeqForward<T> p, persist::Plan plan) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const persist::Layout l =
+      persist::layout(p.hidden, /*backward=*/false, plan.units, plan.chunk, sizeof(T), sizeof(Acc));
+  Acc* red = reinterpret_cast<Acc*>(smem + l.red);
+  T* w = reinterpret_cast<T*>(smem + l.w);
+  T* x = reinterpret_cast<T*>(smem + l.x);
+  const int block = blockIdx.x, th = threadIdx.x;
+  const int uj = persist::units_of(plan, p.hidden, block);
+  persist::load_forward_weights(p, plan, block, w, th);
+  cg::grid_group grid = cg::this_grid();
+  for (int64_t step = 0; step < p.steps; ++step) {
+    for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
+      const int bc = static_cast<int>(p.batch - b0 < plan.chunk ? p.batch - b0 : plan.chunk);
+      const persist::DotSplit s = persist::dot_split(3 * uj, bc, p.hidden);
+      __syncthreads();  // the weights loaded; the last chunk's x and red read
+      persist::stage_forward_chunk(p, step, b0, bc, x, th);
+      __syncthreads();
+      persist::dot_phase<T, Acc>(s, 3 * uj, bc, p.hidden, w, x, red, th);
+      __syncthreads();
+      persist::forward_gates_phase<T, Acc>(p, plan, block, step, b0, bc, x, red, th);
+    }
+    grid.sync();  // every block's h_t written and visible
+  }
+}
+
+template <typename T, typename Acc>
+__global__ void __launch_bounds__(kThreads)
+    gru_backward_persistent_kernel(persist::SeqBackward<T> p, persist::Plan plan) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const persist::Layout l =
+      persist::layout(p.hidden, /*backward=*/true, plan.units, plan.chunk, sizeof(T), sizeof(Acc));
+  Acc* red = reinterpret_cast<Acc*>(smem + l.red);
+  T* w = reinterpret_cast<T*>(smem + l.w);
+  T* x = reinterpret_cast<T*>(smem + l.x);
+  const int block = blockIdx.x, th = threadIdx.x;
+  const int uj = persist::units_of(plan, p.hidden, block);
+  const int64_t k = 3 * p.hidden;
+  persist::load_backward_weights(p, plan, block, w, th);
+  cg::grid_group grid = cg::this_grid();
+  // step -1: dL/dh0 from the carry and dh_proj of step 0.
+  for (int64_t step = p.steps - 1; step >= -1; --step) {
+    const bool dots = step < p.steps - 1;
+    for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
+      const int bc = static_cast<int>(p.batch - b0 < plan.chunk ? p.batch - b0 : plan.chunk);
+      const persist::DotSplit s = persist::dot_split(uj, bc, k);
+      __syncthreads();  // the weights loaded; the last chunk's x and red read
+      if (dots) {
+        persist::stage_backward_chunk(p, step, b0, bc, x, th);
+        __syncthreads();
+        persist::dot_phase<T, Acc>(s, uj, bc, k, w, x, red, th);
+        __syncthreads();
+      }
+      persist::backward_gates_phase<T, Acc>(p, plan, block, step, b0, bc, dots, red, th);
+    }
+    if (step >= 0) grid.sync();  // every block's dh_proj[t] written and visible
+  }
+}
+
+template <typename T>
+persist::SeqForward<T> typed(const persist::SeqForward<void>& p) {
+  persist::SeqForward<T> q;
+  q.steps = p.steps, q.batch = p.batch, q.hidden = p.hidden, q.reverse = p.reverse;
+  q.x_proj = static_cast<const T*>(p.x_proj), q.w_hh = static_cast<const T*>(p.w_hh);
+  q.b_ih = static_cast<const T*>(p.b_ih), q.b_hh = static_cast<const T*>(p.b_hh);
+  q.h0 = static_cast<const T*>(p.h0), q.out = static_cast<T*>(p.out);
+  q.out_row = p.out_row, q.out_step = p.out_step, q.gates = static_cast<T*>(p.gates);
+  return q;
+}
+
+template <typename T>
+persist::SeqBackward<T> typed(const persist::SeqBackward<void>& p) {
+  persist::SeqBackward<T> q;
+  q.steps = p.steps, q.batch = p.batch, q.hidden = p.hidden, q.reverse = p.reverse;
+  q.w_hh = static_cast<const T*>(p.w_hh), q.grad_out = static_cast<const T*>(p.grad_out);
+  q.grad_out_row = p.grad_out_row, q.grad_out_step = p.grad_out_step;
+  q.gates = static_cast<const T*>(p.gates), q.h0 = static_cast<const T*>(p.h0);
+  q.out = static_cast<const T*>(p.out), q.out_row = p.out_row, q.out_step = p.out_step;
+  q.dx_proj = static_cast<T*>(p.dx_proj), q.dh_proj = static_cast<T*>(p.dh_proj);
+  q.dh = static_cast<T*>(p.dh);
+  return q;
+}
+
+// The plan of one kernel for one problem on one device: one block per SM at
+// most, the shared memory the device lets a block opt in to, and the kernel's
+// own occupancy (registers) confirming that every block is co-resident, as a
+// cooperative launch requires. Cached: a lookup per launch.
+persist::Plan plan_for(const void* kernel, int device, int64_t hidden, int64_t batch, int elem,
+                       int acc, bool backward) {
+  using Key = std::tuple<const void*, int, int64_t, int64_t>;
+  static std::mutex mutex;
+  static std::map<Key, persist::Plan> plans;
+  const Key key{kernel, device, hidden, batch};
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (auto it = plans.find(key); it != plans.end()) return it->second;
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
+  persist::Plan plan;
+  if (props->cooperativeLaunch) {
+    plan = persist::make_plan(hidden, batch, elem, acc, props->multiProcessorCount,
+                              static_cast<int64_t>(props->sharedMemPerBlockOptin), backward);
+  }
+  if (plan.blocks > 0) {
+    // The same value for every plan of this kernel: a launch of another
+    // problem on another thread never sees a smaller one.
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(props->sharedMemPerBlockOptin)));
+    int per_sm = 0;
+    C10_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, plan.smem_bytes));
+    if (int64_t{per_sm} * props->multiProcessorCount < plan.blocks) plan = persist::Plan{};
+  }
+  plans.emplace(key, plan);
+  return plan;
+}
+
+template <typename T>
+const void* forward_kernel() {
+  return reinterpret_cast<const void*>(&gru_forward_persistent_kernel<T, at::opmath_type<T>>);
+}
+template <typename T>
+const void* backward_kernel() {
+  return reinterpret_cast<const void*>(&gru_backward_persistent_kernel<T, at::opmath_type<T>>);
+}
+
+template <typename T>
+persist::Plan forward_plan(int device, int64_t hidden, int64_t batch) {
+  return plan_for(forward_kernel<T>(), device, hidden, batch, sizeof(T), sizeof(at::opmath_type<T>),
+                  /*backward=*/false);
+}
+template <typename T>
+persist::Plan backward_plan(int device, int64_t hidden, int64_t batch) {
+  return plan_for(backward_kernel<T>(), device, hidden, batch, sizeof(T),
+                  sizeof(at::opmath_type<T>), /*backward=*/true);
+}
+
+template <typename Args>
+void launch(const void* kernel, const persist::Plan& plan, Args& args) {
+  persist::Plan plan_arg = plan;
+  void* params[] = {&args, &plan_arg};
+  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(kernel, dim3(plan.blocks), dim3(kThreads), params,
+                                             static_cast<size_t>(plan.smem_bytes),
+                                             at::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace
+
+bool gru_persistent_serves(int device, int64_t hidden, int64_t batch, c10::ScalarType dtype) {
+  bool serves = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "gru_persistent_serves", [&] {
+    serves = forward_plan<scalar_t>(device, hidden, batch).blocks > 0 &&
+             backward_plan<scalar_t>(device, hidden, batch).blocks > 0;
+  });
+  return serves;
+}
+
+bool gru_persistent_forward(c10::ScalarType dtype, const persist::SeqForward<void>& p) {
+  if (p.steps <= 0 || p.batch <= 0) return false;
+  const int device = c10::cuda::current_device();
+  if (!gru_persistent_serves(device, p.hidden, p.batch, dtype)) return false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "gru_persistent_forward", [&] {
+    persist::SeqForward<scalar_t> args = typed<scalar_t>(p);
+    launch(forward_kernel<scalar_t>(), forward_plan<scalar_t>(device, p.hidden, p.batch), args);
+  });
+  return true;
+}
+
+bool gru_persistent_backward(c10::ScalarType dtype, const persist::SeqBackward<void>& p) {
+  if (p.steps <= 0 || p.batch <= 0) return false;
+  const int device = c10::cuda::current_device();
+  if (!gru_persistent_serves(device, p.hidden, p.batch, dtype)) return false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "gru_persistent_backward", [&] {
+    persist::SeqBackward<scalar_t> args = typed<scalar_t>(p);
+    launch(backward_kernel<scalar_t>(), backward_plan<scalar_t>(device, p.hidden, p.batch), args);
+  });
+  return true;
+}
+
+}  // namespace ddpx::detail
