@@ -44,7 +44,7 @@
 
 namespace ddpx::detail::persist {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
 constexpr int kRows = 4, kCols = 4;  // a thread's register tile of dot outputs
 
 // Forward: one direction's recurrence. Pointers on the device; T the storage type.
@@ -83,83 +83,102 @@ struct SeqBackward {
 // serve this problem (the driver runs its per-step loop).
 struct Plan {
   int blocks = 0;
-  int units = 0;  // hidden units per block (the last block may own fewer)
-  int chunk = 0;  // batch rows staged and reduced at once
+  int units = 0;   // hidden units per block (the last block may own fewer)
+  int chunk = 0;   // batch rows staged and reduced at once
+  int lanes = 1;   // threads that share one dot tile's reduction
+  int64_t ld = 0;  // row stride of the weight slab and staged rows in shared memory
   int64_t smem_bytes = 0;
 };
 
 DDPX_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 DDPX_HD int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
 
+// The reduction length of a block's dots, and the rows of its weight slab.
+DDPX_HD int64_t dot_k(int64_t hidden, bool backward) { return backward ? 3 * hidden : hidden; }
+DDPX_HD int slab_rows(int units, bool backward) { return backward ? units : 3 * units; }
+
 // The dot phase's split of an m x bc output over the block's threads: tiles
-// of kRows x kCols, each reduced by `lanes` threads (a power of two, at most
-// k, and tiles*lanes <= kThreads unless tiles alone exceed it).
+// of kRows x kCols, each reduced by the plan's `lanes` threads.
 struct DotSplit {
   int tiles_m = 0, tiles_b = 0, tiles = 0, lanes = 1;
 };
 
-DDPX_HD DotSplit dot_split(int m, int bc, int64_t k) {
+DDPX_HD DotSplit dot_split(int m, int bc, int lanes) {
   DotSplit s;
   s.tiles_m = static_cast<int>(ceil_div(m, kRows));
   s.tiles_b = static_cast<int>(ceil_div(bc, kCols));
   s.tiles = s.tiles_m * s.tiles_b;
-  while (s.tiles * s.lanes * 2 <= kThreads && s.lanes * 2 <= k) s.lanes *= 2;
+  s.lanes = lanes;
   return s;
 }
 
-// Partial sums in shared memory: [kRows*kCols][tiles][lanes] accumulators. A
-// block with fewer units or rows than the plan's may split into more lanes,
-// never into more than kThreads tile-lanes unless its tiles alone are more.
-DDPX_HD int64_t red_elems(const DotSplit& s) {
-  return int64_t{kRows} * kCols * (s.tiles > kThreads ? s.tiles : kThreads);
+// Lanes per tile for a block's full m x chunk output: the most (a power of
+// two, at most k) that keep tiles*lanes within kThreads. Fixed per plan: a
+// block with fewer units, or a last chunk with fewer rows, has fewer tiles
+// with as many lanes, so it never needs more partial sums than the plan
+// reserved.
+DDPX_HD int plan_lanes(int m, int chunk, int64_t k) {
+  const DotSplit s = dot_split(m, chunk, 1);
+  int lanes = 1;
+  while (s.tiles * lanes * 2 <= kThreads && lanes * 2 <= k) lanes *= 2;
+  return lanes;
 }
 
-// The reduction length of a block's dots and the weight slab's rows per unit.
-DDPX_HD int64_t dot_k(int64_t hidden, bool backward) { return backward ? 3 * hidden : hidden; }
+// Row stride (elements) of the weight slab and the staged rows in shared
+// memory. With lanes < 32 a warp holds 32/lanes tiles whose rows are kRows
+// (or kCols) apart; at a stride that is a multiple of 32 words they would read
+// the same banks. A stride with 4*ld = lanes (mod 32) puts each tile's lanes
+// on banks of their own (lanes 4..16; lanes 1-2 get 8 distinct offsets).
+DDPX_HD int64_t padded_ld(int64_t k, int lanes) {
+  static_assert(kRows == 4 && kCols == 4, "the padding rule assumes rows 4 apart");
+  if (lanes >= 32) return k;
+  const int64_t want = lanes >= 4 ? lanes / 4 : 1;  // ld mod 8
+  return k + ((want - k % 8) + 8) % 8;
+}
 
-// Shared memory of a block: partial sums (acc_size each), then the weight
-// slab (3*units*hidden elements), then the staged chunk (chunk rows of
-// dot_k elements).
+// Shared memory of a block: partial sums ([kRows*kCols][tiles][lanes] of
+// acc_size), then the weight slab (slab_rows x ld), then the staged chunk
+// (chunk x ld).
 struct Layout {
   int64_t red = 0, w = 0, x = 0, bytes = 0;
 };
 
-DDPX_HD Layout layout(int64_t hidden, bool backward, int units, int chunk, int elem_size,
-                      int acc_size) {
-  const int64_t k = dot_k(hidden, backward);
-  const int m = backward ? units : 3 * units;
-  const DotSplit s = dot_split(m, chunk, k);
+DDPX_HD Layout layout(const Plan& p, bool backward, int elem_size, int acc_size) {
+  const DotSplit s = dot_split(slab_rows(p.units, backward), p.chunk, p.lanes);
   Layout l;
   l.red = 0;
-  l.w = align16(red_elems(s) * acc_size);
-  l.x = l.w + align16(3 * int64_t{units} * hidden * elem_size);
-  l.bytes = l.x + align16(int64_t{chunk} * k * elem_size);
+  l.w = align16(int64_t{kRows} * kCols * s.tiles * s.lanes * acc_size);
+  l.x = l.w + align16(int64_t{slab_rows(p.units, backward)} * p.ld * elem_size);
+  l.bytes = l.x + align16(int64_t{p.chunk} * p.ld * elem_size);
   return l;
 }
 
 // The plan for `max_blocks` co-resident blocks (the SMs: one block each) and
 // `max_smem` bytes of shared memory per block: as many blocks as give each
-// one unit or more, and the largest chunk of batch rows (a power of two, at
-// most 64) that fits.
+// one unit or more, then the largest chunk of batch rows (a power of two, at
+// most 64) that fits, with as many lanes as fit (their partial sums take
+// shared memory too), down to a warp per tile.
 inline Plan make_plan(int64_t hidden, int64_t batch, int elem_size, int acc_size, int max_blocks,
                       int64_t max_smem, bool backward) {
-  Plan p;
-  if (hidden <= 0 || batch <= 0 || max_blocks <= 0) return p;
-  const int64_t units = ceil_div(hidden, max_blocks);
-  if (units > 1024) return p;
+  if (hidden <= 0 || batch <= 0 || max_blocks <= 0) return Plan{};
+  const int64_t units = ceil_div(hidden, max_blocks), k = dot_k(hidden, backward);
+  if (units > 1024) return Plan{};
   int chunk = 64;
   while (chunk > batch && chunk > 1) chunk /= 2;
   for (; chunk >= 1; chunk /= 2) {
-    const Layout l = layout(hidden, backward, static_cast<int>(units), chunk, elem_size, acc_size);
-    if (l.bytes <= max_smem) {
-      p.units = static_cast<int>(units);
-      p.blocks = static_cast<int>(ceil_div(hidden, units));
-      p.chunk = chunk;
-      p.smem_bytes = l.bytes;
-      return p;
+    const int most = plan_lanes(slab_rows(static_cast<int>(units), backward), chunk, k);
+    for (int lanes = most; lanes >= (most < 32 ? most : 32); lanes /= 2) {
+      Plan c;
+      c.units = static_cast<int>(units);
+      c.blocks = static_cast<int>(ceil_div(hidden, units));
+      c.chunk = chunk;
+      c.lanes = lanes;
+      c.ld = padded_ld(k, lanes);
+      c.smem_bytes = layout(c, backward, elem_size, acc_size).bytes;
+      if (c.smem_bytes <= max_smem) return c;
     }
   }
-  return p;
+  return Plan{};
 }
 
 // Hidden units of block `block`: [first, first + count).
@@ -187,7 +206,7 @@ DDPX_HD void load_forward_weights(const SeqForward<T>& p, const Plan& plan, int 
   for (int64_t i = th; i < n; i += kThreads) {
     const int64_t row = i / H, k = i % H;
     const int64_t g = row / uj, u = row % uj;
-    w[i] = p.w_hh[(g * H + first + u) * H + k];
+    w[row * plan.ld + k] = p.w_hh[(g * H + first + u) * H + k];
   }
 }
 
@@ -201,46 +220,48 @@ DDPX_HD void load_backward_weights(const SeqBackward<T>& p, const Plan& plan, in
   const int64_t n = int64_t{uj} * K;
   for (int64_t i = th; i < n; i += kThreads) {
     const int64_t u = i / K, k = i % K;
-    w[i] = p.w_hh[k * H + first + u];
+    w[u * plan.ld + k] = p.w_hh[k * H + first + u];
   }
 }
 
-// Rows [b0, b0 + bc) of a [batch, k] matrix at src (row stride `row`) into x.
+// Rows [b0, b0 + bc) of a [batch, k] matrix at src (row stride `row`) into x
+// (row stride ld).
 template <typename T>
-DDPX_HD void stage_rows(const T* src, int64_t row, int64_t k, int64_t b0, int bc, T* x, int th) {
+DDPX_HD void stage_rows(const T* src, int64_t row, int64_t k, int64_t b0, int bc, T* x, int64_t ld,
+                        int th) {
   const int64_t n = int64_t{bc} * k;
   for (int64_t i = th; i < n; i += kThreads) {
     const int64_t b = i / k, c = i % k;
-    x[i] = src[(b0 + b) * row + c];
+    x[b * ld + c] = src[(b0 + b) * row + c];
   }
 }
 
 // h_{t-1} of the step-th forward step (h0 at step 0).
 template <typename T>
-DDPX_HD void stage_forward_chunk(const SeqForward<T>& p, int64_t step, int64_t b0, int bc, T* x,
-                                 int th) {
+DDPX_HD void stage_forward_chunk(const SeqForward<T>& p, const Plan& plan, int64_t step, int64_t b0,
+                                 int bc, T* x, int th) {
   if (step == 0) {
-    stage_rows(p.h0, p.hidden, p.hidden, b0, bc, x, th);
+    stage_rows(p.h0, p.hidden, p.hidden, b0, bc, x, plan.ld, th);
     return;
   }
   const int64_t prev = time_of(step - 1, p.steps, p.reverse);
-  stage_rows<T>(p.out + prev * p.out_step, p.out_row, p.hidden, b0, bc, x, th);
+  stage_rows<T>(p.out + prev * p.out_step, p.out_row, p.hidden, b0, bc, x, plan.ld, th);
 }
 
 // dh_proj of the step after the step-th backward step (step < steps - 1).
 template <typename T>
-DDPX_HD void stage_backward_chunk(const SeqBackward<T>& p, int64_t step, int64_t b0, int bc, T* x,
-                                  int th) {
+DDPX_HD void stage_backward_chunk(const SeqBackward<T>& p, const Plan& plan, int64_t step,
+                                  int64_t b0, int bc, T* x, int th) {
   const int64_t next = time_of(step + 1, p.steps, p.reverse);
   const int64_t H3 = 3 * p.hidden;
-  stage_rows<T>(p.dh_proj + next * p.batch * H3, H3, H3, b0, bc, x, th);
+  stage_rows<T>(p.dh_proj + next * p.batch * H3, H3, H3, b0, bc, x, plan.ld, th);
 }
 
-// Partial dot products: out[i][b] = sum_k a[i*k_len + k] * x[b*k_len + k] over
-// this thread's lane of k, for each tile it owns, into red.
+// Partial dot products: out[i][b] = sum_k a[i*ld + k] * x[b*ld + k] over
+// this thread's lane of k < k_len, for each tile it owns, into red.
 template <typename T, typename Acc>
-DDPX_HD void dot_phase(const DotSplit& s, int m, int bc, int64_t k_len, const T* a, const T* x,
-                       Acc* red, int th) {
+DDPX_HD void dot_phase(const DotSplit& s, int m, int bc, int64_t k_len, int64_t ld, const T* a,
+                       const T* x, Acc* red, int th) {
   for (int item = th; item < s.tiles * s.lanes; item += kThreads) {
     const int tile = item / s.lanes, lane = item % s.lanes;
     const int m0 = tile / s.tiles_b * kRows, b0 = tile % s.tiles_b * kCols;
@@ -249,9 +270,9 @@ DDPX_HD void dot_phase(const DotSplit& s, int m, int bc, int64_t k_len, const T*
     const T* ar[kRows];
     const T* xr[kCols];
     DDPX_PERSIST_UNROLL
-    for (int i = 0; i < kRows; ++i) ar[i] = a + (m0 + i < m ? m0 + i : m - 1) * k_len;
+    for (int i = 0; i < kRows; ++i) ar[i] = a + (m0 + i < m ? m0 + i : m - 1) * ld;
     DDPX_PERSIST_UNROLL
-    for (int j = 0; j < kCols; ++j) xr[j] = x + (b0 + j < bc ? b0 + j : bc - 1) * k_len;
+    for (int j = 0; j < kCols; ++j) xr[j] = x + (b0 + j < bc ? b0 + j : bc - 1) * ld;
     Acc acc[kRows][kCols];
     DDPX_PERSIST_UNROLL
     for (int i = 0; i < kRows; ++i) {
@@ -296,7 +317,7 @@ template <typename T, typename Acc>
 DDPX_HD void forward_gates_phase(const SeqForward<T>& p, const Plan& plan, int block, int64_t step,
                                  int64_t b0, int bc, const T* x, const Acc* red, int th) {
   const int uj = units_of(plan, p.hidden, block);
-  const DotSplit s = dot_split(3 * uj, bc, p.hidden);
+  const DotSplit s = dot_split(3 * uj, bc, plan.lanes);
   const int64_t H = p.hidden, first = int64_t{block} * plan.units;
   const int64_t t = time_of(step, p.steps, p.reverse);
   for (int item = th; item < uj * bc; item += kThreads) {
@@ -318,7 +339,8 @@ DDPX_HD void forward_gates_phase(const SeqForward<T>& p, const Plan& plan, int b
       xn += static_cast<Acc>(p.b_ih[2 * H + j]);
     }
     GruGates<Acc> g;
-    const Acc h = gru_cell_forward<Acc>(xr, xz, xn, hr, hz, hn, static_cast<Acc>(x[b * H + j]), g);
+    const Acc h =
+        gru_cell_forward<Acc>(xr, xz, xn, hr, hz, hn, static_cast<Acc>(x[b * plan.ld + j]), g);
     p.out[t * p.out_step + row * p.out_row + j] = static_cast<T>(h);
     if (p.gates != nullptr) {
       T* sv = p.gates + (t * p.batch + row) * 4 * H + j;
@@ -338,7 +360,7 @@ DDPX_HD void backward_gates_phase(const SeqBackward<T>& p, const Plan& plan, int
                                   int64_t step, int64_t b0, int bc, bool dots, const Acc* red,
                                   int th) {
   const int uj = units_of(plan, p.hidden, block);
-  const DotSplit s = dot_split(uj, bc, 3 * p.hidden);
+  const DotSplit s = dot_split(uj, bc, plan.lanes);
   const int64_t H = p.hidden, first = int64_t{block} * plan.units;
   for (int item = th; item < uj * bc; item += kThreads) {
     const int u = item % uj, b = item / uj;

@@ -24,8 +24,7 @@ template <typename T, typename Acc>
 __global__ void __launch_bounds__(kThreads)
     gru_forward_persistent_kernel(persist::SeqForward<T> p, persist::Plan plan) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const persist::Layout l =
-      persist::layout(p.hidden, /*backward=*/false, plan.units, plan.chunk, sizeof(T), sizeof(Acc));
+  const persist::Layout l = persist::layout(plan, /*backward=*/false, sizeof(T), sizeof(Acc));
   Acc* red = reinterpret_cast<Acc*>(smem + l.red);
   T* w = reinterpret_cast<T*>(smem + l.w);
   T* x = reinterpret_cast<T*>(smem + l.x);
@@ -36,11 +35,11 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t step = 0; step < p.steps; ++step) {
     for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
       const int bc = static_cast<int>(p.batch - b0 < plan.chunk ? p.batch - b0 : plan.chunk);
-      const persist::DotSplit s = persist::dot_split(3 * uj, bc, p.hidden);
+      const persist::DotSplit s = persist::dot_split(3 * uj, bc, plan.lanes);
       __syncthreads();  // the weights loaded; the last chunk's x and red read
-      persist::stage_forward_chunk(p, step, b0, bc, x, th);
+      persist::stage_forward_chunk(p, plan, step, b0, bc, x, th);
       __syncthreads();
-      persist::dot_phase<T, Acc>(s, 3 * uj, bc, p.hidden, w, x, red, th);
+      persist::dot_phase<T, Acc>(s, 3 * uj, bc, p.hidden, plan.ld, w, x, red, th);
       __syncthreads();
       persist::forward_gates_phase<T, Acc>(p, plan, block, step, b0, bc, x, red, th);
     }
@@ -52,8 +51,7 @@ template <typename T, typename Acc>
 __global__ void __launch_bounds__(kThreads)
     gru_backward_persistent_kernel(persist::SeqBackward<T> p, persist::Plan plan) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const persist::Layout l =
-      persist::layout(p.hidden, /*backward=*/true, plan.units, plan.chunk, sizeof(T), sizeof(Acc));
+  const persist::Layout l = persist::layout(plan, /*backward=*/true, sizeof(T), sizeof(Acc));
   Acc* red = reinterpret_cast<Acc*>(smem + l.red);
   T* w = reinterpret_cast<T*>(smem + l.w);
   T* x = reinterpret_cast<T*>(smem + l.x);
@@ -67,12 +65,12 @@ __global__ void __launch_bounds__(kThreads)
     const bool dots = step < p.steps - 1;
     for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
       const int bc = static_cast<int>(p.batch - b0 < plan.chunk ? p.batch - b0 : plan.chunk);
-      const persist::DotSplit s = persist::dot_split(uj, bc, k);
+      const persist::DotSplit s = persist::dot_split(uj, bc, plan.lanes);
       __syncthreads();  // the weights loaded; the last chunk's x and red read
       if (dots) {
-        persist::stage_backward_chunk(p, step, b0, bc, x, th);
+        persist::stage_backward_chunk(p, plan, step, b0, bc, x, th);
         __syncthreads();
-        persist::dot_phase<T, Acc>(s, uj, bc, k, w, x, red, th);
+        persist::dot_phase<T, Acc>(s, uj, bc, k, plan.ld, w, x, red, th);
         __syncthreads();
       }
       persist::backward_gates_phase<T, Acc>(p, plan, block, step, b0, bc, dots, red, th);

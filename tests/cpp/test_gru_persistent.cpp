@@ -32,12 +32,15 @@ std::vector<unsigned char> shared_memory(const Layout& l) {
   return std::vector<unsigned char>(static_cast<size_t>(l.bytes), 0xff);
 }
 
-// A block's use of its shared memory fits what the plan reserved.
-void expect_fits(const Layout& l, const DotSplit& s, int rows, int bc, int64_t k, int acc_size,
-                 int elem_size) {
+// A block's use of its shared memory fits what the plan reserved, and its
+// threads cover its tiles' lanes.
+void expect_fits(const Layout& l, const Plan& plan, const DotSplit& s, int rows, int bc, int64_t k,
+                 int acc_size, int elem_size) {
   EXPECT_LE(int64_t{kRows} * kCols * s.tiles * s.lanes * acc_size, l.w - l.red);
-  EXPECT_LE(int64_t{rows} * k * elem_size, l.x - l.w);
-  EXPECT_LE(int64_t{bc} * k * elem_size, l.bytes - l.x);
+  EXPECT_LE((int64_t{rows} - 1) * plan.ld + k, (l.x - l.w) / elem_size);
+  EXPECT_LE((int64_t{bc} - 1) * plan.ld + k, (l.bytes - l.x) / elem_size);
+  EXPECT_GE(plan.ld, k);
+  EXPECT_TRUE(s.tiles * s.lanes <= kThreads || s.lanes == 1);
 }
 
 std::vector<int> shuffled_blocks(int blocks, std::mt19937& gen) {
@@ -55,7 +58,7 @@ void each_thread(F&& f) {
 // gru_forward_persistent_kernel, emulated.
 template <typename T, typename Acc>
 void emulate_forward(const SeqForward<T>& p, const Plan& plan, std::mt19937& gen) {
-  const Layout l = layout(p.hidden, false, plan.units, plan.chunk, sizeof(T), sizeof(Acc));
+  const Layout l = layout(plan, false, sizeof(T), sizeof(Acc));
   std::vector<std::vector<unsigned char>> smem;
   for (int block = 0; block < plan.blocks; ++block) {
     smem.push_back(shared_memory(l));
@@ -71,10 +74,11 @@ void emulate_forward(const SeqForward<T>& p, const Plan& plan, std::mt19937& gen
       const int uj = units_of(plan, p.hidden, block);
       for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
         const int bc = static_cast<int>(std::min<int64_t>(plan.chunk, p.batch - b0));
-        const DotSplit s = dot_split(3 * uj, bc, p.hidden);
-        expect_fits(l, s, 3 * uj, bc, p.hidden, sizeof(Acc), sizeof(T));
-        each_thread([&](int th) { stage_forward_chunk(p, step, b0, bc, x, th); });
-        each_thread([&](int th) { dot_phase<T, Acc>(s, 3 * uj, bc, p.hidden, w, x, red, th); });
+        const DotSplit s = dot_split(3 * uj, bc, plan.lanes);
+        expect_fits(l, plan, s, 3 * uj, bc, p.hidden, sizeof(Acc), sizeof(T));
+        each_thread([&](int th) { stage_forward_chunk(p, plan, step, b0, bc, x, th); });
+        each_thread(
+            [&](int th) { dot_phase<T, Acc>(s, 3 * uj, bc, p.hidden, plan.ld, w, x, red, th); });
         each_thread(
             [&](int th) { forward_gates_phase<T, Acc>(p, plan, block, step, b0, bc, x, red, th); });
       }
@@ -85,7 +89,7 @@ void emulate_forward(const SeqForward<T>& p, const Plan& plan, std::mt19937& gen
 // gru_backward_persistent_kernel, emulated.
 template <typename T, typename Acc>
 void emulate_backward(const SeqBackward<T>& p, const Plan& plan, std::mt19937& gen) {
-  const Layout l = layout(p.hidden, true, plan.units, plan.chunk, sizeof(T), sizeof(Acc));
+  const Layout l = layout(plan, true, sizeof(T), sizeof(Acc));
   const int64_t k = 3 * p.hidden;
   std::vector<std::vector<unsigned char>> smem;
   for (int block = 0; block < plan.blocks; ++block) {
@@ -103,11 +107,11 @@ void emulate_backward(const SeqBackward<T>& p, const Plan& plan, std::mt19937& g
       const int uj = units_of(plan, p.hidden, block);
       for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
         const int bc = static_cast<int>(std::min<int64_t>(plan.chunk, p.batch - b0));
-        const DotSplit s = dot_split(uj, bc, k);
-        expect_fits(l, s, uj, bc, k, sizeof(Acc), sizeof(T));
+        const DotSplit s = dot_split(uj, bc, plan.lanes);
+        expect_fits(l, plan, s, uj, bc, k, sizeof(Acc), sizeof(T));
         if (dots) {
-          each_thread([&](int th) { stage_backward_chunk(p, step, b0, bc, x, th); });
-          each_thread([&](int th) { dot_phase<T, Acc>(s, uj, bc, k, w, x, red, th); });
+          each_thread([&](int th) { stage_backward_chunk(p, plan, step, b0, bc, x, th); });
+          each_thread([&](int th) { dot_phase<T, Acc>(s, uj, bc, k, plan.ld, w, x, red, th); });
         }
         each_thread([&](int th) {
           backward_gates_phase<T, Acc>(p, plan, block, step, b0, bc, dots, red, th);
@@ -215,9 +219,10 @@ INSTANTIATE_TEST_SUITE_P(Plans, GruPersistent,
                          ::testing::Values(
                              // 3 blocks of 3, 3 and 1 units; chunks of 2 rows (2 + 1)
                              Case{5, 3, 7, false, true, 3, kH200Smem, false},
-                             // one unit per block; shared memory for one row at a time (32 KiB of
-                             // partial sums, 480 B of weights, 480 B a row); reverse, column slot
-                             Case{4, 6, 20, true, true, kH200Sms, 34000, true},
+                             // one unit per block; shared memory for 4 rows at a time forward
+                             // (4 + 2), one backward (2 KiB / 4 KiB of partial sums, 480 B of
+                             // weights, 160 B / 480 B a row); reverse, column slot
+                             Case{4, 6, 20, true, true, kH200Sms, 5100, true},
                              // one batch row, lanes capped by the reduction length; no biases
                              Case{3, 1, 64, false, false, kH200Sms, kH200Smem, false},
                              // 4 blocks of 9 units, 17 rows (16 + 1); reverse, column slot
@@ -269,6 +274,12 @@ TEST(GruPersistentPlan, H200Limits) {
   // fit a block; bfloat16's does.
   EXPECT_EQ(make_plan(2048, 4, 4, 4, kH200Sms, kH200Smem, false).blocks, 0);
   EXPECT_EQ(make_plan(2048, 4, 2, 4, kH200Sms, kH200Smem, false).blocks, 128);
+  const Plan b2048 = make_plan(2048, 4, 2, 4, kH200Sms, kH200Smem, true);
+  EXPECT_EQ(b2048.blocks, 128);  // with fewer lanes than fill the block: their sums fit
+  EXPECT_EQ(b2048.lanes, 32);
+  // 8 tiles a warp apart by 4 rows: a stride of 1028 puts them on banks of their own
+  EXPECT_EQ(f1024.lanes, 16);
+  EXPECT_EQ(f1024.ld, 1028);
   // Small problems: one unit per block, chunk no larger than the batch.
   const Plan small = make_plan(64, 3, 4, 4, kH200Sms, kH200Smem, false);
   EXPECT_EQ(small.blocks, 64);
