@@ -52,7 +52,10 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
     buffer_names.push_back(b.key());
     I.buffers.push_back(b.value());
   }
-  I.reduce = hooks::make_reduce_fn(options.codec_, &I.wire_stats, &I.lossy);
+  TORCH_CHECK(options.stage_chunk_bytes_ >= 0, "GradSyncOptions::stage_chunk_bytes must be >= 0, got ",
+              options.stage_chunk_bytes_);
+  I.reduce = hooks::make_reduce_fn(options.codec_, &I.wire_stats, &I.lossy,
+                                   options.stage_chunk_bytes_);
   I.profiler =
       std::make_unique<hooks::Profiler>(hooks::TraceConfig::from(options), pg->getRank(),
                                         pg->getSize(), static_cast<int64_t>(params.size()));

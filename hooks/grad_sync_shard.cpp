@@ -207,7 +207,6 @@ std::vector<int> GradSync::Impl::land_sharded(int b, const int* agreed) {
 
 void GradSync::Impl::step_sharded(int b, const std::vector<int>& stepped) {
   at::NoGradGuard no_grad;
-  const c10::Device device = plan[b].device;
   optimizer->apply(b, stepped);
   for (int p : stepped) shard_views[p].mutable_grad() = at::Tensor();
   if (owned_grads[b].defined()) {

@@ -271,6 +271,10 @@ void Profiler::record_step_events(const StepStats& s, const FinalTimes& t, const
     run.args.push_back({"ready", ts(ready)});
     run.args.push_back({"launch", ts(launch)});
     run.args.push_back({"complete", ts(complete)});
+    // How the bytes reached the wire: staged through host memory in this
+    // many chunks, or 0: the backend got the bucket itself (host memory, or
+    // device memory that NCCL or a CUDA-aware MPI reduces in place).
+    run.args.push_back({"staged_chunks", static_cast<double>(bt.wire.staged_chunks)});
     if (bt.wire.first_begin_ns >= 0) {
       span("ddpx::encode", tid, bt.run_begin_ns, bt.wire.first_begin_ns);
       span("ddpx::wire", tid, bt.wire.first_begin_ns, bt.wire.last_end_ns);

@@ -36,7 +36,13 @@ using WireStatsFn = std::function<comm::CodecStats()>;
 // residuals by bucket key, warm starts by part key) its owner reads and moves
 // (Codec::take_residuals at a re-plan, residuals() and warm_starts() for a
 // checkpoint); null for "none", which keeps no state.
+// stage_chunk_bytes (> 0): "none" stages a device bucket through pinned host
+// memory in chunks of that many bytes (hooks/host_stage.h) when the group's
+// backend for the device reduces host memory only (comm::detail::
+// stages_through_host); 0 hands the backend the device bucket. Codecs hand
+// the backend their (small) messages as they are.
 ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats = nullptr,
-                        std::shared_ptr<comm::Codec>* lossy = nullptr);
+                        std::shared_ptr<comm::Codec>* lossy = nullptr,
+                        int64_t stage_chunk_bytes = 0);
 
 }  // namespace ddpx::hooks

@@ -22,10 +22,20 @@ struct BackendEntry {
   c10d::ProcessGroup::BackendType type;
   bool needs_store;
   std::function<BackendPtr(const BackendArgs&)> create;
+  // Whether it reduces a device's tensors through host memory (Gloo's CPU
+  // algorithms; ddpx_mpi over an MPI that is not CUDA-aware) rather than in
+  // device memory (NCCL). Null: device memory.
+  std::function<bool()> host_only = nullptr;
 };
 
 bool register_backend(BackendEntry entry);
 const BackendEntry* find_backend(const std::string& name);
 std::vector<std::string> backend_names();
+
+// Whether a caller holding a tensor of device type `type` (not the CPU) may
+// stage it through host memory itself: pg's backend for `type` is a
+// registered host-only one and pg also serves CPU tensors (which the staged
+// chunks are). GradSync then pipelines the copies (hooks/host_stage.h).
+bool stages_through_host(c10d::ProcessGroup& pg, c10::DeviceType type);
 
 }  // namespace ddpx::comm::detail

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -126,6 +127,16 @@ std::vector<std::string> backend_names() {
   std::vector<std::string> v;
   for (const auto& [k, _] : registry()) v.push_back(k);
   return v;
+}
+
+bool stages_through_host(c10d::ProcessGroup& pg, c10::DeviceType type) {
+  const auto types = pg.getDeviceTypes();
+  const auto serves = [&](c10::DeviceType t) {
+    return std::find(types.begin(), types.end(), t) != types.end();
+  };
+  if (type == c10::DeviceType::CPU || !serves(type) || !serves(c10::DeviceType::CPU)) return false;
+  const BackendEntry* entry = find_backend(pg.getBackend(type)->getBackendName());
+  return entry != nullptr && entry->host_only && entry->host_only();
 }
 
 }  // namespace detail

@@ -32,7 +32,8 @@ BackendPtr create_gloo(const BackendArgs& a) {
 }
 
 const bool registered = register_backend(
-    {"gloo", c10d::ProcessGroup::BackendType::GLOO, /*needs_store=*/true, &create_gloo});
+    {"gloo", c10d::ProcessGroup::BackendType::GLOO, /*needs_store=*/true, &create_gloo,
+     /*host_only=*/[] { return true; }});
 
 }  // namespace
 }  // namespace ddpx::comm::detail

@@ -1,6 +1,7 @@
 // Registers ddpx_mpi with ddpx::comm::make and defines make_mpi_backend.
 #include "plugin/comm/backend_registry.h"
 #include "plugin/comm/mpi_backend.h"
+#include "plugin/comm/mpi_util.h"
 
 namespace ddpx::comm {
 
@@ -14,7 +15,8 @@ namespace {
 
 const bool registered = register_backend(
     {"ddpx_mpi", c10d::ProcessGroup::BackendType::CUSTOM, /*needs_store=*/false,
-     [](const BackendArgs& a) { return make_mpi_backend({}, a.timeout); }});
+     [](const BackendArgs& a) { return make_mpi_backend({}, a.timeout); },
+     /*host_only=*/[] { return !mpi_takes_cuda_memory(); }});
 
 }  // namespace
 }  // namespace detail

@@ -1,7 +1,13 @@
 #include "plugin/comm/mpi_util.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
+#endif
 
+#include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <thread>
 
@@ -10,17 +16,52 @@
 
 namespace ddpx::comm::detail {
 
+bool mpi_takes_cuda_memory() {
+  static const bool aware = [] {
+    const char* env = std::getenv("DDPX_MPI_CUDA_AWARE");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+#if defined(MPIX_CUDA_AWARE_SUPPORT)
+    return MPIX_Query_cuda_support() == 1;
+#else
+    return false;
+#endif
+  }();
+  return aware;
+}
+
+namespace {
+
+// Waits for the work queued on the calling thread's current stream of d.
+void sync_current_stream(c10::Device d) {
+  c10::impl::VirtualGuardImpl(d.type()).getStream(d).synchronize();
+}
+
+}  // namespace
+
 HostView::HostView(const at::Tensor& t, bool copy_in) : user_(t) {
-  if (t.is_cpu() && t.is_contiguous()) {
+  if (t.is_contiguous() && (t.is_cpu() || (t.is_cuda() && mpi_takes_cuda_memory()))) {
+    // A CUDA-aware MPI reads device memory itself but knows no streams: the
+    // work that produced it must be done.
+    if (t.is_cuda()) sync_current_stream(t.device());
     host_ = t;
-  } else {
-    host_ = at::empty(t.sizes(), t.options().device(at::kCPU));
-    if (copy_in) host_.copy_(t);
+    return;
+  }
+  // Pinned for CUDA: the copies run at the link's speed, without a bounce
+  // through a driver buffer; synchronous still (the stream synchronized), so
+  // the caller sees the result whichever stream it reads on.
+  const bool pinned = t.is_cuda();
+  host_ = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(pinned));
+  if (copy_in) {
+    host_.copy_(t, /*non_blocking=*/pinned);
+    if (pinned) sync_current_stream(t.device());
   }
 }
 
 void HostView::write_back() const {
-  if (!host_.is_same(user_)) user_.copy_(host_);
+  if (host_.is_same(user_)) return;
+  const bool pinned = user_.is_cuda();
+  user_.copy_(host_, /*non_blocking=*/pinned);
+  if (pinned) sync_current_stream(user_.device());
 }
 
 void await_request(MPI_Request& request) {

@@ -11,10 +11,11 @@
 
 namespace ddpx::comm::detail {
 
-// A contiguous host buffer for MPI: the tensor itself when it already is a
-// contiguous CPU tensor, else a staged copy (device tensors travel through
-// host memory; Open MPI from Debian is not CUDA-aware). Runs on the worker,
-// under the caller's stream, so the copy is ordered after the producer.
+// A contiguous buffer for MPI: the tensor itself when it is a contiguous CPU
+// tensor (or a CUDA one and MPI is CUDA-aware), else a staged copy in host
+// memory, pinned for a CUDA tensor (Open MPI from Debian is not CUDA-aware).
+// Runs on the worker, under the caller's stream, so the copy is ordered
+// after the producer; the copies are complete when the calls return.
 class HostView {
  public:
   HostView(const at::Tensor& t, bool copy_in);
@@ -27,6 +28,11 @@ class HostView {
   at::Tensor user_;
   at::Tensor host_;
 };
+
+// Whether MPI reads and writes CUDA device memory itself (Open MPI's
+// MPIX_Query_cuda_support; Debian's is not CUDA-aware). DDPX_MPI_CUDA_AWARE=0
+// says no whatever the library answers.
+bool mpi_takes_cuda_memory();
 
 // A tensor's dtype as one field of check_agreement's fingerprint.
 inline int64_t dtype_id(const at::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); }

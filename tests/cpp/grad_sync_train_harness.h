@@ -125,6 +125,8 @@ struct TrainRun {
   // reference torch::nn::utils::clip_grad_norm_ before optimizer.step().
   double clip = 0;
   bool every_param_used = false;  // Gated::both
+  // GradSyncOptions::stage_chunk_bytes (CUDA buckets through host memory).
+  int64_t stage_chunk_bytes = GradSyncOptions{}.stage_chunk_bytes_;
   bool steps_in_sync() const { return overlap != Overlap::None || shard != ddpx::Shard::None; }
 };
 
@@ -190,6 +192,7 @@ inline std::vector<at::Tensor> train(const TrainRun& r) {
   GradSyncOptions so;
   so.overlap(r.overlap).unused(r.unused).codec(r.codec).bucket_cap_mb(0.001).first_bucket_mb(0.0005);
   so.shard(r.shard).clip_grad_norm(r.steps_in_sync() ? r.clip : 0.0);
+  so.stage_chunk_bytes(r.stage_chunk_bytes);
   // Timing re-plans differ between runs; with a lossy codec the plan
   // decides the sums, so the runs must keep one plan to compare bit for bit.
   if (r.codec != "none") so.replan(false);

@@ -7,7 +7,9 @@
 // tests/cpp/test_grad_sync_overlap.cpp, on CUDA), over ddpx_mpi (CUDA tensors
 // staged through host memory) and Gloo; and NCCL at world size 1 (one GPU
 // cannot hold two NCCL ranks) through the same code path. Sharded runs
-// (GradSyncOptions::shard) too, against the unsharded synchronous path.
+// (GradSyncOptions::shard) too, against the unsharded synchronous path. And
+// the staging of CUDA buckets through pinned host memory in many chunks
+// against the backend's own path.
 #include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
 #include <gtest/gtest.h>
@@ -18,6 +20,7 @@
 
 #include "grad_sync_train_harness.h"
 #include "mpi_test_util.h"
+#include "plugin/comm/backend_registry.h"
 
 namespace {
 
@@ -93,6 +96,29 @@ const CudaCase kCudaCases[] = {
 INSTANTIATE_TEST_SUITE_P(Cuda, GradSyncCudaModes, ::testing::ValuesIn(kCudaCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// GradSyncOptions::stage_chunk_bytes: buckets staged through pinned host
+// memory in chunks of 64 bytes (dozens a bucket: hooks/host_stage.h's
+// pipeline) land bit for bit where the backend's own path (0: the bucket
+// handed over, which ddpx_mpi and Gloo stage whole) does, synchronous and
+// overlapped. Both backends reduce host memory only here.
+TEST(GradSyncCudaStaging, ManySmallChunksEqualTheBackendsOwnPath) {
+  DDPX_SKIP_WITHOUT_GPU();
+  for (const std::string backend : {"ddpx_mpi", "gloo"}) {
+    const auto group = backend == "gloo" ? gloo_group() : world();
+    EXPECT_TRUE(ddpx::comm::detail::stages_through_host(*group, c10::DeviceType::CUDA)) << backend;
+    for (auto overlap : {Overlap::None, Overlap::NextForward}) {
+      TrainRun staged = on_cuda(with(overlap, Opt::AdamW));
+      staged.group = group;
+      staged.steps = 40;
+      staged.stage_chunk_bytes = 64;
+      TrainRun whole = staged;
+      whole.stage_chunk_bytes = 0;
+      expect_bitwise(train(staged), train(whole),
+                     backend + (overlap == Overlap::None ? " synchronous" : " next forward"));
+    }
+  }
+}
+
 // NCCL at world size 1 (each rank its own group on a HashStore): the same
 // code path, per-bucket optimizer and gated forward against the synchronous
 // path.
@@ -105,6 +131,8 @@ TEST(GradSyncCudaNccl, WorldSizeOneMatchesTheSynchronousPath) {
   o.name = "nccl_ws1";
   auto pg = ddpx::comm::make("cpu:gloo,cuda:nccl", o);
   ASSERT_EQ(pg->getBackend(c10::DeviceType::CUDA)->getBackendName(), "nccl");
+  EXPECT_FALSE(ddpx::comm::detail::stages_through_host(*pg, c10::DeviceType::CUDA))
+      << "NCCL reduces device memory: never staged";
   for (auto overlap : {Overlap::Optimizer, Overlap::NextForward}) {
     TrainRun ours = on_cuda(with(overlap, Opt::AdamW));
     ours.group = pg;

@@ -1,10 +1,11 @@
-// The stream hand-off of device buckets (hooks/stream_handoff.h), on a
-// simulated device with asynchronous streams: work queued on a stream runs
-// only when the simulator drains it, in an adversarial order (the channel's
-// stream and the consumer's first, the producer's last), so work that is not
-// ordered by events reads stale data, as it would on a GPU. The simulator is
-// registered as the PrivateUse1 device's guard implementation, the seam
-// through which c10::Stream, c10::Event and c10::StreamGuard reach CUDA.
+// The stream hand-off of device buckets (hooks/stream_handoff.h) and their
+// staging through host memory (hooks/host_stage.h), on a simulated device
+// with asynchronous streams: work queued on a stream runs only when the
+// simulator drains it, in an adversarial order (the channel's stream and the
+// consumer's first, the producer's last), so work that is not ordered by
+// events reads stale data, as it would on a GPU. The simulator is registered
+// as the PrivateUse1 device's guard implementation, the seam through which
+// c10::Stream, c10::Event and c10::StreamGuard reach CUDA.
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "hooks/channel.h"
+#include "hooks/host_stage.h"
 #include "hooks/param_gate.h"
 #include "hooks/stream_handoff.h"
 
@@ -42,6 +44,8 @@ struct Sim {
   std::map<c10::StreamId, int64_t> queued, ran;
   std::vector<std::pair<const void*, c10::StreamId>> recorded_ptrs;
   c10::StreamId next_pool = 1;
+  // The order a host wait for an event (Event::synchronize) drains in.
+  std::vector<c10::StreamId> host_wait_priority;
 
   void push(c10::StreamId s, Op op) {
     queues[s].push_back(std::move(op));
@@ -70,6 +74,29 @@ struct Sim {
       }
       if (!any_left) return;
       ASSERT_TRUE(progressed) << "the simulated streams deadlocked";
+    }
+  }
+  // A host thread waiting for `stream` to have run `position` ops: the other
+  // streams run first where they can (host_wait_priority).
+  void drain_until(c10::StreamId stream, int64_t position) {
+    while (ran[stream] < position) {
+      const int64_t before = ran[stream];
+      std::vector<c10::StreamId> order = host_wait_priority;
+      order.push_back(stream);
+      // One op at a time, so the wait stops as soon as it is satisfied.
+      bool progressed = false;
+      for (auto s : order) {
+        auto& q = queues[s];
+        if (q.empty()) continue;
+        Op& op = q.front();
+        if (!op.work && ran[op.wait_stream] < op.wait_position) continue;
+        if (op.work) op.work();
+        q.pop_front();
+        ++ran[s];
+        progressed = true;
+        break;
+      }
+      ASSERT_TRUE(progressed || ran[stream] > before) << "a host wait deadlocked";
     }
   }
 };
@@ -110,6 +137,10 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
     if (!event) return;  // never recorded: nothing to wait for
     const auto* e = static_cast<const SimEvent*>(event);
     sim().push(s.id(), {{}, e->stream, e->position});
+  }
+  void synchronizeEvent(void* event) const override {
+    if (const auto* e = static_cast<const SimEvent*>(event))
+      sim().drain_until(e->stream, e->position);
   }
   bool queryEvent(void* event) const override {
     const auto* e = static_cast<const SimEvent*>(event);
@@ -314,6 +345,73 @@ TEST_F(StreamHandoff, AChannelHasOneStreamPerDevice) {
   EXPECT_EQ(s1.device(), dev1);
   EXPECT_FALSE(ddpx::hooks::has_streams(c10::Device(c10::kCPU)));
   EXPECT_TRUE(ddpx::hooks::has_streams(kDev));
+}
+
+// ---- staging through host memory (hooks/host_stage.h) -----------------------------
+
+// Chunked staging of a "device" bucket (a CPU tensor whose reads and writes
+// the simulator queues on streams): every chunk's copy out is queued before
+// the first reduction, each chunk is reduced only after its own copy out ran,
+// and its copy back is queued before the next chunk's reduction; the bucket
+// the consumer reads is the reduced one, also when the host buffer is reused
+// by a second reduction. Streams drained adversarially: the consumer and the
+// channel before the writer, and a host wait runs the other streams first.
+TEST_F(StreamHandoff, StagedChunksArePipelinedAndOrderedByTheirEvents) {
+  for (const int64_t chunk : {3, 4, 10, 64}) {
+    sim() = Sim{};
+    const int64_t n = 10, chunks = ddpx::hooks::stage_chunk_count(n, chunk);
+    EXPECT_EQ(chunks, (n + chunk - 1) / chunk);
+    const c10::Stream writer = ddpx::hooks::pool_stream(kDev);
+    const c10::Stream comm = ddpx::hooks::pool_stream(kDev);
+    const c10::Stream consumer = ddpx::hooks::current_stream(kDev);
+    sim().host_wait_priority = {consumer.id(), writer.id()};
+    at::Tensor dev = torch::zeros({n}), host = torch::full({n + 5}, -1.0);
+    std::vector<std::string> log;
+    // Copies run when the simulator drains the stream they were queued on.
+    const ddpx::hooks::CopyFn copy = [&](const at::Tensor& dst, const at::Tensor& src) {
+      const bool out = dst.data_ptr() >= host.data_ptr() &&
+                       dst.data_ptr() < static_cast<char*>(host.data_ptr()) + host.nbytes();
+      log.push_back(std::string(out ? "queue out " : "queue back ") + std::to_string(src.numel()));
+      enqueue([dst, src]() mutable { dst.copy_(src); });
+    };
+    for (int round = 1; round <= 2; ++round) {
+      ddpx::hooks::StreamFence before, done;
+      {
+        c10::StreamGuard g(writer);  // backward's stream fills the bucket
+        enqueue([&dev, round] { dev.copy_(torch::arange(10.0) + 100 * round); });
+        before.add(writer);
+      }
+      std::vector<at::Tensor> seen;
+      log.clear();
+      ddpx::hooks::run_on_stream(
+          comm, before, {},
+          [&] {
+            ddpx::hooks::staged_reduce(comm, dev, host, chunk, copy, [&](at::Tensor& h) {
+              log.push_back("reduce " + std::to_string(h.numel()));
+              seen.push_back(h.clone());
+              h.mul_(2);
+            });
+          },
+          &done);
+      at::Tensor read;
+      done.block(consumer);
+      enqueue([&] { read = dev.clone(); });
+      sim().drain({consumer.id(), comm.id(), writer.id()});
+      const at::Tensor want = torch::arange(10.0) + 100 * round;
+      ASSERT_EQ(static_cast<int64_t>(seen.size()), chunks);
+      EXPECT_TRUE(torch::equal(torch::cat(seen), want)) << "a chunk reduced before its copy out";
+      EXPECT_TRUE(torch::equal(read, want * 2)) << "chunk " << chunk << ", round " << round;
+      // Every copy out queued before the first reduction; each copy back
+      // right after its reduction.
+      ASSERT_EQ(log.size(), static_cast<size_t>(3 * chunks));
+      for (int64_t k = 0; k < chunks; ++k) {
+        const int64_t len = std::min(chunk, n - k * chunk);
+        EXPECT_EQ(log[k], "queue out " + std::to_string(len));
+        EXPECT_EQ(log[chunks + 2 * k], "reduce " + std::to_string(len));
+        EXPECT_EQ(log[chunks + 2 * k + 1], "queue back " + std::to_string(len));
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -258,6 +258,13 @@ struct GradSyncOptions {
   // stepped. So no update overlaps the tail of the reductions. Without an
   // optimizer given, call clip_grad_norm_ after backward yourself.
   DDPX_OPT(double, clip_grad_norm, 0.0)
+  // CUDA buckets over a backend that reduces host memory only (Gloo;
+  // ddpx_mpi unless MPI is CUDA-aware), exact path (codec "none"): staged
+  // through a pinned host buffer in chunks of this many bytes, copies out
+  // and back pipelined with the chunks' reductions on the channel's stream
+  // (0: the bucket goes to the backend as it is, which stages it whole). The
+  // trace's `staged_chunks` says which path each bucket took.
+  DDPX_OPT(int64_t, stage_chunk_bytes, int64_t{4} << 20)
 #undef DDPX_OPT
   // Mixed precision (FSDP's MixedPrecision(param_dtype, reduce_dtype); each
   // float32, bfloat16 or float16). param_dtype below float32: GradSync

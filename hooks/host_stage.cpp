@@ -1,0 +1,62 @@
+#include "hooks/host_stage.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/util/Exception.h>
+
+#include <unordered_map>
+#include <vector>
+
+#include "hooks/stream_handoff.h"
+
+namespace ddpx::hooks {
+
+CopyFn async_copy() {
+  return [](const at::Tensor& dst, const at::Tensor& src) {
+    const_cast<at::Tensor&>(dst).copy_(src, /*non_blocking=*/true);
+  };
+}
+
+int64_t stage_chunk_count(int64_t numel, int64_t chunk) {
+  TORCH_CHECK(chunk > 0, "staging chunk must be positive, got ", chunk);
+  return numel <= chunk ? 1 : (numel + chunk - 1) / chunk;
+}
+
+void staged_reduce(const c10::Stream& stream, const at::Tensor& dev, const at::Tensor& host,
+                   int64_t chunk, const CopyFn& copy,
+                   const std::function<void(at::Tensor&)>& reduce) {
+  TORCH_INTERNAL_ASSERT(dev.is_contiguous() && host.is_contiguous() && host.is_cpu());
+  TORCH_INTERNAL_ASSERT(host.scalar_type() == dev.scalar_type() && host.numel() >= dev.numel());
+  const int64_t numel = dev.numel(), chunks = stage_chunk_count(numel, chunk);
+  auto piece = [&](const at::Tensor& t, int64_t k) {
+    const int64_t begin = k * chunk;
+    return t.view({-1}).narrow(0, begin, std::min(chunk, numel - begin));
+  };
+  std::vector<c10::Event> out;
+  out.reserve(static_cast<size_t>(chunks));
+  for (int64_t k = 0; k < chunks; ++k) {
+    copy(piece(host, k), piece(dev, k));
+    out.emplace_back(stream.device_type());
+    out.back().record(stream);
+  }
+  for (int64_t k = 0; k < chunks; ++k) {
+    out[static_cast<size_t>(k)].synchronize();
+    at::Tensor h = piece(host, k);
+    reduce(h);
+    copy(piece(dev, k), h);
+  }
+}
+
+at::Tensor thread_host_buffer(const at::Tensor& like) {
+  thread_local std::unordered_map<c10::Device, at::Tensor> buffers;  // bytes, pinned
+  const int64_t bytes = like.numel() * static_cast<int64_t>(like.element_size());
+  at::Tensor& buf = buffers[like.device()];
+  if (!buf.defined() || buf.numel() < bytes) {
+    // Waits for this thread's copies from the old buffer: the caching host
+    // allocator keeps a pinned block until the copies recorded on it are done.
+    buf = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(like.is_cuda()));
+  }
+  return buf.narrow(0, 0, bytes).view(like.scalar_type());
+}
+
+}  // namespace ddpx::hooks

@@ -1,0 +1,57 @@
+#pragma once
+// A device bucket reduced through host memory, for backends that reduce host
+// memory only (Gloo's CPU algorithms; ddpx_mpi over an MPI that is not
+// CUDA-aware). Issue 60: PyTorch's Gloo group, handed a CUDA bucket, copies
+// it to pinned memory on a side stream, reduces it, copies it back: the three
+// phases one after another for the whole bucket.
+//
+// Here the bucket is cut into chunks. Every chunk's copy out (into a pinned
+// host buffer, asynchronous) is queued at once on the channel's stream, each
+// followed by an event; the channel thread waits for chunk k's event alone,
+// reduces chunk k on the host and queues its copy back. So chunk k is on the
+// wire while later chunks still come out and earlier ones go back. Nothing
+// of this runs on the thread that runs backward (a channel thread does it,
+// and the consumer's stream waits on the channel stream's fence).
+//
+// The host buffer is reused: the next reduction on the same thread and
+// device queues its copies out on the same stream, after this one's copies
+// back, and reads a chunk only after its own event.
+//
+// Device-generic (c10::Stream and c10::Event; the copies through CopyFn), so
+// tests/cpp/test_stream_handoff.cpp runs it on a simulated device.
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+
+namespace ddpx::hooks {
+
+// An asynchronous copy queued on the calling thread's current stream of the
+// device involved.
+using CopyFn = std::function<void(const at::Tensor& dst, const at::Tensor& src)>;
+
+// dst.copy_(src, /*non_blocking=*/true): asynchronous between a device and
+// pinned host memory.
+CopyFn async_copy();
+
+// How many chunks of at most `chunk` elements cover `numel` (at least one).
+int64_t stage_chunk_count(int64_t numel, int64_t chunk);
+
+// Runs `reduce` on the host copy of each chunk of `dev` (a contiguous device
+// tensor) in order, staged through `host` (a contiguous host tensor of the
+// same dtype and at least as many elements; pinned, for the copies to be
+// asynchronous), and copies each chunk back. `stream`: the calling thread's
+// current stream of dev's device, where `copy` queues and the chunks' events
+// are recorded. Returns once the last chunk is reduced and its copy back
+// queued. `reduce` changes the chunk in place and blocks until it is done (a
+// collective and its wait).
+void staged_reduce(const c10::Stream& stream, const at::Tensor& dev, const at::Tensor& host,
+                   int64_t chunk, const CopyFn& copy,
+                   const std::function<void(at::Tensor&)>& reduce);
+
+// The calling thread's pinned host buffer for `like`'s device, grown to hold
+// like.numel() elements of its dtype (a view of it); one per thread and
+// device, kept for the thread's life.
+at::Tensor thread_host_buffer(const at::Tensor& like);
+
+}  // namespace ddpx::hooks
