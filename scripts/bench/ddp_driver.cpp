@@ -10,6 +10,9 @@
 //                  divide (the usual LibTorch loop), over Gloo
 //   gradsync_gloo  ddpx::GradSync over Gloo (the transport of PyTorch DDP)
 //   gradsync_mpi   ddpx::GradSync over ddpx_mpi
+//   gradsync_gloo_unstaged, gradsync_mpi_unstaged (--device cuda: added to
+//                  the default variants) the same with stage_chunk_bytes(0):
+//                  CUDA buckets handed to the backend, which stages them whole
 //   gradsync_copy  GradSync over Gloo with gradient_as_bucket_view(false):
 //                  gradients copied into the buckets and back (the benefit
 //                  of views is gradsync_gloo vs this)
@@ -162,9 +165,12 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     sgd.emplace(params, torch::optim::SGDOptions(1e-4).momentum(0.9));
   }
   if (variant.rfind("gradsync_", 0) == 0) {
-    sync.emplace(m, variant == "gradsync_mpi" ? g.mpi : variant == "gradsync_solo" ? g.solo : g.gloo,
+    const bool mpi = variant.rfind("gradsync_mpi", 0) == 0;
+    const bool unstaged = variant.size() > 9 && variant.substr(variant.size() - 9) == "_unstaged";
+    sync.emplace(m, mpi ? g.mpi : variant == "gradsync_solo" ? g.solo : g.gloo,
                  ddpx::GradSyncOptions()
                      .bucket_cap_mb(a.bucket_cap_mb)
+                     .stage_chunk_bytes(unstaged ? 0 : ddpx::GradSyncOptions{}.stage_chunk_bytes_)
                      .gradient_as_bucket_view(variant != "gradsync_copy")
                      .unused(exact ? ddpx::Unused::Exact : ddpx::Unused::Predict)
                      .overlap(gated   ? ddpx::Overlap::NextForward
@@ -343,6 +349,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
   TORCH_CHECK(a.steps > 0, "--steps must be positive, got ", a.steps);
+  if (a.device == "cuda" && app.count("--variants") == 0) {
+    a.variants.insert(a.variants.end(), {"gradsync_gloo_unstaged", "gradsync_mpi_unstaged"});
+  }
 
   at::set_num_threads(a.threads);
   torch::jit::setGraphExecutorOptimize(false);
