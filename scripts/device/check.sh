@@ -228,6 +228,9 @@ if want ddp; then
   # explains.
   gpu_step "bench ddp --device cuda --quick" 60 200 python3 "$here/scripts/bench/ddp" --quick \
     --device cuda --trace "$out"
+  # ddpx-train against the DDP script on the GPU, float32 and --amp bf16
+  # (issue 60's training row)
+  gpu_step "bench train --cuda-ddp --quick" 40 150 python3 "$here/scripts/bench/train" --cuda-ddp --quick
 fi
 # Not in the default groups, for a second call on the warm machine when the
 # first left time (DDPX_CHECK_GROUPS=benchmode,ddpfull): the conv suite with
