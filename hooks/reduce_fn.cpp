@@ -49,8 +49,9 @@ ReduceFn make_reduce_fn(const std::string& codec, WireStatsFn* stats,
     // result is the same on every rank bit for bit (all receive one sum).
     // (One rank: nothing to average, and no pass over the bucket.)
     if (at::isFloatingType(flat.scalar_type()) && pg.getSize() > 1) flat.div_(pg.getSize());
-    if (stage_chunk_bytes > 0 && flat.numel() > 0 && has_streams(flat.device()) &&
-        comm::detail::stages_through_host(pg, flat.device().type())) {
+    // (One rank: nothing to send, so nothing to stage.)
+    if (stage_chunk_bytes > 0 && flat.numel() > 0 && pg.getSize() > 1 &&
+        has_streams(flat.device()) && comm::detail::stages_through_host(pg, flat.device().type())) {
       const int64_t chunk =
           std::max<int64_t>(1, stage_chunk_bytes / static_cast<int64_t>(flat.element_size()));
       if (auto* span = comm::detail::thread_wire_span()) {
