@@ -111,7 +111,8 @@ void GradSync::Impl::finish_step() {
     }
   }
   end_flags = flags;
-  end_agree = agree_max(flags, "ddpx::step_agreement", &agree_t0, &agree_t1);
+  end_agree = agree_max(flags, "ddpx::step_agreement", &agree_t0, &agree_t1,
+                        /*record_step=*/true);
   end_f0 = f0;
   end_cpu_us = us_since(f0, Clock::now());
   step_stale = stale_now();

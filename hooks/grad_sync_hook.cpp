@@ -7,8 +7,10 @@
 namespace ddpx {
 
 std::future<void> GradSync::Impl::agree_max(at::Tensor flags, const char* range,
-                                            Clock::time_point* t0, Clock::time_point* t1) {
-  return channels[0]->submit([flags, range, t0, t1](c10d::ProcessGroup& pg) mutable {
+                                            Clock::time_point* t0, Clock::time_point* t1,
+                                            bool record_step) {
+  std::function<void(c10d::ProcessGroup&)> body = [flags, range, t0,
+                                                   t1](c10d::ProcessGroup& pg) mutable {
     hooks::Range r(range);
     if (t0) *t0 = Clock::now();
     std::vector<at::Tensor> t{flags};
@@ -16,7 +18,17 @@ std::future<void> GradSync::Impl::agree_max(at::Tensor flags, const char* range,
     o.reduceOp = c10d::ReduceOp::MAX;
     comm::detail::wait_named(pg.allreduce(t, o));
     if (t1) *t1 = Clock::now();
-  });
+  };
+  if (record_step) {  // (called without the lock: the step's final callback)
+    const std::lock_guard<std::mutex> lock(mu);
+    comm::detail::FlightRecorder::Call call;
+    call.op = comm::detail::FrOp::kAllReduce;
+    call.dtype = flags.scalar_type();
+    call.numel = flags.numel();
+    call.step = stats.step;
+    body = recorded_locked(call, std::move(body));
+  }
+  return channels[0]->submit(std::move(body));
 }
 
 bool GradSync::Impl::is_slot(int p, const at::Tensor& g) const {

@@ -153,12 +153,9 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
                                    comm::detail::FrOp op, bool timed) {
   if (fr_group >= 0) {
     // The flight recorder: this reduction, with the step, the bucket and its
-    // parameters; started and done as the channel runs it.
-    auto& fr = comm::detail::FlightRecorder::get();
+    // parameters.
     comm::detail::FlightRecorder::Call call;
-    call.group = fr_group;
     call.op = op;
-    call.seq = ++fr_seq;
     call.dtype = plan[b].dtype;
     const int64_t bytes = stats.buckets[b].bytes;  // a partial launch's runs (sparse: 0)
     call.numel = bytes > 0 ? bytes / static_cast<int64_t>(c10::elementSize(plan[b].dtype))
@@ -166,18 +163,7 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
     call.step = stats.step;
     call.bucket = b;
     call.names = b < static_cast<int>(fr_names.size()) ? fr_names[b] : -1;
-    const uint64_t id = fr.record(call);
-    body = [body = std::move(body), id](c10d::ProcessGroup& pg) {
-      auto& fr = comm::detail::FlightRecorder::get();
-      fr.started(id);
-      try {
-        body(pg);
-      } catch (...) {
-        fr.finished(id, /*failed=*/true);
-        throw;
-      }
-      fr.finished(id);
-    };
+    body = recorded_locked(call, std::move(body));
   }
   double* complete = timed ? &stats.buckets[b].complete_us : nullptr;
   const auto start = t0;
@@ -214,6 +200,25 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
         }
         if (complete) *complete = hooks::us_since(start, Clock::now());
       });
+}
+
+std::function<void(c10d::ProcessGroup&)> GradSync::Impl::recorded_locked(
+    comm::detail::FlightRecorder::Call call, std::function<void(c10d::ProcessGroup&)> body) {
+  if (fr_group < 0) return body;
+  call.group = fr_group;
+  call.seq = ++fr_seq;
+  const uint64_t id = comm::detail::FlightRecorder::get().record(call);
+  return [body = std::move(body), id](c10d::ProcessGroup& pg) {
+    auto& fr = comm::detail::FlightRecorder::get();
+    fr.started(id);
+    try {
+      body(pg);
+    } catch (...) {
+      fr.finished(id, /*failed=*/true);
+      throw;
+    }
+    fr.finished(id);
+  };
 }
 
 std::vector<std::pair<at::Tensor, at::Tensor>> GradSync::Impl::take_carries_locked(

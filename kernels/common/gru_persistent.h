@@ -30,7 +30,8 @@
 // Dots: a thread owns a kRows x kCols register tile of outputs and a `lanes`-th
 // of the reduction (k = lane, lane + lanes, ...: a warp's lanes read
 // consecutive shared-memory words); the lanes' partial sums go through
-// shared memory and are added in lane order (deterministic).
+// shared memory (folded by all threads first where there are many) and are
+// added in lane order (deterministic).
 #include <cstdint>
 
 #include "kernels/common/gru_cell.h"
@@ -279,7 +280,9 @@ DDPX_HD void dot_phase(const DotSplit& s, int m, int bc, int64_t k_len, int64_t 
       DDPX_PERSIST_UNROLL
       for (int j = 0; j < kCols; ++j) acc[i][j] = Acc(0);
     }
-    for (int64_t kk = lane; kk < k_len; kk += s.lanes) {
+    // (32-bit: k_len is at most 3 x hidden, and index math in the hot loop)
+    const int k_end = static_cast<int>(k_len);
+    for (int kk = lane; kk < k_end; kk += s.lanes) {
       Acc av[kRows], xv[kCols];
       DDPX_PERSIST_UNROLL
       for (int i = 0; i < kRows; ++i) av[i] = static_cast<Acc>(ar[i][kk]);
@@ -301,13 +304,37 @@ DDPX_HD void dot_phase(const DotSplit& s, int m, int bc, int64_t k_len, int64_t 
   }
 }
 
-// The full dot product of output (row, b): its lanes' partial sums in lane order.
+// With many lanes a tile's partial sums are first folded in groups of
+// kFold, in place, by all threads at once (a phase of its own): the gate
+// phase then adds lanes/kFold values per output instead of `lanes` in a
+// row (128 at hidden 1024 backward: a chain of shared-memory loads).
+constexpr int kFold = 8;
+DDPX_HD bool folds(const DotSplit& s) { return s.lanes >= 4 * kFold; }
+
+// Slot g*kFold of each output's partial sums becomes the sum of lanes
+// [g*kFold, (g+1)*kFold), in lane order (folds(s) only).
+template <typename Acc>
+DDPX_HD void fold_phase(const DotSplit& s, Acc* red, int th) {
+  const int groups = s.lanes / kFold;
+  const int n = kRows * kCols * s.tiles * groups;
+  for (int item = th; item < n; item += kThreads) {
+    Acc* r = red + (item / groups) * s.lanes + (item % groups) * kFold;
+    Acc sum = r[0];
+    DDPX_PERSIST_UNROLL
+    for (int l = 1; l < kFold; ++l) sum += r[l];
+    r[0] = sum;
+  }
+}
+
+// The full dot product of output (row, b): its lanes' partial sums (folded
+// when folds(s)) in lane order.
 template <typename Acc>
 DDPX_HD Acc dot_result(const DotSplit& s, const Acc* red, int row, int b) {
   const int tile = row / kRows * s.tiles_b + b / kCols;
   const Acc* r = red + ((row % kRows * kCols + b % kCols) * s.tiles + tile) * s.lanes;
+  const int step = folds(s) ? kFold : 1;
   Acc sum = r[0];
-  for (int l = 1; l < s.lanes; ++l) sum += r[l];
+  for (int l = step; l < s.lanes; l += step) sum += r[l];
   return sum;
 }
 

@@ -41,6 +41,10 @@ __global__ void __launch_bounds__(kThreads)
       __syncthreads();
       persist::dot_phase<T, Acc>(s, 3 * uj, bc, p.hidden, plan.ld, w, x, red, th);
       __syncthreads();
+      if (persist::folds(s)) {  // (the plan's lanes: the same in every block)
+        persist::fold_phase(s, red, th);
+        __syncthreads();
+      }
       persist::forward_gates_phase<T, Acc>(p, plan, block, step, b0, bc, x, red, th);
     }
     grid.sync();  // every block's h_t written and visible
@@ -72,6 +76,10 @@ __global__ void __launch_bounds__(kThreads)
         __syncthreads();
         persist::dot_phase<T, Acc>(s, uj, bc, k, plan.ld, w, x, red, th);
         __syncthreads();
+        if (persist::folds(s)) {
+          persist::fold_phase(s, red, th);
+          __syncthreads();
+        }
       }
       persist::backward_gates_phase<T, Acc>(p, plan, block, step, b0, bc, dots, red, th);
     }

@@ -60,6 +60,10 @@ struct FlightRecorder::Slot {
   std::atomic<uint64_t> started{0};
   std::atomic<uint64_t> finished{0};
   std::atomic<uint64_t> op_seq{0};  // tag | the call's sequence number (0: not yet known)
+  // One writer at a time: held only while record() fills the slot, so it is
+  // contended only when the ring laps a writer (capacity newer records
+  // claimed while it was between taking its id and writing).
+  std::atomic<bool> writing{false};
   // Written under `seq`:
   int group;
   FrOp op;
@@ -229,6 +233,13 @@ uint64_t FlightRecorder::record(const Call& call) {
   thread_local const ThreadName thread;
   const uint64_t id = next_.fetch_add(1, std::memory_order_relaxed);
   Slot& s = *slot_of(id);
+  while (s.writing.exchange(true, std::memory_order_acquire)) {
+  }
+  if (s.seq.load(std::memory_order_relaxed) > 2 * id) {
+    // Lapped: a newer record holds the slot (this one is out of the window).
+    s.writing.store(false, std::memory_order_release);
+    return id;
+  }
   s.seq.store(2 * id - 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   s.started.store(tag_of(id), std::memory_order_relaxed);
@@ -274,6 +285,7 @@ uint64_t FlightRecorder::record(const Call& call) {
   s.n_in = keep_all(call.inputs);
   s.n_out = keep_all(call.outputs);
   s.seq.store(2 * id, std::memory_order_release);
+  s.writing.store(false, std::memory_order_release);
   return id;
 }
 

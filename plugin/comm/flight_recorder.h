@@ -13,7 +13,8 @@
 //     (set_seq) when it reaches the worker in its group's order
 //     (post_order.h), so collective_seq_id is the order MPI sees, the same
 //     on every rank; GradSync records a bucket's reduction when it launches,
-//     with the step, the bucket and its parameters.
+//     with the step, the bucket and its parameters, and each step's
+//     agreement (the step alone).
 //  2. set_seq(id) / started(id) / finished(id) stamp the record later, from
 //     whichever thread; a slot already reused by a newer record ignores them.
 //  3. snapshot() copies every written slot (retrying one being written) in

@@ -59,20 +59,23 @@ TEST(FlightRecorder, OffRecordsNothing) {
 }
 
 // Writers on four threads while a reader takes snapshots: every record read
-// is whole (its fields all from one write), in id order.
+// is whole (its fields all from one write), in id order; at the end the ring
+// holds its capacity of records (a writer the ring lapped does not clobber a
+// newer record). The writers start once the reader has taken a snapshot.
 TEST(FlightRecorder, SnapshotsWhileThreadsRecordAreWhole) {
   FlightRecorder fr(64);
   std::atomic<bool> stop{false};
+  std::atomic<int> snaps{0};
   std::vector<std::thread> writers;
   for (int t = 0; t < 4; ++t) {
-    writers.emplace_back([&fr, t] {
+    writers.emplace_back([&fr, &snaps, t] {
+      while (snaps.load() == 0) std::this_thread::yield();
       for (uint64_t i = 1; i <= 20000; ++i) {
         const uint64_t id = fr.record(call(t, i, static_cast<int64_t>(i) * 10 + t));
         if (i % 2) fr.finished(id, /*failed=*/i % 4 == 1);
       }
     });
   }
-  int snaps = 0;
   std::thread reader([&] {
     while (!stop) {
       const auto s = fr.snapshot();

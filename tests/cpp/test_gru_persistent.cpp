@@ -79,6 +79,7 @@ void emulate_forward(const SeqForward<T>& p, const Plan& plan, std::mt19937& gen
         each_thread([&](int th) { stage_forward_chunk(p, plan, step, b0, bc, x, th); });
         each_thread(
             [&](int th) { dot_phase<T, Acc>(s, 3 * uj, bc, p.hidden, plan.ld, w, x, red, th); });
+        if (folds(s)) each_thread([&](int th) { fold_phase(s, red, th); });
         each_thread(
             [&](int th) { forward_gates_phase<T, Acc>(p, plan, block, step, b0, bc, x, red, th); });
       }
@@ -112,6 +113,7 @@ void emulate_backward(const SeqBackward<T>& p, const Plan& plan, std::mt19937& g
         if (dots) {
           each_thread([&](int th) { stage_backward_chunk(p, plan, step, b0, bc, x, th); });
           each_thread([&](int th) { dot_phase<T, Acc>(s, uj, bc, k, plan.ld, w, x, red, th); });
+          if (folds(s)) each_thread([&](int th) { fold_phase(s, red, th); });
         }
         each_thread([&](int th) {
           backward_gates_phase<T, Acc>(p, plan, block, step, b0, bc, dots, red, th);
