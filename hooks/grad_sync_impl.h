@@ -64,9 +64,8 @@ struct GradSync::Impl {
   int world = 1;
   // The flight recorder (plugin/comm/flight_recorder.h): GradSync's group
   // there (-1: off), per bucket its parameters' names (set by replan), and
-  // the bucket reductions and step agreements launched so far (the group's
-  // sequence numbers, the same on every rank: buckets launch in the plan's
-  // order, each step's agreement after its reliable buckets).
+  // the calls recorded so far (the same sequence on every rank: buckets in
+  // the plan's order, each step's agreement after its reliable buckets).
   int fr_group = -1;
   std::vector<int> fr_names;
   uint64_t fr_seq = 0;
@@ -528,14 +527,11 @@ struct GradSync::Impl {
 
   // MAX-allreduces int flags in place on channel 0 (after what is queued
   // there), in a torch.profiler range named `range`; t0/t1 (if given) get
-  // the collective's start and end. `record_step`: the flight recorder
-  // records it as the step's agreement (a rank stopped after the last
-  // bucket leaves the others waiting there, and the screen says so).
+  // its start and end; `record_step`: in the flight recorder, as the step's.
   std::future<void> agree_max(at::Tensor flags, const char* range, Clock::time_point* t0 = nullptr,
                               Clock::time_point* t1 = nullptr, bool record_step = false);
-  // `body` wrapped in the flight recorder's record of `call` (its group and
-  // sequence number set here), started and finished as a channel runs it;
-  // body itself when the recorder is off.
+  // `body` in the flight recorder's record of `call` (group and sequence
+  // number set here), stamped as a channel runs it (recorder off: body).
   std::function<void(c10d::ProcessGroup&)> recorded_locked(
       comm::detail::FlightRecorder::Call call, std::function<void(c10d::ProcessGroup&)> body);
 

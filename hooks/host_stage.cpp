@@ -12,9 +12,7 @@
 namespace ddpx::hooks {
 
 CopyFn async_copy() {
-  return [](const at::Tensor& dst, const at::Tensor& src) {
-    const_cast<at::Tensor&>(dst).copy_(src, /*non_blocking=*/true);
-  };
+  return [](const at::Tensor& dst, const at::Tensor& src) { dst.copy_(src, /*non_blocking=*/true); };
 }
 
 int64_t stage_chunk_count(int64_t numel, int64_t chunk) {
@@ -52,8 +50,8 @@ at::Tensor thread_host_buffer(const at::Tensor& like) {
   const int64_t bytes = like.numel() * static_cast<int64_t>(like.element_size());
   at::Tensor& buf = buffers[like.device()];
   if (!buf.defined() || buf.numel() < bytes) {
-    // Waits for this thread's copies from the old buffer: the caching host
-    // allocator keeps a pinned block until the copies recorded on it are done.
+    // The old buffer goes back to the caching host allocator, which hands it
+    // out again only once the copies recorded on it are done.
     buf = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(like.is_cuda()));
   }
   return buf.narrow(0, 0, bytes).view(like.scalar_type());
