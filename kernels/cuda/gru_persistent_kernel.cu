@@ -143,33 +143,36 @@ persist::Plan plan_for(const void* kernel, int device, int64_t hidden, int64_t b
   return plan;
 }
 
+// The kernel of one pass for storage type T, as the runtime API takes it.
 template <typename T>
-const void* forward_kernel() {
-  return reinterpret_cast<const void*>(&gru_forward_persistent_kernel<T, at::opmath_type<T>>);
-}
-template <typename T>
-const void* backward_kernel() {
-  return reinterpret_cast<const void*>(&gru_backward_persistent_kernel<T, at::opmath_type<T>>);
-}
-
-template <typename T>
-persist::Plan forward_plan(int device, int64_t hidden, int64_t batch) {
-  return plan_for(forward_kernel<T>(), device, hidden, batch, sizeof(T), sizeof(at::opmath_type<T>),
-                  /*backward=*/false);
-}
-template <typename T>
-persist::Plan backward_plan(int device, int64_t hidden, int64_t batch) {
-  return plan_for(backward_kernel<T>(), device, hidden, batch, sizeof(T),
-                  sizeof(at::opmath_type<T>), /*backward=*/true);
+const void* kernel_of(bool backward) {
+  using Acc = at::opmath_type<T>;
+  return backward ? reinterpret_cast<const void*>(&gru_backward_persistent_kernel<T, Acc>)
+                  : reinterpret_cast<const void*>(&gru_forward_persistent_kernel<T, Acc>);
 }
 
-template <typename Args>
-void launch(const void* kernel, const persist::Plan& plan, Args& args) {
-  persist::Plan plan_arg = plan;
-  void* params[] = {&args, &plan_arg};
-  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(kernel, dim3(plan.blocks), dim3(kThreads), params,
-                                             static_cast<size_t>(plan.smem_bytes),
-                                             at::cuda::getCurrentCUDAStream()));
+template <typename T>
+persist::Plan plan_of(bool backward, int device, int64_t hidden, int64_t batch) {
+  return plan_for(kernel_of<T>(backward), device, hidden, batch, sizeof(T),
+                  sizeof(at::opmath_type<T>), backward);
+}
+
+// One pass's cooperative launch on the current stream; false (nothing
+// launched) where the persistent kernels do not serve the problem.
+template <typename Seq>
+bool launch_pass(c10::ScalarType dtype, const Seq& p, bool backward) {
+  if (p.steps <= 0 || p.batch <= 0) return false;
+  const int device = c10::cuda::current_device();
+  if (!gru_persistent_serves(device, p.hidden, p.batch, dtype)) return false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "gru_persistent", [&] {
+    auto args = typed<scalar_t>(p);
+    persist::Plan plan = plan_of<scalar_t>(backward, device, p.hidden, p.batch);
+    void* params[] = {&args, &plan};
+    C10_CUDA_CHECK(cudaLaunchCooperativeKernel(
+        kernel_of<scalar_t>(backward), dim3(plan.blocks), dim3(kThreads), params,
+        static_cast<size_t>(plan.smem_bytes), at::cuda::getCurrentCUDAStream()));
+  });
+  return true;
 }
 
 }  // namespace
@@ -177,32 +180,18 @@ void launch(const void* kernel, const persist::Plan& plan, Args& args) {
 bool gru_persistent_serves(int device, int64_t hidden, int64_t batch, c10::ScalarType dtype) {
   bool serves = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "gru_persistent_serves", [&] {
-    serves = forward_plan<scalar_t>(device, hidden, batch).blocks > 0 &&
-             backward_plan<scalar_t>(device, hidden, batch).blocks > 0;
+    serves = plan_of<scalar_t>(false, device, hidden, batch).blocks > 0 &&
+             plan_of<scalar_t>(true, device, hidden, batch).blocks > 0;
   });
   return serves;
 }
 
 bool gru_persistent_forward(c10::ScalarType dtype, const persist::SeqForward<void>& p) {
-  if (p.steps <= 0 || p.batch <= 0) return false;
-  const int device = c10::cuda::current_device();
-  if (!gru_persistent_serves(device, p.hidden, p.batch, dtype)) return false;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "gru_persistent_forward", [&] {
-    persist::SeqForward<scalar_t> args = typed<scalar_t>(p);
-    launch(forward_kernel<scalar_t>(), forward_plan<scalar_t>(device, p.hidden, p.batch), args);
-  });
-  return true;
+  return launch_pass(dtype, p, /*backward=*/false);
 }
 
 bool gru_persistent_backward(c10::ScalarType dtype, const persist::SeqBackward<void>& p) {
-  if (p.steps <= 0 || p.batch <= 0) return false;
-  const int device = c10::cuda::current_device();
-  if (!gru_persistent_serves(device, p.hidden, p.batch, dtype)) return false;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "gru_persistent_backward", [&] {
-    persist::SeqBackward<scalar_t> args = typed<scalar_t>(p);
-    launch(backward_kernel<scalar_t>(), backward_plan<scalar_t>(device, p.hidden, p.batch), args);
-  });
-  return true;
+  return launch_pass(dtype, p, /*backward=*/true);
 }
 
 }  // namespace ddpx::detail

@@ -26,11 +26,20 @@ namespace {
 constexpr int kH200Sms = 132;
 constexpr int64_t kH200Smem = 232448;
 
-// Fresh shared memory of one block, filled with NaN bytes: a phase that reads
-// what no phase wrote shows up in the result.
-std::vector<unsigned char> shared_memory(const Layout& l) {
-  return std::vector<unsigned char>(static_cast<size_t>(l.bytes), 0xff);
-}
+// One block's shared memory as the layout cuts it, filled with NaN bytes: a
+// phase that reads what no phase wrote shows up in the result.
+template <typename T, typename Acc>
+struct BlockMemory {
+  std::vector<unsigned char> bytes;  // (moving the vector keeps its buffer)
+  Acc* red;
+  T* w;
+  T* x;
+  explicit BlockMemory(const Layout& l)
+      : bytes(static_cast<size_t>(l.bytes), 0xff),
+        red(reinterpret_cast<Acc*>(bytes.data() + l.red)),
+        w(reinterpret_cast<T*>(bytes.data() + l.w)),
+        x(reinterpret_cast<T*>(bytes.data() + l.x)) {}
+};
 
 // A block's use of its shared memory fits what the plan reserved, and its
 // threads cover its tiles' lanes.
@@ -59,18 +68,16 @@ void each_thread(F&& f) {
 template <typename T, typename Acc>
 void emulate_forward(const SeqForward<T>& p, const Plan& plan, std::mt19937& gen) {
   const Layout l = layout(plan, false, sizeof(T), sizeof(Acc));
-  std::vector<std::vector<unsigned char>> smem;
+  std::vector<BlockMemory<T, Acc>> smem;
   for (int block = 0; block < plan.blocks; ++block) {
-    smem.push_back(shared_memory(l));
-    T* w = reinterpret_cast<T*>(smem.back().data() + l.w);
+    T* w = smem.emplace_back(l).w;
     each_thread([&](int th) { load_forward_weights(p, plan, block, w, th); });
   }
   for (int64_t step = 0; step < p.steps; ++step) {
     for (const int block : shuffled_blocks(plan.blocks, gen)) {
-      unsigned char* base = smem[block].data();
-      Acc* red = reinterpret_cast<Acc*>(base + l.red);
-      T* w = reinterpret_cast<T*>(base + l.w);
-      T* x = reinterpret_cast<T*>(base + l.x);
+      Acc* red = smem[block].red;
+      T* w = smem[block].w;
+      T* x = smem[block].x;
       const int uj = units_of(plan, p.hidden, block);
       for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
         const int bc = static_cast<int>(std::min<int64_t>(plan.chunk, p.batch - b0));
@@ -92,19 +99,17 @@ template <typename T, typename Acc>
 void emulate_backward(const SeqBackward<T>& p, const Plan& plan, std::mt19937& gen) {
   const Layout l = layout(plan, true, sizeof(T), sizeof(Acc));
   const int64_t k = 3 * p.hidden;
-  std::vector<std::vector<unsigned char>> smem;
+  std::vector<BlockMemory<T, Acc>> smem;
   for (int block = 0; block < plan.blocks; ++block) {
-    smem.push_back(shared_memory(l));
-    T* w = reinterpret_cast<T*>(smem.back().data() + l.w);
+    T* w = smem.emplace_back(l).w;
     each_thread([&](int th) { load_backward_weights(p, plan, block, w, th); });
   }
   for (int64_t step = p.steps - 1; step >= -1; --step) {
     const bool dots = step < p.steps - 1;
     for (const int block : shuffled_blocks(plan.blocks, gen)) {
-      unsigned char* base = smem[block].data();
-      Acc* red = reinterpret_cast<Acc*>(base + l.red);
-      T* w = reinterpret_cast<T*>(base + l.w);
-      T* x = reinterpret_cast<T*>(base + l.x);
+      Acc* red = smem[block].red;
+      T* w = smem[block].w;
+      T* x = smem[block].x;
       const int uj = units_of(plan, p.hidden, block);
       for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
         const int bc = static_cast<int>(std::min<int64_t>(plan.chunk, p.batch - b0));

@@ -51,52 +51,43 @@ struct Sim {
     queues[s].push_back(std::move(op));
     ++queued[s];
   }
+  // Runs one ready op of the first stream in `order` that has one; false
+  // when none can run.
+  bool run_one(const std::vector<c10::StreamId>& order) {
+    for (auto s : order) {
+      auto& q = queues[s];
+      if (q.empty()) continue;
+      Op& op = q.front();
+      if (!op.work && ran[op.wait_stream] < op.wait_position) continue;
+      if (op.work) op.work();
+      q.pop_front();
+      ++ran[s];
+      return true;
+    }
+    return false;
+  }
   // Runs ready ops, always from the first stream in `priority` that can run
   // one; streams not named come last. Fails on a deadlock.
   void drain(const std::vector<c10::StreamId>& priority) {
     for (;;) {
       std::vector<c10::StreamId> order = priority;
+      bool any_left = false;
       for (auto& [s, q] : queues) {
         if (std::find(order.begin(), order.end(), s) == order.end()) order.push_back(s);
-      }
-      bool any_left = false, progressed = false;
-      for (auto s : order) {
-        auto& q = queues[s];
-        if (q.empty()) continue;
-        any_left = true;
-        Op& op = q.front();
-        if (!op.work && ran[op.wait_stream] < op.wait_position) continue;
-        if (op.work) op.work();
-        q.pop_front();
-        ++ran[s];
-        progressed = true;
-        break;
+        any_left = any_left || !q.empty();
       }
       if (!any_left) return;
-      ASSERT_TRUE(progressed) << "the simulated streams deadlocked";
+      ASSERT_TRUE(run_one(order)) << "the simulated streams deadlocked";
     }
   }
   // A host thread waiting for `stream` to have run `position` ops: the other
-  // streams run first where they can (host_wait_priority).
+  // streams run first where they can (host_wait_priority), one op at a time,
+  // so the wait stops as soon as it is satisfied.
   void drain_until(c10::StreamId stream, int64_t position) {
+    std::vector<c10::StreamId> order = host_wait_priority;
+    order.push_back(stream);
     while (ran[stream] < position) {
-      const int64_t before = ran[stream];
-      std::vector<c10::StreamId> order = host_wait_priority;
-      order.push_back(stream);
-      // One op at a time, so the wait stops as soon as it is satisfied.
-      bool progressed = false;
-      for (auto s : order) {
-        auto& q = queues[s];
-        if (q.empty()) continue;
-        Op& op = q.front();
-        if (!op.work && ran[op.wait_stream] < op.wait_position) continue;
-        if (op.work) op.work();
-        q.pop_front();
-        ++ran[s];
-        progressed = true;
-        break;
-      }
-      ASSERT_TRUE(progressed || ran[stream] > before) << "a host wait deadlocked";
+      ASSERT_TRUE(run_one(order)) << "a host wait deadlocked";
     }
   }
 };
