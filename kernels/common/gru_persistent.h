@@ -154,6 +154,24 @@ DDPX_HD Layout layout(const Plan& p, bool backward, int elem_size, int acc_size)
   return l;
 }
 
+// A block's shared memory cut as `l` says (the kernels' and the emulation's).
+template <typename T, typename Acc>
+struct Carved {
+  Acc* red;
+  T* w;
+  T* x;
+};
+template <typename T, typename Acc>
+DDPX_HD Carved<T, Acc> carve(unsigned char* base, const Layout& l) {
+  return {reinterpret_cast<Acc*>(base + l.red), reinterpret_cast<T*>(base + l.w),
+          reinterpret_cast<T*>(base + l.x)};
+}
+
+// Batch rows of the chunk starting at row b0.
+DDPX_HD int chunk_rows(const Plan& p, int64_t batch, int64_t b0) {
+  return static_cast<int>(batch - b0 < p.chunk ? batch - b0 : p.chunk);
+}
+
 // The plan for `max_blocks` co-resident blocks (the SMs: one block each) and
 // `max_smem` bytes of shared memory per block: as many blocks as give each
 // one unit or more, then the largest chunk of batch rows (a power of two, at

@@ -24,17 +24,15 @@ template <typename T, typename Acc>
 __global__ void __launch_bounds__(kThreads)
     gru_forward_persistent_kernel(persist::SeqForward<T> p, persist::Plan plan) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const persist::Layout l = persist::layout(plan, /*backward=*/false, sizeof(T), sizeof(Acc));
-  Acc* red = reinterpret_cast<Acc*>(smem + l.red);
-  T* w = reinterpret_cast<T*>(smem + l.w);
-  T* x = reinterpret_cast<T*>(smem + l.x);
+  const auto [red, w, x] = persist::carve<T, Acc>(
+      smem, persist::layout(plan, /*backward=*/false, sizeof(T), sizeof(Acc)));
   const int block = blockIdx.x, th = threadIdx.x;
   const int uj = persist::units_of(plan, p.hidden, block);
   persist::load_forward_weights(p, plan, block, w, th);
   cg::grid_group grid = cg::this_grid();
   for (int64_t step = 0; step < p.steps; ++step) {
     for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
-      const int bc = static_cast<int>(p.batch - b0 < plan.chunk ? p.batch - b0 : plan.chunk);
+      const int bc = persist::chunk_rows(plan, p.batch, b0);
       const persist::DotSplit s = persist::dot_split(3 * uj, bc, plan.lanes);
       __syncthreads();  // the weights loaded; the last chunk's x and red read
       persist::stage_forward_chunk(p, plan, step, b0, bc, x, th);
@@ -55,10 +53,8 @@ template <typename T, typename Acc>
 __global__ void __launch_bounds__(kThreads)
     gru_backward_persistent_kernel(persist::SeqBackward<T> p, persist::Plan plan) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const persist::Layout l = persist::layout(plan, /*backward=*/true, sizeof(T), sizeof(Acc));
-  Acc* red = reinterpret_cast<Acc*>(smem + l.red);
-  T* w = reinterpret_cast<T*>(smem + l.w);
-  T* x = reinterpret_cast<T*>(smem + l.x);
+  const auto [red, w, x] = persist::carve<T, Acc>(
+      smem, persist::layout(plan, /*backward=*/true, sizeof(T), sizeof(Acc)));
   const int block = blockIdx.x, th = threadIdx.x;
   const int uj = persist::units_of(plan, p.hidden, block);
   const int64_t k = 3 * p.hidden;
@@ -68,7 +64,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t step = p.steps - 1; step >= -1; --step) {
     const bool dots = step < p.steps - 1;
     for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
-      const int bc = static_cast<int>(p.batch - b0 < plan.chunk ? p.batch - b0 : plan.chunk);
+      const int bc = persist::chunk_rows(plan, p.batch, b0);
       const persist::DotSplit s = persist::dot_split(uj, bc, plan.lanes);
       __syncthreads();  // the weights loaded; the last chunk's x and red read
       if (dots) {

@@ -26,19 +26,14 @@ namespace {
 constexpr int kH200Sms = 132;
 constexpr int64_t kH200Smem = 232448;
 
-// One block's shared memory as the layout cuts it, filled with NaN bytes: a
-// phase that reads what no phase wrote shows up in the result.
+// One block's shared memory, filled with NaN bytes (a phase that reads what
+// no phase wrote shows up in the result), cut as the kernels cut it.
 template <typename T, typename Acc>
 struct BlockMemory {
   std::vector<unsigned char> bytes;  // (moving the vector keeps its buffer)
-  Acc* red;
-  T* w;
-  T* x;
+  Carved<T, Acc> at;
   explicit BlockMemory(const Layout& l)
-      : bytes(static_cast<size_t>(l.bytes), 0xff),
-        red(reinterpret_cast<Acc*>(bytes.data() + l.red)),
-        w(reinterpret_cast<T*>(bytes.data() + l.w)),
-        x(reinterpret_cast<T*>(bytes.data() + l.x)) {}
+      : bytes(static_cast<size_t>(l.bytes), 0xff), at(carve<T, Acc>(bytes.data(), l)) {}
 };
 
 // A block's use of its shared memory fits what the plan reserved, and its
@@ -70,17 +65,17 @@ void emulate_forward(const SeqForward<T>& p, const Plan& plan, std::mt19937& gen
   const Layout l = layout(plan, false, sizeof(T), sizeof(Acc));
   std::vector<BlockMemory<T, Acc>> smem;
   for (int block = 0; block < plan.blocks; ++block) {
-    T* w = smem.emplace_back(l).w;
+    T* w = smem.emplace_back(l).at.w;
     each_thread([&](int th) { load_forward_weights(p, plan, block, w, th); });
   }
   for (int64_t step = 0; step < p.steps; ++step) {
     for (const int block : shuffled_blocks(plan.blocks, gen)) {
-      Acc* red = smem[block].red;
-      T* w = smem[block].w;
-      T* x = smem[block].x;
+      Acc* red = smem[block].at.red;
+      T* w = smem[block].at.w;
+      T* x = smem[block].at.x;
       const int uj = units_of(plan, p.hidden, block);
       for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
-        const int bc = static_cast<int>(std::min<int64_t>(plan.chunk, p.batch - b0));
+        const int bc = chunk_rows(plan, p.batch, b0);
         const DotSplit s = dot_split(3 * uj, bc, plan.lanes);
         expect_fits(l, plan, s, 3 * uj, bc, p.hidden, sizeof(Acc), sizeof(T));
         each_thread([&](int th) { stage_forward_chunk(p, plan, step, b0, bc, x, th); });
@@ -101,18 +96,18 @@ void emulate_backward(const SeqBackward<T>& p, const Plan& plan, std::mt19937& g
   const int64_t k = 3 * p.hidden;
   std::vector<BlockMemory<T, Acc>> smem;
   for (int block = 0; block < plan.blocks; ++block) {
-    T* w = smem.emplace_back(l).w;
+    T* w = smem.emplace_back(l).at.w;
     each_thread([&](int th) { load_backward_weights(p, plan, block, w, th); });
   }
   for (int64_t step = p.steps - 1; step >= -1; --step) {
     const bool dots = step < p.steps - 1;
     for (const int block : shuffled_blocks(plan.blocks, gen)) {
-      Acc* red = smem[block].red;
-      T* w = smem[block].w;
-      T* x = smem[block].x;
+      Acc* red = smem[block].at.red;
+      T* w = smem[block].at.w;
+      T* x = smem[block].at.x;
       const int uj = units_of(plan, p.hidden, block);
       for (int64_t b0 = 0; b0 < p.batch; b0 += plan.chunk) {
-        const int bc = static_cast<int>(std::min<int64_t>(plan.chunk, p.batch - b0));
+        const int bc = chunk_rows(plan, p.batch, b0);
         const DotSplit s = dot_split(uj, bc, plan.lanes);
         expect_fits(l, plan, s, uj, bc, k, sizeof(Acc), sizeof(T));
         if (dots) {
