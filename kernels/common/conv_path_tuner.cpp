@@ -53,7 +53,7 @@ ConvTuneKey conv_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarTy
                       s.c_in.expect_int(), s.h.expect_int(), s.w.expect_int(),
                       s.c_out.expect_int(), s.kh.expect_int(), s.kw.expect_int(), s.stride[0],
                       s.stride[1], s.padding[0], s.padding[1], s.dilation[0], s.dilation[1],
-                      s.groups}};
+                      s.groups, static_cast<int64_t>(s.layout)}};
 }
 
 std::optional<int> conv_tuned_choice(const ConvTuneKey& key) {

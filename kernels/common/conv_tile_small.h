@@ -1,7 +1,8 @@
 #pragma once
 // The CUDA tiled_conv2d kernels' fast paths, as __host__ __device__ functions
-// (kernels/cuda/tiled_conv2d_kernel.cu launches them; tests/cpp/
-// test_conv_tiles.cpp emulates every block and thread with them on the CPU).
+// (kernels/cuda/tiled_conv2d_kernel.cu and conv_small_kernel.cu launch them;
+// tests/cpp/test_conv_tiles.cpp and test_conv_tiles_small.cpp emulate every
+// block and thread with them on the CPU).
 //
 // Why: on an H200 the general direct kernel (conv_tile.h) ran the seed's
 // single-channel 5x5 forward on a 2048x2048 image in 126 us, 16x the
@@ -12,22 +13,28 @@
 // tap one block, so the seed's 25 taps used 25 of 132 SMs for 4M pixels each;
 // that case's backward took 12.9 ms.
 //
-// Small square filters (K = 3 or 5, stride 1, dilation 1, at most 4 input
-// channels per group: the seed, depthwise 3x3/5x5): K is a template
-// argument, so the taps sit in registers and every loop unrolls; a block of
+// Small square filters (K = 3, 5 or 7, stride S = 1 or 2, dilation 1, at most
+// 4 input channels per group: the seed, depthwise): K and S are template
+// arguments, so the taps sit in registers and every loop unrolls; a block of
 // kThreadsX x kThreadsY threads owns a kTileH x kTileW output tile and each
 // thread kRows consecutive outputs of one column, so each input row it loads
-// from shared memory serves up to K of its outputs; in-tile indices are 32-bit.
+// from shared memory serves up to ceil(K / S) of its outputs (a "strip");
+// in-tile indices are 32-bit.
 //
-// Input gradient (same filters): that forward over grad_output with the
-// filter flipped (grad_input_as_forward).
+// Input gradient: at stride 1, that forward over grad_output with the filter
+// flipped (grad_input_as_forward); at stride 2 a strip per thread of input
+// rows gathering the outputs that read them (transposed_strip).
 //
-// Weight gradient: the n*oh output rows of each tap are cut into `splits`
-// runs, one block each; a second pass adds each tap's partial sums in a fixed
-// order (deterministic, no atomics).
+// Weight gradient: each block of the forward's grid adds, for every tap, the
+// products of its outputs' grad_output with the input patch it already holds
+// (strip_grad_weight: one read of input and grad_output in all), reduces them
+// over its threads and writes one partial sum per tap; a second pass adds each
+// tap's partial sums in a fixed order (deterministic, no atomics). Other
+// geometries: per tap in row runs (grad_weight_rows).
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common/conv_tile.h"
 #include "kernels/common/host_device.h"
@@ -42,40 +49,79 @@ namespace ddpx::detail::tile {
 
 struct SmallTile {
   static constexpr int kThreadsX = 32, kThreadsY = 8, kRows = 4;
+  static constexpr int kThreads = kThreadsX * kThreadsY;
   static constexpr int kTileW = kThreadsX, kTileH = kThreadsY * kRows;
   static constexpr int64_t kMaxGridY = 65535;
 };
 
-template <int K>
+// The input patch under a block's output tile, halo included.
+template <int K, int S>
 struct SmallPatch {
-  static constexpr int kH = SmallTile::kTileH + K - 1, kW = SmallTile::kTileW + K - 1;
+  static constexpr int kH = (SmallTile::kTileH - 1) * S + K;
+  static constexpr int kW = (SmallTile::kTileW - 1) * S + K;
 };
 
-// Whether the small-filter forward serves g, and its K (0: it does not).
-DDPX_HD int small_direct_k(const ConvGeom& g) {
-  const bool plain = g.sh == 1 && g.sw == 1 && g.dh == 1 && g.dw == 1 && g.kh == g.kw;
-  if (!plain || (g.kh != 3 && g.kh != 5) || g.cig > 4) return 0;
-  if (ceil_div(g.oh, SmallTile::kTileH) > SmallTile::kMaxGridY) return 0;
-  return static_cast<int>(g.kh);
+// A small-filter kernel's template arguments (k == 0: none serves).
+struct SmallFilter {
+  int k = 0, s = 1;
+  DDPX_HD explicit operator bool() const { return k != 0; }
+};
+
+// Square K in {3, 5, 7}, one stride S in {1, 2} both ways, dilation 1: the
+// shapes the small kernels are instantiated for.
+DDPX_HD SmallFilter small_filter(const ConvGeom& g) {
+  const bool square = g.kh == g.kw && (g.kh == 3 || g.kh == 5 || g.kh == 7);
+  const bool strided = g.sh == g.sw && (g.sh == 1 || g.sh == 2);
+  if (!square || !strided || g.dh != 1 || g.dw != 1) return {};
+  return SmallFilter{static_cast<int>(g.kh), static_cast<int>(g.sh)};
+}
+
+// Whether the small-filter forward serves g (few input channels per group,
+// and a grid the y axis holds).
+DDPX_HD SmallFilter small_direct(const ConvGeom& g) {
+  if (g.cig > 4 || ceil_div(g.oh, SmallTile::kTileH) > SmallTile::kMaxGridY) return {};
+  return small_filter(g);
+}
+
+// Calls fn(integral_constant<K>, integral_constant<S>) for f's K and S: the
+// one place the instantiated set is spelled out. (Host: the launch code and
+// the emulation tests.)
+template <typename Fn>
+void with_small(SmallFilter f, Fn&& fn) {
+  using std::integral_constant;
+  const auto by_k = [&](auto s) {
+    if (f.k == 3) {
+      fn(integral_constant<int, 3>{}, s);
+    } else if (f.k == 5) {
+      fn(integral_constant<int, 5>{}, s);
+    } else {
+      fn(integral_constant<int, 7>{}, s);
+    }
+  };
+  if (f.s == 1) {
+    by_k(integral_constant<int, 1>{});
+  } else {
+    by_k(integral_constant<int, 2>{});
+  }
 }
 
 // Top-left input coordinate of block (by, bx)'s patch (negative in the padding).
 DDPX_HD int64_t small_origin_y(const ConvGeom& g, int64_t by) {
-  return by * SmallTile::kTileH - g.ph;
+  return by * SmallTile::kTileH * g.sh - g.ph;
 }
 DDPX_HD int64_t small_origin_x(const ConvGeom& g, int64_t bx) {
-  return bx * SmallTile::kTileW - g.pw;
+  return bx * SmallTile::kTileW * g.sw - g.pw;
 }
 
 // Thread (tx, ty)'s share of a patch load: rows ty, ty + kThreadsY, ...;
 // columns tx, tx + kThreadsX, ... (no division); zero in the padding.
-template <int K, typename T, typename Acc>
+template <int K, int S, typename T, typename Acc>
 DDPX_HD void small_load_patch(const T* plane, int64_t h, int64_t w, int64_t iy0, int64_t ix0,
-                              Acc (*patch)[SmallPatch<K>::kW], int tx, int ty) {
-  for (int r = ty; r < SmallPatch<K>::kH; r += SmallTile::kThreadsY) {
+                              Acc (*patch)[SmallPatch<K, S>::kW], int tx, int ty) {
+  for (int r = ty; r < SmallPatch<K, S>::kH; r += SmallTile::kThreadsY) {
     const int64_t iy = iy0 + r;
     const bool row_in = iy >= 0 && iy < h;
-    for (int c = tx; c < SmallPatch<K>::kW; c += SmallTile::kThreadsX) {
+    for (int c = tx; c < SmallPatch<K, S>::kW; c += SmallTile::kThreadsX) {
       const int64_t ix = ix0 + c;
       patch[r][c] = row_in && ix >= 0 && ix < w ? static_cast<Acc>(plane[iy * w + ix]) : Acc(0);
     }
@@ -83,37 +129,102 @@ DDPX_HD void small_load_patch(const T* plane, int64_t h, int64_t w, int64_t iy0,
 }
 
 // One input channel's K x K taps, into registers (every thread of a block
-// reads the same addresses: one broadcast load each).
+// reads the same addresses: one broadcast load each); `flip` rotates them by
+// 180 degrees (the input gradient as a forward, for one filter per group).
 template <int K, typename T, typename Acc>
-DDPX_HD void small_load_taps(const T* taps, Acc (&wk)[K][K]) {
+DDPX_HD void small_load_taps(const T* taps, bool flip, Acc (&wk)[K][K]) {
   DDPX_UNROLL
   for (int i = 0; i < K; ++i) {
     DDPX_UNROLL
-    for (int j = 0; j < K; ++j) wk[i][j] = static_cast<Acc>(taps[i * K + j]);
+    for (int j = 0; j < K; ++j) {
+      const int t = i * K + j;  // (flipped: tap (K-1-i, K-1-j), i.e. K*K-1-t)
+      wk[i][j] = static_cast<Acc>(taps[flip ? K * K - 1 - t : t]);
+    }
   }
 }
 
-// Adds one channel's taps to thread (tx, ty)'s kRows outputs (tile rows
-// ty*kRows + r, column tx): patch row ty*kRows + rr serves outputs r with
-// 0 <= rr - r < K, so kRows + K - 1 row loads instead of kRows * K. Per
-// output, taps are added row by row, left to right, as patch_dot does.
-template <int K, typename Acc>
-DDPX_HD void small_strip_dot(const Acc (*patch)[SmallPatch<K>::kW], const Acc (&wk)[K][K], int tx,
-                             int ty, Acc (&acc)[SmallTile::kRows]) {
-  constexpr int R = SmallTile::kRows;
+// ---- strips: R outputs down one column -------------------------------------------------------
+//
+// A thread's R outputs (rows oy0 .. oy0+R-1 of one column) read input rows
+// oy0*S - p + rr for rr in [0, (R-1)*S + K): row rr serves output r with tap
+// row i = rr - r*S when 0 <= i < K, so (R-1)*S + K row loads of K values
+// instead of R*K. `load(rr, j)` is the input under tap column j of that row:
+// a shared-memory patch (PatchRows) or global memory (GlobalRows).
+
+template <int K, int S, int R>
+struct Strip {
+  static constexpr int kRowsIn = (R - 1) * S + K;
+};
+
+// The patch rows of thread (tx, ty) of a SmallTile block.
+template <int K, int S, typename Acc>
+struct PatchRows {
+  const Acc (*patch)[SmallPatch<K, S>::kW];
+  int row0, col0;
+  DDPX_HD PatchRows(const Acc (*p)[SmallPatch<K, S>::kW], int tx, int ty)
+      : patch(p), row0(ty * SmallTile::kRows * S), col0(tx * S) {}
+  DDPX_HD Acc operator()(int rr, int j) const { return patch[row0 + rr][col0 + j]; }
+};
+
+// Input rows read from global memory: element (iy, ix) of a plane at
+// plane[iy * row_stride + ix * col_stride] (NCHW: w, 1; NHWC: w*c, c), zero
+// outside [0, h) x [0, w); (iy0, ix0) is tap (0, 0) of the strip's first output.
+template <typename T, typename Acc>
+struct GlobalRows {
+  const T* plane;
+  int64_t h, w, row_stride, col_stride, iy0, ix0;
+  DDPX_HD Acc operator()(int rr, int j) const {
+    const int64_t iy = iy0 + rr, ix = ix0 + j;
+    if (iy < 0 || iy >= h || ix < 0 || ix >= w) return Acc(0);
+    return static_cast<Acc>(plane[iy * row_stride + ix * col_stride]);
+  }
+};
+
+// acc[r] += the K x K taps over output r's window. Per output, taps are added
+// row by row, left to right, as patch_dot does.
+template <int K, int S, int R, typename Load, typename Acc>
+DDPX_HD void strip_dot(const Load& load, const Acc (&wk)[K][K], Acc (&acc)[R]) {
   DDPX_UNROLL
-  for (int rr = 0; rr < R + K - 1; ++rr) {
+  for (int rr = 0; rr < Strip<K, S, R>::kRowsIn; ++rr) {
     Acc v[K];
     DDPX_UNROLL
-    for (int j = 0; j < K; ++j) v[j] = patch[ty * R + rr][tx + j];
+    for (int j = 0; j < K; ++j) v[j] = load(rr, j);
     DDPX_UNROLL
     for (int r = 0; r < R; ++r) {
-      const int i = rr - r;
+      const int i = rr - r * S;
       if (i < 0 || i >= K) continue;
       DDPX_UNROLL
       for (int j = 0; j < K; ++j) acc[r] += wk[i][j] * v[j];
     }
   }
+}
+
+// The weight gradient's share of the same strip: gw[i][j] += gv[r] * the
+// input under tap (i, j) of output r (gv: grad_output of the R outputs, zero
+// for outputs past the edge).
+template <int K, int S, int R, typename Load, typename Acc>
+DDPX_HD void strip_grad_weight(const Load& load, const Acc (&gv)[R], Acc (&gw)[K][K]) {
+  DDPX_UNROLL
+  for (int rr = 0; rr < Strip<K, S, R>::kRowsIn; ++rr) {
+    Acc v[K];
+    DDPX_UNROLL
+    for (int j = 0; j < K; ++j) v[j] = load(rr, j);
+    DDPX_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const int i = rr - r * S;
+      if (i < 0 || i >= K) continue;
+      DDPX_UNROLL
+      for (int j = 0; j < K; ++j) gw[i][j] += gv[r] * v[j];
+    }
+  }
+}
+
+// The NCHW small-filter forward: thread (tx, ty) of block (by, bx) adds one
+// input channel's taps to its kRows outputs from the block's patch.
+template <int K, int S, typename Acc>
+DDPX_HD void small_strip_dot(const Acc (*patch)[SmallPatch<K, S>::kW], const Acc (&wk)[K][K],
+                             int tx, int ty, Acc (&acc)[SmallTile::kRows]) {
+  strip_dot<K, S, SmallTile::kRows>(PatchRows<K, S, Acc>(patch, tx, ty), wk, acc);
 }
 
 // Output of thread (tx, ty)'s r-th row in block (by, bx); false past the
@@ -146,11 +257,98 @@ DDPX_HD ConvGeom grad_input_as_forward(const ConvGeom& g) {
   return t;
 }
 
-// K when the small-filter forward computes g's grad_input that way, else 0
-// (a padding over K-1 has no such form; the rest as small_direct_k).
-DDPX_HD int small_grad_input_k(const ConvGeom& g) {
-  if (g.ph > g.kh - 1 || g.pw > g.kw - 1) return 0;
-  return small_direct_k(grad_input_as_forward(g));
+// The small-filter forward that computes g's grad_input that way (stride 1;
+// a padding over K-1 has no such form; the rest as small_direct).
+DDPX_HD SmallFilter small_grad_input(const ConvGeom& g) {
+  if (g.sh != 1 || g.sw != 1 || g.ph > g.kh - 1 || g.pw > g.kw - 1) return {};
+  return small_direct(grad_input_as_forward(g));
+}
+
+// ---- input gradient as a gather (any stride, any padding) ----------------------------------
+
+// acc[r] += the gradient reaching input row iy0 + r at column ix through one
+// (output channel, input channel) pair's K x K taps wk: output (oy, ox) read
+// input (oy*S - ph + i, ox*S - pw + j), so input (iy, ix) gathers the outputs
+// with iy + ph - i = oy*S and ix + pw - j = ox*S, in range. The grad_output
+// plane as GlobalRows lays it out (row_stride, col_stride). Per input, taps
+// row by row, left to right.
+template <int K, int S, int R, typename T, typename Acc>
+DDPX_HD void transposed_strip(const T* go, int64_t oh, int64_t ow, int64_t row_stride,
+                              int64_t col_stride, int64_t ph, int64_t pw, int64_t iy0, int64_t ix,
+                              const Acc (&wk)[K][K], Acc (&acc)[R]) {
+  int64_t col_off[K];
+  bool col_in[K];
+  DDPX_UNROLL
+  for (int j = 0; j < K; ++j) {
+    const int64_t t = ix + pw - j;
+    col_in[j] = t >= 0 && t % S == 0 && t / S < ow;
+    col_off[j] = col_in[j] ? (t / S) * col_stride : 0;
+  }
+  DDPX_UNROLL
+  for (int r = 0; r < R; ++r) {
+    DDPX_UNROLL
+    for (int i = 0; i < K; ++i) {
+      const int64_t t = iy0 + r + ph - i;
+      if (t < 0 || t % S != 0 || t / S >= oh) continue;
+      const T* row = go + (t / S) * row_stride;
+      DDPX_UNROLL
+      for (int j = 0; j < K; ++j) {
+        if (col_in[j]) acc[r] += wk[i][j] * static_cast<Acc>(row[col_off[j]]);
+      }
+    }
+  }
+}
+
+// The NCHW gather kernel: SmallTile blocks over the input planes (n * c),
+// thread (tx, ty) of block (by, bx) owning input rows by*kTileH + ty*kRows +
+// r at column bx*kTileW + tx. Serves small filters with at most 4 output
+// channels per group (each input adds cog filters' taps).
+DDPX_HD SmallFilter small_transposed(const ConvGeom& g) {
+  if (g.cog > 4 || ceil_div(g.h, SmallTile::kTileH) > SmallTile::kMaxGridY) return {};
+  return small_filter(g);
+}
+
+// Input row and column of thread (tx, ty)'s first row in block (by, bx);
+// false when its column or first row is past the plane.
+DDPX_HD bool transposed_input(const ConvGeom& g, int64_t by, int64_t bx, int tx, int ty,
+                              int64_t* iy0, int64_t* ix) {
+  *iy0 = by * SmallTile::kTileH + ty * SmallTile::kRows;
+  *ix = bx * SmallTile::kTileW + tx;
+  return *iy0 < g.h && *ix < g.w;
+}
+
+// ---- weight gradient on the forward's blocks -------------------------------------------------
+
+// Partial sums per tap: one per forward block of each image, at
+// partial[tap * splits + slot] with tap = (oc*cig + icg)*K*K + i*K + j (the
+// weight's own layout).
+DDPX_HD int64_t small_grad_weight_splits(const ConvGeom& g) {
+  return g.n * ceil_div(g.oh, SmallTile::kTileH) * ceil_div(g.ow, SmallTile::kTileW);
+}
+DDPX_HD int64_t small_grad_weight_slot(const ConvGeom& g, int64_t nn, int64_t by, int64_t bx) {
+  return (nn * ceil_div(g.oh, SmallTile::kTileH) + by) * ceil_div(g.ow, SmallTile::kTileW) + bx;
+}
+
+// Thread (tx, ty)'s grad_output over its kRows outputs of plane `go_plane`
+// (zero past the edge, so they add nothing).
+template <typename T, typename Acc>
+DDPX_HD void small_load_grad_out(const ConvGeom& g, const T* go_plane, int64_t by, int64_t bx,
+                                 int tx, int ty, Acc (&gv)[SmallTile::kRows]) {
+  DDPX_UNROLL
+  for (int r = 0; r < SmallTile::kRows; ++r) {
+    int64_t oy, ox;
+    gv[r] = small_output(g, by, bx, tx, ty, r, &oy, &ox) ? static_cast<Acc>(go_plane[oy * g.ow + ox])
+                                                         : Acc(0);
+  }
+}
+
+// Thread `tid` of `nthreads`' share of a tap's sum over its `splits` partial
+// sums (strided; the block then adds the shares as a tree, in a fixed order).
+template <typename Acc>
+DDPX_HD Acc partial_share(const Acc* tap_partials, int64_t splits, int tid, int nthreads) {
+  Acc s = 0;
+  for (int64_t k = tid; k < splits; k += nthreads) s += tap_partials[k];
+  return s;
 }
 
 // ---- weight gradient in row runs -----------------------------------------------------------

@@ -113,6 +113,7 @@ Conv2dShape check_tiled_conv2d_args(const at::Tensor& input, const at::Tensor& w
                   s.dilation[1] * (s.kw - 1) + 1, "): the output size would be empty");
   s.oh = eff_h / s.stride[0] + 1;
   s.ow = eff_w / s.stride[1] + 1;
+  s.layout = conv2d_output_memory_format(input, weight);
   return s;
 }
 

@@ -26,6 +26,9 @@ struct Conv2dShape {
   std::array<int64_t, 2> dilation{};
   int64_t groups = 1;
   bool unbatched = false;  // the caller passed a 3-D [c_in, h, w] input
+  // The output's memory format (conv2d_output_memory_format): the kernels
+  // and their speeds differ by layout (benchmark mode measures each apart).
+  at::MemoryFormat layout = at::MemoryFormat::Contiguous;
 };
 
 // Checks every argument of tiled_conv2d (one TORCH_CHECK per condition, each

@@ -22,9 +22,11 @@
 //
 // (Our kernels then: the general direct path, one thread per output with
 // run-time loops, and a weight gradient of one block per tap. The small-filter
-// kernels that replaced them for 3x3/5x5 at stride 1 (conv_tile_small.h) have
-// not run on a GPU yet; the rule stays until the device check measures them:
-// the bench's own_fwd_ratio / own_ratio columns.)
+// kernels that replaced them (conv_small_kernel.cu: 3x3/5x5/7x7 at stride 1
+// and 2, channels_last depthwise in NHWC, the weight gradient as partial sums
+// on the forward's blocks) have not run on a GPU yet; the rule stays until the
+// device check measures them: the bench's own_fwd_ratio / own_ratio /
+// own_bwd_ratio columns, and its --graphs run for the kernels alone.)
 //
 // So the rule (auto): the forward of a single filter over single-channel
 // images (the seed's case: groups 1, one input and at most two output

@@ -2,16 +2,18 @@
 // launch shells over the tile/index math of kernels/common/conv_tile.h (which
 // the CPU tests drive by emulating blocks and threads).
 //
-// Forward: for 3x3 and 5x5 filters at stride 1 and dilation 1 with few input
-// channels per group (the seed's case, depthwise), the small-filter path of
-// kernels/common/conv_tile_small.h (taps in registers, kRows outputs per
-// thread); other few-channel cases the general direct path (filter in
-// __constant__ memory when it fits, input tile + halo in shared memory, one
-// thread per output); an implicit-GEMM path with shared-memory tiles for the
-// rest. Backward: grad_input as that small-filter forward over grad_output
-// where it applies, elsewhere one thread per input element (gather form, no
-// atomics); grad_weight per tap in row runs (one block each) and a second
-// pass adding each tap's runs in order, grad_bias a reduction over (n, h, w).
+// Forward: small square filters (3x3, 5x5, 7x7, stride 1 or 2) with few
+// input channels per group (the seed's case, depthwise) take the small-filter
+// kernels (conv_small_kernel.cu: taps in registers, kRows outputs per thread;
+// channels_last depthwise in its own layout); other few-channel cases the
+// general direct path (filter in __constant__ memory when it fits, input tile
+// + halo in shared memory, one thread per output); an implicit-GEMM path with
+// shared-memory tiles for the rest. Backward: the small-filter kernels where
+// they serve (grad_input as a forward over grad_output or a gather,
+// grad_weight as partial sums on the forward's blocks); elsewhere one thread
+// per input element (gather form, no atomics) and grad_weight per tap in row
+// runs (one block each), each then summed in order; grad_bias a reduction
+// over (n, h, w).
 #include <ATen/ATen.h>
 #include <ATen/AccumulateType.h>
 #include <ATen/Dispatch.h>
@@ -26,10 +28,12 @@
 #include <type_traits>
 
 #include "kernels/common/conv_tile.h"
+#include "kernels/common/conv_tile_nhwc.h"
 #include "kernels/common/conv_tile_small.h"
 #include "kernels/common/tiled_conv2d_args.h"
 #include "kernels/common/tiled_conv2d_aten.h"
 #include "kernels/common/tiled_conv2d_cuda_path.h"
+#include "kernels/cuda/conv_small_launch.h"
 
 namespace ddpx::detail::cuda {
 namespace {
@@ -91,41 +95,6 @@ __global__ void __launch_bounds__(TH* TW) direct_fwd_kernel(const FwdParams<T> p
       if (valid) acc += tile::patch_dot(g, patch, pw_, threadIdx.y, threadIdx.x, taps + icg * kk);
     }
     if (valid) p.out[((nn * g.cout + oc) * g.oh + oy) * g.ow + ox] = static_cast<T>(acc);
-  }
-}
-
-template <typename T, typename Acc, int K>
-__global__ void __launch_bounds__(tile::SmallTile::kThreadsX* tile::SmallTile::kThreadsY)
-    small_direct_fwd_kernel(const FwdParams<T> p) {
-  using tile::SmallTile;
-  __shared__ Acc patch[tile::SmallPatch<K>::kH][tile::SmallPatch<K>::kW];
-  const ConvGeom& g = p.g;
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t iy0 = tile::small_origin_y(g, blockIdx.y);
-  const int64_t ix0 = tile::small_origin_x(g, blockIdx.x);
-  // z covers n*cout planes, striding when there are more than the grid allows.
-  for (int64_t plane = blockIdx.z; plane < g.n * g.cout; plane += gridDim.z) {
-    const int64_t nn = plane / g.cout, oc = plane % g.cout, grp = oc / g.cog;
-    const Acc b = p.bias != nullptr ? static_cast<Acc>(p.bias[oc]) : Acc(0);
-    Acc acc[SmallTile::kRows];
-#pragma unroll
-    for (int r = 0; r < SmallTile::kRows; ++r) acc[r] = b;
-    for (int64_t icg = 0; icg < g.cig; ++icg) {
-      Acc wk[K][K];
-      tile::small_load_taps<K>(p.wt + (oc * g.cig + icg) * K * K, wk);
-      __syncthreads();  // everyone is done reading the previous patch
-      tile::small_load_patch<K>(p.x + (nn * g.c + grp * g.cig + icg) * g.h * g.w, g.h, g.w, iy0,
-                                ix0, patch, tx, ty);
-      __syncthreads();
-      tile::small_strip_dot<K>(patch, wk, tx, ty, acc);
-    }
-#pragma unroll
-    for (int r = 0; r < SmallTile::kRows; ++r) {
-      int64_t oy, ox;
-      if (tile::small_output(g, blockIdx.y, blockIdx.x, tx, ty, r, &oy, &ox)) {
-        p.out[(plane * g.oh + oy) * g.ow + ox] = static_cast<T>(acc[r]);
-      }
-    }
   }
 }
 
@@ -259,19 +228,7 @@ void launch_forward(const ConvGeom& g, const at::Tensor& x, const at::Tensor& wt
                     const at::Tensor& bias, at::Tensor& out, cudaStream_t stream) {
   const FwdParams<T> p{x.data_ptr<T>(), wt.data_ptr<T>(),
                        bias.defined() ? bias.data_ptr<T>() : nullptr, out.data_ptr<T>(), g};
-  if (const int k = tile::small_direct_k(g); k != 0) {
-    const dim3 blocks(tile::ceil_div(g.ow, tile::SmallTile::kTileW),
-                      tile::ceil_div(g.oh, tile::SmallTile::kTileH),
-                      std::min(g.n * g.cout, kMaxGridZ));
-    const dim3 threads(tile::SmallTile::kThreadsX, tile::SmallTile::kThreadsY);
-    if (k == 3) {
-      small_direct_fwd_kernel<T, Acc, 3><<<blocks, threads, 0, stream>>>(p);
-    } else {
-      small_direct_fwd_kernel<T, Acc, 5><<<blocks, threads, 0, stream>>>(p);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
+  if (small_forward<T, Acc>(g, x, wt, bias, out, stream)) return;  // conv_small_kernel.cu
   const int64_t smem_limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlock;
   if (tile::direct_can_implement(g, kTileH, kTileW, sizeof(Acc), smem_limit)) {
     const auto grid = tile::direct_grid(g, kTileH, kTileW);
@@ -320,25 +277,38 @@ Choice choose_here(const Conv2dShape& s, const at::Tensor& input, Pass pass) {
   return rule_aten(s, pass) ? Choice::kAten : Choice::kOurs;
 }
 
+// Whether a channels_last pass takes the NHWC depthwise kernels
+// (conv_tile_nhwc.h) rather than NCHW copies in and out.
+bool use_nhwc(const Conv2dShape& s, const ConvGeom& g, at::MemoryFormat fmt) {
+  return !s.unbatched && fmt == at::MemoryFormat::ChannelsLast && tile::nhwc_depthwise(g);
+}
+
 at::Tensor ours_forward(const Conv2dShape& s, const at::Tensor& input, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
   const c10::cuda::CUDAGuard device_guard(input.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const ConvGeom g = make_geom(s);
   const auto fmt = conv2d_output_memory_format(input, weight);
-  at::Tensor out = at::empty({g.n, g.cout, g.oh, g.ow}, input.options());
+  const bool nhwc = use_nhwc(s, g, fmt);
+  at::Tensor out = at::empty({g.n, g.cout, g.oh, g.ow},
+                             input.options().memory_format(nhwc ? fmt : at::MemoryFormat::Contiguous));
   if (out.numel() > 0) {
-    const at::Tensor x = (s.unbatched ? input.unsqueeze(0) : input).contiguous();
+    const at::Tensor x = nhwc ? input.contiguous(fmt)
+                              : (s.unbatched ? input.unsqueeze(0) : input).contiguous();
     const at::Tensor wt = weight.contiguous();
     const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "tiled_conv2d_cuda",
-                                    [&] {
-                                      using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-                                      launch_forward<scalar_t, acc_t>(g, x, wt, b, out, stream);
-                                    });
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, x.scalar_type(), "tiled_conv2d_cuda", [&] {
+          using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
+          if (nhwc) {
+            nhwc_forward<scalar_t, acc_t>(g, x, wt, b, out, stream);  // (use_nhwc: it serves g)
+          } else {
+            launch_forward<scalar_t, acc_t>(g, x, wt, b, out, stream);
+          }
+        });
   }
   if (s.unbatched) return out.squeeze(0);
-  return fmt == at::MemoryFormat::Contiguous ? out : out.contiguous(fmt);
+  return fmt == at::MemoryFormat::Contiguous || nhwc ? out : out.contiguous(fmt);
 }
 
 at::Tensor tiled_conv2d_cuda(const at::Tensor& input, const at::Tensor& weight,
@@ -366,34 +336,42 @@ Grads ours_backward(const Conv2dShape& s, const at::Tensor& grad_output, const a
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const ConvGeom g = make_geom(s);
   const auto fmt = conv2d_output_memory_format(input, weight);
-  const at::Tensor x = (s.unbatched ? input.unsqueeze(0) : input).contiguous();
-  const at::Tensor go = (s.unbatched ? grad_output.unsqueeze(0) : grad_output).contiguous();
+  const bool nhwc = use_nhwc(s, g, fmt);
+  const auto layout = nhwc ? fmt : at::MemoryFormat::Contiguous;
+  const at::Tensor x = (s.unbatched ? input.unsqueeze(0) : input).contiguous(layout);
+  const at::Tensor go = (s.unbatched ? grad_output.unsqueeze(0) : grad_output).contiguous(layout);
   const at::Tensor wt = weight.contiguous();
+  // Every kernel below writes its whole gradient; with no grad_output
+  // (an empty batch or plane) the gradients are zeros.
+  const bool run = go.numel() > 0;
+  const auto alloc = [&](const at::Tensor& like, at::MemoryFormat f) {
+    return run ? at::empty_like(like, f) : at::zeros_like(like, f);
+  };
   at::Tensor gx, gw, gb;
-  if (output_mask[0]) gx = at::zeros_like(x, at::MemoryFormat::Contiguous);
-  if (output_mask[1]) gw = at::zeros_like(wt, at::MemoryFormat::Contiguous);
+  if (output_mask[0]) gx = alloc(x, layout);
+  if (output_mask[1]) gw = alloc(wt, at::MemoryFormat::Contiguous);
   if (output_mask[2]) gb = go.sum({0, 2, 3});
   // An empty gradient launches nothing (a grid of 0 blocks is an invalid
   // configuration): no input channels, or an empty plane under padding.
   const bool want_gx = gx.defined() && gx.numel() > 0, want_gw = gw.defined() && gw.numel() > 0;
-  if (go.numel() > 0 && (want_gx || want_gw)) {
+  if (run && (want_gx || want_gw)) {
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, x.scalar_type(), "tiled_conv2d_backward_cuda", [&] {
           using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-          if (want_gx && tile::small_grad_input_k(g) != 0) {
-            // A small-filter forward over grad_output (conv_tile_small.h).
-            launch_forward<scalar_t, acc_t>(tile::grad_input_as_forward(g), go,
-                                            tile::grad_input_filter(wt, g.groups), at::Tensor(),
-                                            gx, stream);
-          } else if (want_gx) {
+          if (nhwc) {  // (use_nhwc: these serve g)
+            if (want_gx) nhwc_grad_input<scalar_t, acc_t>(g, go, wt, gx, stream);
+            if (want_gw) nhwc_grad_weight<scalar_t, acc_t>(g, go, x, gw, stream);
+            return;
+          }
+          if (want_gx && !small_grad_input<scalar_t, acc_t>(g, go, wt, gx, stream)) {
             const int threads = 256;
             const int64_t blocks = std::min<int64_t>(tile::ceil_div(gx.numel(), threads), 65535);
             grad_input_kernel<scalar_t, acc_t><<<blocks, threads, 0, stream>>>(
                 g, go.data_ptr<scalar_t>(), wt.data_ptr<scalar_t>(), gx.data_ptr<scalar_t>());
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }
-          if (want_gw) {
-            // About 8 blocks per SM in all: the seed's 25 taps get ~40 runs each.
+          if (want_gw && !small_grad_weight<scalar_t, acc_t>(g, go, x, gw, stream)) {
+            // About 8 blocks per SM in all: 25 taps get ~40 runs each.
             const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
             const int64_t splits = tile::grad_weight_splits(g, 8 * sms);
             const int64_t taps = gw.numel();

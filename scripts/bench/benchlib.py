@@ -103,6 +103,31 @@ def cuda_interleaved(fn_ours, fn_peer, calls, rounds=7, warmup=2):
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def cuda_graph_interleaved(fn_ours, fn_peer, calls, rounds=7, warmup=2):
+    """As cuda_interleaved, but each side's `calls` back-to-back calls are
+    captured once into a CUDA graph and the rounds time its replays: the
+    kernels and the gaps between them without the host's share (Python, the
+    dispatcher, autograd), the same cache state on both sides. Per-call
+    times (s)."""
+    import torch
+
+    graphs = []
+    for fn in (fn_ours, fn_peer):
+        side = torch.cuda.Stream()  # (warm-up off the default stream, as capture wants)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graphs.append(graph)
+    ours, peer = cuda_interleaved(graphs[0].replay, graphs[1].replay, 1, rounds=rounds, warmup=1)
+    return ours / calls, peer / calls
+
+
 def cuda_copy_bandwidth(nbytes=1 << 30):
     """Bytes read plus written per second of a large device-to-device copy
     (METHOD.md's memory-bandwidth ceiling), median of 5."""

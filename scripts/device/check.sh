@@ -199,7 +199,15 @@ fi
 # --- speed: ours vs cuDNN on the same card, ratios per case -------------------------------
 if want bench; then
   # --aa: cuDNN against itself per case, the noise a ratio carries on the card
-  gpu_step "bench conv2d --device cuda --aa" 30 150 python3 "$here/scripts/bench/conv2d" --device cuda --aa
+  gpu_step "bench conv2d --device cuda --aa" 30 180 python3 "$here/scripts/bench/conv2d" --device cuda --aa
+  # The seed's and the depthwise cases again as CUDA graph replays: the
+  # kernels without the host's overhead (issue 59's figures against the
+  # copy floor and cuDNN / ATen's conv_depthwise2d)
+  gpu_step "bench conv2d --device cuda --graphs" 30 150 python3 "$here/scripts/bench/conv2d" \
+    --device cuda --graphs --only "seed 3x3 512" "seed 5x5 512" "seed 3x3 1024" "seed 5x5 1024" \
+    "seed 3x3 2048" "seed 5x5 2048" "depthwise 3x3 c32" "depthwise 3x3 c64" "depthwise 5x5 c32" \
+    "depthwise 7x7 c96" "depthwise 7x7 c96 cl" "depthwise 3x3 c64 cl" "depthwise 3x3 s2 c96" \
+    "depthwise 3x3 s2 c96 cl" "depthwise 5x5 s2 c144 cl"
   # the persistent kernels (persist_ratio) and the per-step ones (step_ratio)
   # beside the rule's choice, 16 cases of issue 59's grid
   gpu_step "bench gru --cuda --quick" 30 120 python3 "$here/scripts/bench/gru" --cuda --quick
@@ -256,6 +264,12 @@ if want ncu; then
     --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis \
     python3 "$here/scripts/device/ncu_gru.py"
+  # the small-filter conv kernels: the seed's 3x3 2048^2 and a channels_last
+  # depthwise 7x7, forward + backward (achieved bandwidth, stalls)
+  gpu_step "ncu conv small kernels" 30 120 ncu --target-processes all \
+    -k "regex:small_|nhwc_|sum_partials" --launch-count 8 --section SpeedOfLight \
+    --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 "$here/scripts/device/ncu_conv.py"
 fi
 
 python3 "$here/scripts/device/summarize.py" "$out" "$steps"

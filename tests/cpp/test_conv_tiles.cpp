@@ -18,50 +18,12 @@
 
 #include "kernels/common/conv_tile.h"
 #include "kernels/common/conv_tile_small.h"
+#include "conv_tiles_test_util.h"
 
 namespace {
 
-using ddpx::detail::tile::ConvGeom;
+using namespace ddpx_test;  // NOLINT(build/namespaces): the shared case table
 namespace tile = ddpx::detail::tile;
-
-struct Case {
-  int64_t n, c, h, w, cout, kh, kw, sh, sw, ph, pw, dh, dw, groups;
-};
-
-ConvGeom geom(const Case& k) {
-  ConvGeom g{k.n,  k.c,  k.h,  k.w,  k.cout, k.kh, k.kw,     0, 0,
-             k.sh, k.sw, k.ph, k.pw, k.dh,   k.dw, k.groups, 0, 0};
-  g.oh = (k.h + 2 * k.ph - k.dh * (k.kh - 1) - 1) / k.sh + 1;
-  g.ow = (k.w + 2 * k.pw - k.dw * (k.kw - 1) - 1) / k.sw + 1;
-  g.cig = k.c / k.groups;
-  g.cog = k.cout / k.groups;
-  return g;
-}
-
-std::string name(const Case& k) {
-  // (c10::str: GCC 12 warns falsely about a chain of std::string operator+.)
-  return c10::str("n", k.n, "c", k.c, "_", k.h, "x", k.w, "_o", k.cout, "_k", k.kh, "x", k.kw,
-                  "_s", k.sh, k.sw, "_p", k.ph, k.pw, "_d", k.dh, k.dw, "_g", k.groups);
-}
-
-// Every element of a row-major ph x pw patch whose origin is input (iy0, ix0)
-// was loaded, and holds the input there, or zero where it hangs over the padding.
-void expect_patch(const ConvGeom& g, const double* src, int64_t iy0, int64_t ix0, int64_t ph,
-                  int64_t pw, const double* patch) {
-  for (int64_t e = 0; e < ph * pw; ++e) {
-    const int64_t iy = iy0 + e / pw, ix = ix0 + e % pw;
-    const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
-    ASSERT_FALSE(std::isnan(patch[e])) << "patch element " << e << " never loaded";
-    ASSERT_EQ(patch[e], inside ? src[iy * g.w + ix] : 0.0) << "at (" << iy << "," << ix << ")";
-  }
-}
-
-// Each output written exactly once (writes counts them), and out equals ref.
-void expect_each_output_once(const std::vector<int>& writes, const at::Tensor& out,
-                             const at::Tensor& ref) {
-  for (size_t i = 0; i < writes.size(); ++i) ASSERT_EQ(writes[i], 1) << "output " << i;
-  EXPECT_TRUE(at::allclose(out, ref, 1e-10, 1e-10)) << (out - ref).abs().max().item<double>();
-}
 
 class ConvTiles : public ::testing::TestWithParam<Case> {
  protected:
@@ -236,138 +198,6 @@ INSTANTIATE_TEST_SUITE_P(
         Case{2, 20, 9, 11, 70, 3, 3, 1, 1, 1, 1, 1, 1, 1},  // GEMM-sized channels
         Case{1, 12, 7, 6, 18, 2, 3, 2, 1, 1, 3, 1, 2, 3}),  // grouped GEMM, ragged tiles
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
-
-// The small-filter forward (conv_tile_small.h), block by block, each
-// block's threads phase by phase between the kernel's __syncthreads().
-class ConvTilesSmall : public ConvTiles {
- protected:
-  // The emulated small-filter forward of (x, wt) with geometry g, against ref.
-  template <int K>
-  void run(const ConvGeom& g, const at::Tensor& x, const at::Tensor& wt, const at::Tensor& ref) {
-    using tile::SmallTile;
-    constexpr int PH = tile::SmallPatch<K>::kH, PW = tile::SmallPatch<K>::kW;
-    constexpr int NT = SmallTile::kThreadsX * SmallTile::kThreadsY;
-    const double* xp = x.data_ptr<double>();
-    const double* wp = wt.data_ptr<double>();
-    at::Tensor out = at::zeros_like(ref);
-    std::vector<int> writes(out.numel(), 0);
-    double* op = out.data_ptr<double>();
-    const double nan = std::numeric_limits<double>::quiet_NaN();
-    const int64_t by_n = tile::ceil_div(g.oh, SmallTile::kTileH);
-    const int64_t bx_n = tile::ceil_div(g.ow, SmallTile::kTileW);
-    std::vector<double> patch_store(PH * PW);
-    auto* patch = reinterpret_cast<double(*)[PW]>(patch_store.data());
-    for (int64_t plane = 0; plane < g.n * g.cout; ++plane) {
-      const int64_t nn = plane / g.cout, oc = plane % g.cout, grp = oc / g.cog;
-      for (int64_t by = 0; by < by_n; ++by) {
-        for (int64_t bx = 0; bx < bx_n; ++bx) {
-          std::vector<std::array<double, SmallTile::kRows>> acc(NT);
-          for (auto& a : acc) a.fill(0.0);
-          const int64_t iy0 = tile::small_origin_y(g, by), ix0 = tile::small_origin_x(g, bx);
-          for (int64_t icg = 0; icg < g.cig; ++icg) {
-            std::fill(patch_store.begin(), patch_store.end(), nan);
-            const double* src = xp + (nn * g.c + grp * g.cig + icg) * g.h * g.w;
-            for (int ty = 0; ty < SmallTile::kThreadsY; ++ty) {
-              for (int tx = 0; tx < SmallTile::kThreadsX; ++tx) {
-                tile::small_load_patch<K>(src, g.h, g.w, iy0, ix0, patch, tx, ty);
-              }
-            }
-            ASSERT_NO_FATAL_FAILURE(expect_patch(g, src, iy0, ix0, PH, PW, patch_store.data()));
-            double wk[K][K];
-            tile::small_load_taps<K>(wp + (oc * g.cig + icg) * K * K, wk);
-            for (int ty = 0; ty < SmallTile::kThreadsY; ++ty) {
-              for (int tx = 0; tx < SmallTile::kThreadsX; ++tx) {
-                double a[SmallTile::kRows];
-                std::copy(acc[ty * SmallTile::kThreadsX + tx].begin(),
-                          acc[ty * SmallTile::kThreadsX + tx].end(), a);
-                tile::small_strip_dot<K>(patch, wk, tx, ty, a);
-                std::copy(a, a + SmallTile::kRows, acc[ty * SmallTile::kThreadsX + tx].begin());
-              }
-            }
-          }
-          for (int ty = 0; ty < SmallTile::kThreadsY; ++ty) {
-            for (int tx = 0; tx < SmallTile::kThreadsX; ++tx) {
-              for (int r = 0; r < SmallTile::kRows; ++r) {
-                int64_t oy, ox;
-                if (!tile::small_output(g, by, bx, tx, ty, r, &oy, &ox)) continue;
-                const int64_t off = (plane * g.oh + oy) * g.ow + ox;
-                op[off] = acc[ty * SmallTile::kThreadsX + tx][r];
-                ++writes[off];
-              }
-            }
-          }
-        }
-      }
-    }
-    expect_each_output_once(writes, out, ref);
-  }
-};
-
-TEST_P(ConvTilesSmall, SmallFilterEmulationMatchesAten) {
-  using tile::SmallTile;
-  const int k = tile::small_direct_k(g);
-  ASSERT_TRUE(k == 3 || k == 5) << "not a small-filter case";
-  if (k == 3) {
-    run<3>(g, x, wt, ref);
-  } else {
-    run<5>(g, x, wt, ref);
-  }
-}
-
-// grad_input as the small-filter forward over grad_output with the flipped,
-// channel-swapped filter (grad_input_as_forward, grad_input_filter).
-TEST_P(ConvTilesSmall, SmallFilterGradInputMatchesAten) {
-  const Case& c = GetParam();
-  const int k = tile::small_grad_input_k(g);
-  ASSERT_TRUE(k == 3 || k == 5) << "not a small-filter case";
-  at::Tensor go = at::randn_like(ref);
-  const at::Tensor gx_ref = std::get<0>(at::convolution_backward(
-      go, x, wt, std::nullopt, {1, 1}, {c.ph, c.pw}, {1, 1}, false, {0, 0}, c.groups,
-      {true, false, false}));
-  const ConvGeom t = tile::grad_input_as_forward(g);
-  const at::Tensor wflip = tile::grad_input_filter(wt, c.groups);
-  EXPECT_TRUE(at::allclose(at::conv2d(go, wflip, {}, {1, 1}, {t.ph, t.pw}, {1, 1}, c.groups),
-                           gx_ref, 1e-10, 1e-10));
-  if (k == 3) {
-    run<3>(t, go, wflip, gx_ref);
-  } else {
-    run<5>(t, go, wflip, gx_ref);
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, ConvTilesSmall,
-    ::testing::Values(
-        // n, c, h, w, cout, kh, kw, sh, sw, ph, pw, dh, dw, groups
-        Case{1, 1, 17, 19, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1},   // the seed's case, odd sizes
-        Case{2, 1, 97, 70, 2, 5, 5, 1, 1, 2, 2, 1, 1, 1},   // several tiles both ways, ragged
-        Case{1, 1, 1, 1, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1},     // all halo, one output
-        Case{1, 1, 5, 5, 1, 5, 5, 1, 1, 0, 0, 1, 1, 1},     // no padding: one output
-        Case{2, 3, 33, 65, 3, 3, 3, 1, 1, 0, 2, 1, 1, 3},   // depthwise, padding 0 / 2
-        Case{1, 8, 40, 31, 8, 5, 5, 1, 1, 4, 1, 1, 1, 2},   // 4 channels per group, pad > k/2
-        Case{3, 2, 9, 34, 4, 3, 3, 1, 1, 1, 0, 1, 1, 1}),   // 2 channels, 2 filters
-    [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
-
-TEST(ConvTilesDecisions, SmallFilterPath) {
-  EXPECT_EQ(tile::small_direct_k(geom(Case{1, 1, 2048, 2048, 1, 5, 5, 1, 1, 2, 2, 1, 1, 1})), 5);
-  EXPECT_EQ(tile::small_direct_k(geom(Case{8, 32, 56, 56, 32, 3, 3, 1, 1, 1, 1, 1, 1, 32})), 3);
-  // grad_input: its padding K-1-p must not be negative.
-  EXPECT_EQ(tile::small_grad_input_k(geom(Case{1, 1, 64, 64, 1, 3, 3, 1, 1, 2, 2, 1, 1, 1})), 3);
-  EXPECT_EQ(tile::small_grad_input_k(geom(Case{1, 1, 64, 64, 1, 3, 3, 1, 1, 3, 1, 1, 1, 1})), 0);
-  // Not small-filter: strided, dilated, other or non-square filters, many channels.
-  EXPECT_EQ(tile::small_direct_k(geom(Case{1, 1, 64, 64, 1, 3, 3, 2, 2, 1, 1, 1, 1, 1})), 0);
-  EXPECT_EQ(tile::small_direct_k(geom(Case{1, 1, 64, 64, 1, 3, 3, 1, 1, 2, 2, 2, 2, 1})), 0);
-  EXPECT_EQ(tile::small_direct_k(geom(Case{1, 1, 64, 64, 1, 7, 7, 1, 1, 3, 3, 1, 1, 1})), 0);
-  EXPECT_EQ(tile::small_direct_k(geom(Case{1, 1, 64, 64, 1, 3, 5, 1, 1, 1, 2, 1, 1, 1})), 0);
-  EXPECT_EQ(tile::small_direct_k(geom(Case{8, 64, 56, 56, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1})), 0);
-  // The seed's weight gradient: 25 taps, ~40 runs each for 1056 blocks.
-  const ConvGeom seed = geom(Case{1, 1, 2048, 2048, 1, 5, 5, 1, 1, 2, 2, 1, 1, 1});
-  EXPECT_EQ(tile::grad_weight_splits(seed, 1056), 43);
-  // Never more runs than rows, never fewer than one.
-  EXPECT_EQ(tile::grad_weight_splits(geom(Case{1, 1, 3, 3, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1}), 1056), 3);
-  EXPECT_EQ(tile::grad_weight_splits(geom(Case{8, 64, 56, 56, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1}), 1056),
-            1);
-}
 
 TEST(ConvTilesDecisions, FilterFitsConstantMemory) {
   EXPECT_TRUE(tile::filter_fits_constant(1 * 1 * 3 * 3, sizeof(float)));   // the seed's 3x3

@@ -75,16 +75,22 @@ def test_cuda_matches_cudnn(c, dtype):
 
 
 @pytest.mark.sanitizer
-@pytest.mark.parametrize("shape", [(1, 1, 512, 512, 1, 3), (1, 1, 300, 301, 1, 5),
-                                   (4, 64, 28, 28, 64, 3), (2, 32, 40, 40, 32, 3)])
+@pytest.mark.parametrize("shape", [(1, 1, 512, 512, 1, 3, 1, False), (1, 1, 300, 301, 1, 5, 1, False),
+                                   (4, 64, 28, 28, 64, 3, 1, False), (2, 32, 40, 40, 32, 3, 1, False),
+                                   (2, 32, 40, 41, 32, 7, 2, False), (2, 40, 30, 29, 40, 7, 2, True),
+                                   (2, 40, 30, 29, 40, 3, 1, True)])
 def test_cuda_paths(shape):
-    """Seed's cases and depthwise 3x3 (the small-filter path), many channels (GEMM path)."""
-    n, c, h, w_, oc, k = shape
-    groups = c if shape[1] == 32 else 1
-    x = torch.randn(n, c, h, w_, device="cuda", requires_grad=True)
+    """Seed's cases and depthwise (the small-filter kernels: NCHW, channels_last,
+    stride 2), many channels (GEMM path)."""
+    n, c, h, w_, oc, k, s, cl = shape
+    groups = c if c in (32, 40) else 1
+    x = torch.randn(n, c, h, w_, device="cuda")
+    if cl:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
     w = torch.randn(oc, c // groups, k, k, device="cuda", requires_grad=True)
-    y = op(x, w, None, [1, 1], [k // 2, k // 2], [1, 1], groups)
-    r = F.conv2d(x, w, None, 1, k // 2, 1, groups)
+    y = op(x, w, None, [s, s], [k // 2, k // 2], [1, 1], groups)
+    r = F.conv2d(x, w, None, s, k // 2, 1, groups)
     _close(y, r, torch.float32, "output")
     go = torch.randn_like(r)
     for name, g, gr in zip(["grad_input", "grad_weight"], torch.autograd.grad(y, (x, w), go),
@@ -95,54 +101,97 @@ def test_cuda_paths(shape):
 @pytest.mark.sanitizer
 def test_constant_filter_across_streams():
     """Launches with different filters on two streams must not see each other's
-    (7x7: the general direct path, whose filter goes to __constant__ memory)."""
+    (7x5: the general direct path, whose filter goes to __constant__ memory)."""
     x = torch.randn(1, 1, 1024, 1024, device="cuda")
-    ws = [torch.randn(1, 1, 7, 7, device="cuda") for _ in range(8)]
+    ws = [torch.randn(1, 1, 7, 5, device="cuda") for _ in range(8)]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     outs = []
     for i, w in enumerate(ws):
         with torch.cuda.stream(streams[i % 2]):
-            outs.append(op(x, w, None, [1, 1], [3, 3]))
+            outs.append(op(x, w, None, [1, 1], [3, 2]))
     torch.cuda.synchronize()
     for w, y in zip(ws, outs):
-        _close(y, F.conv2d(x, w, None, 1, 3), torch.float32, "output")
+        _close(y, F.conv2d(x, w, None, 1, (3, 2)), torch.float32, "output")
 
 
-# The small-filter path (kernels/common/conv_tile_small.h): 3x3 and 5x5 at
-# stride 1 and dilation 1 with at most 4 input channels per group, its
-# grad_input the same kernel over grad_output (padding <= K-1), its
-# grad_weight in row runs. Sizes around its 32x32 tiles; (n, cin, cout,
-# groups, h, w, k, padding, bias).
-SMALL = [(1, 1, 1, 1, 33, 65, 3, (1, 1), True), (3, 1, 2, 1, 97, 31, 5, (2, 2), False),
-         (2, 4, 4, 4, 32, 32, 3, (0, 2), True), (1, 8, 8, 2, 40, 31, 5, (4, 1), True),
-         (0, 2, 2, 2, 9, 9, 3, (1, 1), True), (2, 3, 6, 3, 1, 1, 3, (1, 1), False),
-         (1, 2, 3, 1, 70, 7, 5, (0, 0), True),
-         (1, 1, 1, 1, 20, 20, 3, (3, 0), True)]  # padding > K-1: the general grad_input
+# The small-filter kernels (kernels/cuda/conv_small_kernel.cu): square 3x3,
+# 5x5, 7x7 at stride 1 or 2 and dilation 1 with at most 4 input channels per
+# group; grad_input a forward over grad_output (stride 1, padding <= K-1) or a
+# gather, grad_weight partial sums on the forward's blocks; channels_last
+# depthwise (one filter per channel) in its own NHWC kernels. Sizes around
+# their 32x32 tiles and 32-channel blocks; NCHW inputs are a column slice
+# (non-contiguous). (n, cin, cout, groups, h, w, k, stride, padding, bias,
+# channels_last)
+SMALL = [(1, 1, 1, 1, 33, 65, 3, 1, (1, 1), True, False),
+         (3, 1, 2, 1, 97, 31, 5, 1, (2, 2), False, False),
+         (2, 4, 4, 4, 32, 32, 3, 1, (0, 2), True, False),
+         (1, 8, 8, 2, 40, 31, 5, 1, (4, 1), True, False),
+         (0, 2, 2, 2, 9, 9, 3, 1, (1, 1), True, False),
+         (2, 3, 6, 3, 1, 1, 3, 1, (1, 1), False, False),
+         (1, 2, 3, 1, 70, 7, 5, 1, (0, 0), True, False),
+         (1, 1, 1, 1, 20, 20, 3, 1, (3, 0), True, False),  # padding > K-1: the gather
+         (2, 5, 5, 5, 45, 37, 7, 1, (3, 3), True, False),  # depthwise 7x7
+         (2, 3, 3, 3, 70, 67, 3, 2, (1, 1), False, False),  # stride 2, odd sizes
+         (1, 2, 4, 2, 69, 66, 5, 2, (2, 2), True, False),  # multiplier 2, stride 2
+         (2, 2, 2, 2, 41, 80, 7, 2, (3, 3), True, False),
+         (2, 40, 40, 40, 19, 21, 3, 1, (1, 1), True, True),  # channels_last, 2 channel blocks
+         (1, 33, 33, 33, 28, 30, 5, 2, (2, 2), False, True),
+         (2, 8, 8, 8, 17, 12, 7, 2, (3, 3), True, True),
+         (1, 6, 6, 6, 12, 10, 7, 1, (3, 3), True, True),
+         (2, 3, 3, 3, 6, 9, 3, 1, (3, 2), True, True),  # padding > K-1: the NHWC gather
+         (0, 4, 4, 4, 9, 9, 3, 2, (1, 1), True, True)]
+
+
+def _small_id(c):
+    n, cin, cout, groups, h, w, k, s, p, _, cl = c
+    return f"n{n}c{cin}o{cout}g{groups}_{h}x{w}_k{k}s{s}p{p[0]}{p[1]}" + ("_cl" if cl else "")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", SMALL, ids=[f"n{c[0]}c{c[1]}o{c[2]}g{c[3]}_{c[4]}x{c[5]}_k{c[6]}"
-                                             f"p{c[7][0]}{c[7][1]}" for c in SMALL])
+@pytest.mark.parametrize("case", SMALL, ids=[_small_id(c) for c in SMALL])
 def test_cuda_small_filter_path(case, dtype):
-    n, cin, cout, groups, h, w_, k, pad, bias = case
+    n, cin, cout, groups, h, w_, k, stride, pad, bias, cl = case
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(n, cin, h, w_ + 3, generator=gen, dtype=torch.float64)[..., 1:w_ + 1]
-    x = x.to("cuda", dtype).requires_grad_()  # non-contiguous: a column slice
+    if cl:
+        x = torch.randn(n, cin, h, w_, generator=gen, dtype=torch.float64).to("cuda", dtype)
+        x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+    else:
+        x = torch.randn(n, cin, h, w_ + 3, generator=gen, dtype=torch.float64)[..., 1:w_ + 1]
+        x = x.to("cuda", dtype).requires_grad_()  # non-contiguous: a column slice
     wt = torch.randn(cout, cin // groups, k, k, generator=gen, dtype=torch.float64)
     wt = wt.to("cuda", dtype).requires_grad_()
     b = (torch.randn(cout, generator=gen, dtype=torch.float64).to("cuda", dtype).requires_grad_()
          if bias else None)
     ins = [x, wt] + ([b] if bias else [])
-    y = op(x, wt, b, [1, 1], list(pad), [1, 1], groups)
+    y = op(x, wt, b, [stride, stride], list(pad), [1, 1], groups)
     ref_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     refs = [t.detach().to(ref_dtype).requires_grad_() for t in ins]
-    r = F.conv2d(refs[0], refs[1], refs[2] if bias else None, 1, pad, 1, groups)
+    r = F.conv2d(refs[0], refs[1], refs[2] if bias else None, stride, pad, 1, groups)
     _close(y, r, dtype, "output")
+    if cl:
+        assert y.is_contiguous(memory_format=torch.channels_last), "output layout"
     go = torch.randn(r.shape, generator=gen, dtype=torch.float64).to("cuda")
     got = torch.autograd.grad(y, ins, go.to(dtype))
     want = torch.autograd.grad(r, refs, go.to(ref_dtype))
     for name, g, gr in zip(["grad_input", "grad_weight", "grad_bias"], got, want):
         _close(g, gr, dtype, name)
+    if cl and got[0].numel():
+        assert got[0].is_contiguous(memory_format=torch.channels_last), "grad_input layout"
+
+
+@pytest.mark.parametrize("case", [(2, 3, 3, 9, 11, 3, 2, 1, False), (1, 4, 4, 8, 9, 7, 2, 3, True),
+                                  (2, 5, 5, 7, 6, 5, 1, 2, True), (1, 2, 4, 10, 7, 7, 2, 3, False)],
+                         ids=["nchw3s2", "cl7s2", "cl5s1", "mult2_7s2"])
+def test_cuda_small_filter_gradcheck(case):
+    n, cin, cout, h, w_, k, stride, pad, cl = case
+    x = torch.randn(n, cin, h, w_, device="cuda", dtype=torch.float64)
+    if cl:
+        x = x.contiguous(memory_format=torch.channels_last)
+    wt = torch.randn(cout, 1, k, k, device="cuda", dtype=torch.float64)
+    b = torch.randn(cout, device="cuda", dtype=torch.float64)
+    ins = [t.requires_grad_() for t in (x, wt, b)]
+    assert torch.autograd.gradcheck(
+        lambda a, w, bb: op(a, w, bb, [stride, stride], [pad, pad], [1, 1], cin), ins)
 
 
 def test_cuda_channels_last_and_unbatched():
