@@ -1,7 +1,9 @@
 #include "ops/fused_gru_cuda_path.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -9,19 +11,30 @@ namespace ddpx::detail {
 
 GruCudaPath gru_cuda_path_choice() {
   const char* env = std::getenv("DDPX_GRU_PATH");
-  if (env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0 ||
-      std::strcmp(env, "cudnn") == 0) {
-    return GruCudaPath::kCudnn;
+  const bool unset = env == nullptr || *env == '\0' || std::strcmp(env, "auto") == 0;
+  if (unset) {
+    // torch.backends.cudnn.benchmark: "measure for my shapes", which then
+    // covers cuDNN against ours too (as for tiled_conv2d).
+    return at::globalContext().benchmarkCuDNN() ? GruCudaPath::kBenchmark : GruCudaPath::kCudnn;
   }
+  if (std::strcmp(env, "cudnn") == 0) return GruCudaPath::kCudnn;
   if (std::strcmp(env, "step") == 0) return GruCudaPath::kStep;
+  if (std::strcmp(env, "benchmark") == 0) return GruCudaPath::kBenchmark;
   TORCH_CHECK(std::strcmp(env, "fused") == 0,
-              "DDPX_GRU_PATH must be one of auto, cudnn, fused, step; got '", env, "'");
+              "DDPX_GRU_PATH must be one of auto, cudnn, fused, step, benchmark; got '", env, "'");
   return GruCudaPath::kFused;
 }
 
-bool gru_cudnn_serves(const at::Tensor& input) {
-  return input.is_cuda() && gru_cuda_path_choice() == GruCudaPath::kCudnn;
+namespace {
+std::atomic<bool (*)(c10::Device)> capture_query{nullptr};
+}  // namespace
+
+bool gru_stream_capturing(c10::Device device) {
+  bool (*query)(c10::Device) = capture_query.load();
+  return query != nullptr && query(device);
 }
+
+void set_gru_stream_capture_query(bool (*query)(c10::Device)) { capture_query.store(query); }
 
 std::tuple<at::Tensor, at::Tensor> gru_through_cudnn(const at::Tensor& input,
                                                      const std::optional<at::Tensor>& hx,

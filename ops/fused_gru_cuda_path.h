@@ -19,7 +19,9 @@
 // measurements say where the rule should pick them.
 // DDPX_GRU_PATH (read on every call): auto (or unset), cudnn; fused (ours:
 // persistent where its plan fits the device, else per step); step (ours, per
-// step: the tests' and the benchmark's second column).
+// step: the tests' and the benchmark's second column); benchmark (cuDNN or
+// ours measured per problem, ops/fused_gru_tune.h; also `auto` with
+// torch.backends.cudnn.benchmark set).
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -28,13 +30,16 @@
 
 namespace ddpx::detail {
 
-enum class GruCudaPath { kCudnn, kFused, kStep };
+enum class GruCudaPath { kCudnn, kFused, kStep, kBenchmark };
 
 // DDPX_GRU_PATH's choice (an error naming the variable for any other value).
 GruCudaPath gru_cuda_path_choice();
 
-// Whether cuDNN serves a fused_gru call on `input` (a CUDA tensor).
-bool gru_cudnn_serves(const at::Tensor& input);
+// Whether the current stream of `device` is being captured into a CUDA
+// graph (no syncs allowed, so nothing is measured). libddpx_cuda.so installs
+// the query when it loads; without it the answer is no.
+bool gru_stream_capturing(c10::Device device);
+void set_gru_stream_capture_query(bool (*query)(c10::Device));
 
 // fused_gru's contract through at::gru: an unbatched input stays unbatched,
 // hx None means zeros. Called with autograd on, ATen records its own

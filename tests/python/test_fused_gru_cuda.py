@@ -15,8 +15,8 @@ import torch
 from torch.testing import assert_close
 
 from conftest import needs_cuda
-from test_fused_gru import (CONFIGS, GRADCHECK, _cfg_id, copy_params, gradcheck_case, make_gru,
-                            run_ours)
+from test_fused_gru import (CONFIGS, GRADCHECK, OP, _cfg_id, copy_params, gradcheck_case,
+                            make_gru, run_ours)
 
 pytestmark = needs_cuda
 
@@ -203,3 +203,55 @@ def test_cuda_path_override(monkeypatch):
     monkeypatch.setenv("DDPX_GRU_PATH", "sideways")
     with pytest.raises(RuntimeError, match="DDPX_GRU_PATH must be one of"):
         torch.ops.ddpx.fused_gru_path(x, 4, False)
+
+
+# ---- benchmark mode (ops/fused_gru_tune.h): cuDNN or ours, measured per problem ------------
+
+@pytest.mark.auto_path
+@pytest.mark.parametrize("how", ["env", "cudnn_benchmark"])
+@pytest.mark.parametrize("cfg", CONFIGS[:6], ids=[_cfg_id(c) for c in CONFIGS[:6]])
+def test_cuda_benchmark_mode(cfg, how, monkeypatch):
+    """The measuring call and the next give nn.GRU's outputs and gradients,
+    and the measurement's own backward leaves .grad alone (a loss's backward
+    after it accumulates exactly one step's gradient)."""
+    if how == "env":
+        monkeypatch.setenv("DDPX_GRU_PATH", "benchmark")
+    else:
+        monkeypatch.delenv("DDPX_GRU_PATH", raising=False)
+        monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    L, bi, bf, bias, T, B, I, H, *_, dtype = cfg
+    x, _ = _inputs(cfg, "cuda")
+    assert torch.ops.ddpx.fused_gru_path(x, H, bf) == "benchmark"
+    for _ in range(2):  # measured, then the kept choice
+        _check_against_cudnn_gru(cfg)
+    torch.manual_seed(1)
+    gru = make_gru(I, H, L, bias, bi, bf, dtype).cuda()
+    x, hx = _inputs(cfg, "cuda")
+    params = copy_params(gru)
+    y, h = run_ours(gru, x, hx, params)
+    (y.sum() + h.sum()).backward()
+    y_ref, h_ref = gru(x.detach(), hx.detach() if hx is not None else None)
+    want = torch.autograd.grad(y_ref.sum() + h_ref.sum(), gru._flat_weights)
+    for p, w in zip(params, want):
+        assert_close(p.grad, w, **TOL[dtype])
+
+
+@pytest.mark.auto_path
+def test_cuda_benchmark_mode_under_graph_capture(monkeypatch):
+    """A problem not measured yet, met while a CUDA graph is captured (no
+    syncs allowed), takes the fixed rule (cuDNN) and is measured later."""
+    monkeypatch.setenv("DDPX_GRU_PATH", "benchmark")
+    gru = make_gru(7, 9, 1, dtype=torch.float32).cuda()
+    x = torch.randn(6, 3, 7, device="cuda")
+    params = [p.detach() for p in gru._flat_weights]
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side), torch.cuda.graph(graph):
+            y, _ = OP(x, None, params, True, 1, 0.0, False, False, False)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(y, gru(x)[0], **TOL[torch.float32])
+        y2, _ = OP(x, None, params, True, 1, 0.0, False, False, False)  # measured now
+        assert_close(y2, y, **TOL[torch.float32])
