@@ -198,16 +198,19 @@ if want tests; then
 fi
 # --- speed: ours vs cuDNN on the same card, ratios per case -------------------------------
 if want bench; then
-  # --aa: cuDNN against itself per case, the noise a ratio carries on the card
-  gpu_step "bench conv2d --device cuda --aa" 30 180 python3 "$here/scripts/bench/conv2d" --device cuda --aa
-  # The seed's and the depthwise cases again as CUDA graph replays: the
-  # kernels without the host's overhead (issue 59's figures against the
-  # copy floor and cuDNN / ATen's conv_depthwise2d)
-  gpu_step "bench conv2d --device cuda --graphs" 30 150 python3 "$here/scripts/bench/conv2d" \
-    --device cuda --graphs --only "seed 3x3 512" "seed 5x5 512" "seed 3x3 1024" "seed 5x5 1024" \
-    "seed 3x3 2048" "seed 5x5 2048" "depthwise 3x3 c32" "depthwise 3x3 c64" "depthwise 5x5 c32" \
-    "depthwise 7x7 c96" "depthwise 7x7 c96 cl" "depthwise 3x3 c64 cl" "depthwise 3x3 s2 c96" \
-    "depthwise 3x3 s2 c96 cl" "depthwise 5x5 s2 c144 cl"
+  # The quick suite as users call the op (host overhead included): the
+  # rule's ratios and our kernels' own where the rule hands a pass to cuDNN
+  gpu_step "bench conv2d --device cuda --quick" 30 120 python3 "$here/scripts/bench/conv2d" \
+    --device cuda --quick
+  # The seed's and the depthwise cases as CUDA graph replays: the kernels
+  # without the host's share (issue 59's figures against the copy floor and
+  # cuDNN / ATen's conv_depthwise2d); --aa: the peer against itself, the
+  # noise a ratio carries on the card
+  gpu_step "bench conv2d --device cuda --graphs --aa" 30 150 python3 "$here/scripts/bench/conv2d" \
+    --device cuda --graphs --aa --only "seed 3x3 512" "seed 5x5 512" "seed 3x3 1024" \
+    "seed 5x5 1024" "seed 3x3 2048" "seed 5x5 2048" "depthwise 3x3 c32" "depthwise 3x3 c64" \
+    "depthwise 5x5 c32" "depthwise 7x7 c96" "depthwise 7x7 c96 cl" "depthwise 3x3 c64 cl" \
+    "depthwise 3x3 s2 c96" "depthwise 3x3 s2 c96 cl" "depthwise 5x5 s2 c144 cl"
   # the persistent kernels (persist_ratio) and the per-step ones (step_ratio)
   # beside the rule's choice, 16 cases of issue 59's grid
   gpu_step "bench gru --cuda --quick" 30 120 python3 "$here/scripts/bench/gru" --cuda --quick
