@@ -23,7 +23,8 @@ ConvPath seed_rule(const CpuConv& p) {
 // batch 1: 0.47M).
 constexpr int64_t kSmallMacs = 1 << 20;
 
-ConvPath auto_rule(const CpuConv& p, at::ScalarType dtype, ConvPass pass) {
+ConvPath auto_rule(const CpuConv& p, at::MemoryFormat layout, at::ScalarType dtype,
+                   ConvPass pass) {
   // float64 never reaches oneDNN (ATen runs its slow im2col + GEMM there), so
   // ours compete with a weaker peer: keep the seed's rule for it.
   if (dtype != at::kFloat) return seed_rule(p);
@@ -39,7 +40,11 @@ ConvPath auto_rule(const CpuConv& p, at::ScalarType dtype, ConvPass pass) {
   const bool small = macs <= kSmallMacs;
   if (pass == ConvPass::kBackward) {
     const bool depthwise_3x3 = p.groups > 1 && p.kh * p.kw <= 9;
-    return depthwise_3x3 && !small ? ConvPath::kAten : ConvPath::kDirect;
+    // channels_last depthwise: oneDNN's backward works in NHWC, ours on NCHW
+    // copies of input and gradients (ours / F.conv2d forward+backward: 7x7
+    // c96 56x56 1.81, 5x5 stride-2 c144 4.41; NCHW 7x7 c96 0.57).
+    const bool depthwise_nhwc = p.groups > 1 && layout == at::MemoryFormat::ChannelsLast;
+    return (depthwise_3x3 || depthwise_nhwc) && !small ? ConvPath::kAten : ConvPath::kDirect;
   }
   // oneDNN pads the one channel to its 16-channel blocks: on a single filter
   // over large images (the seed's) that multiplies its traffic.
@@ -70,7 +75,7 @@ ConvTuneKey cpu_tune_key(const Conv2dShape& s, at::ScalarType dtype, ConvPass pa
 // The choice DDPX_CONV_PATH asks for.
 static ConvPath choose_by_override(const Conv2dShape& s, at::ScalarType dtype, ConvPass pass) {
   const std::string want = conv_path_override();
-  if (want == "auto") return auto_rule(make_cpu_conv(s), dtype, pass);
+  if (want == "auto") return auto_rule(make_cpu_conv(s), s.layout, dtype, pass);
   if (want == "benchmark") {
     const auto got = conv_tuned_choice(cpu_tune_key(s, dtype, pass));
     return got ? kMeasuredPaths[*got] : ConvPath::kMeasure;

@@ -173,8 +173,8 @@ def test_double_backward_fails_clearly_where_a_pass_is_ours(monkeypatch):
 
 # ---- the automatic choice --------------------------------------------------------------
 
-# (input shape, weight shape, groups, dtype, expected path); stride 1, "same"
-# padding. "a/b" is forward a, backward b.
+# (input shape [+ "cl": channels_last], weight shape, groups, dtype, expected
+# path); stride 1, "same" padding. "a/b" is forward a, backward b.
 AUTO = [
     ((1, 1, 512, 512), (1, 1, 3, 3), 1, torch.float32, "direct"),  # the seed's images
     ((1, 1, 2048, 2048), (1, 1, 5, 5), 1, torch.float32, "direct"),
@@ -184,6 +184,8 @@ AUTO = [
     ((64, 6, 14, 14), (16, 6, 5, 5), 1, torch.float32, "aten"),  # batch 64
     ((8, 32, 56, 56), (32, 1, 3, 3), 32, torch.float32, "aten"),  # depthwise
     ((8, 32, 56, 56), (32, 1, 5, 5), 32, torch.float32, "aten/direct"),
+    ((8, 96, 56, 56, "cl"), (96, 1, 7, 7), 96, torch.float32, "aten"),  # channels_last
+    ((1, 4, 16, 16, "cl"), (4, 1, 5, 5), 4, torch.float32, "direct"),  # (small: ours)
     ((1, 4, 16, 16), (4, 1, 5, 5), 4, torch.float32, "direct"),  # small depthwise
     ((1, 4, 16, 16), (4, 1, 3, 3), 4, torch.float32, "direct"),
     ((8, 64, 56, 56), (64, 64, 3, 3), 1, torch.float32, "aten"),  # ResNet
@@ -196,7 +198,10 @@ AUTO = [
 def test_auto_path(case, monkeypatch):
     monkeypatch.delenv("DDPX_CONV_PATH", raising=False)
     xs, ws, g, dtype, want = case
-    x, w = torch.empty(xs, dtype=dtype), torch.empty(ws, dtype=dtype)
+    cl = xs[-1] == "cl"
+    x, w = torch.empty(xs[:4], dtype=dtype), torch.empty(ws, dtype=dtype)
+    if cl:
+        x = x.contiguous(memory_format=torch.channels_last)
     pad = ws[-1] // 2
     assert path_of(x, w, [1, 1], [pad, pad], [1, 1], g) == want
 
