@@ -11,11 +11,8 @@ ConvTuneKey gru_tune_key(const at::Tensor& input, at::TensorList params, bool ha
                          bool batch_first, bool grad) {
   // (-2 first: a tiled_conv2d key starts with a device type, the tuner's
   // tests' keys with -1)
-  std::vector<int64_t> f = {-2,
-                            static_cast<int64_t>(input.device().type()),
-                            input.device().index(),
-                            static_cast<int64_t>(input.scalar_type()),
-                            input.dim()};
+  std::vector<int64_t> f = {-2, static_cast<int64_t>(input.device().type()), input.device().index(),
+                            static_cast<int64_t>(input.scalar_type()), input.dim()};
   for (const int64_t s : input.sizes()) f.push_back(s);
   f.push_back(params.size() >= 2 ? params[1].size(1) : 0);  // hidden: w_hh_l0 [3h, h]
   f.insert(f.end(), {num_layers, has_biases, dropout_active, bidirectional, batch_first, grad,

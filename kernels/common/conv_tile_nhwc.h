@@ -43,9 +43,7 @@ DDPX_HD SmallFilter nhwc_depthwise(const ConvGeom& g) {
 }
 
 // Strips of kRows rows over `rows` rows of each of n images.
-DDPX_HD int64_t nhwc_strips(int64_t n, int64_t rows) {
-  return n * ceil_div(rows, NhwcTile::kRows);
-}
+DDPX_HD int64_t nhwc_strips(int64_t n, int64_t rows) { return n * ceil_div(rows, NhwcTile::kRows); }
 DDPX_HD void nhwc_strip(int64_t z, int64_t rows, int64_t* nn, int64_t* row0) {
   const int64_t per = ceil_div(rows, NhwcTile::kRows);
   *nn = z / per;
@@ -69,11 +67,11 @@ DDPX_HD bool nhwc_thread(int64_t channels, int64_t cols, int64_t bc, int64_t bx,
 // kThreadsC channels are one contiguous run of weight; staged[t] = weight[bc
 // * kThreadsC * kk + t] for the channels that exist.
 template <typename T, typename Acc>
-DDPX_HD void nhwc_stage_taps(const T* weight, int64_t channels, int64_t kk, int64_t bc,
-                             Acc* staged, int tid) {
+DDPX_HD void nhwc_stage_taps(const T* weight, int64_t channels, int64_t kk, int64_t bc, Acc* staged,
+                             int tid) {
   const int64_t first = bc * NhwcTile::kThreadsC;
-  const int64_t have = channels - first < NhwcTile::kThreadsC ? channels - first
-                                                                : NhwcTile::kThreadsC;
+  const int64_t have =
+      channels - first < NhwcTile::kThreadsC ? channels - first : NhwcTile::kThreadsC;
   for (int64_t t = tid; t < have * kk; t += NhwcTile::kThreads) {
     staged[t] = static_cast<Acc>(weight[first * kk + t]);
   }
@@ -98,8 +96,13 @@ DDPX_HD void nhwc_taps(const Acc* staged, int tx, bool flip, Acc (&wk)[K][K]) {
 template <typename T, typename Acc>
 DDPX_HD GlobalRows<T, Acc> nhwc_rows(const ConvGeom& g, const T* x, int64_t nn, int64_t ch,
                                      int64_t row0, int64_t col) {
-  return GlobalRows<T, Acc>{x + nn * g.h * g.w * g.c + ch, g.h, g.w, g.w * g.c, g.c,
-                            row0 * g.sh - g.ph, col * g.sw - g.pw};
+  return GlobalRows<T, Acc>{x + nn * g.h * g.w * g.c + ch,
+                            g.h,
+                            g.w,
+                            g.w * g.c,
+                            g.c,
+                            row0 * g.sh - g.ph,
+                            col * g.sw - g.pw};
 }
 
 // Offset of (nn, row, col, ch) in an [n, rows, cols, c] tensor.

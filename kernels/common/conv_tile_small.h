@@ -337,8 +337,9 @@ DDPX_HD void small_load_grad_out(const ConvGeom& g, const T* go_plane, int64_t b
   DDPX_UNROLL
   for (int r = 0; r < SmallTile::kRows; ++r) {
     int64_t oy, ox;
-    gv[r] = small_output(g, by, bx, tx, ty, r, &oy, &ox) ? static_cast<Acc>(go_plane[oy * g.ow + ox])
-                                                         : Acc(0);
+    gv[r] = small_output(g, by, bx, tx, ty, r, &oy, &ox)
+                ? static_cast<Acc>(go_plane[oy * g.ow + ox])
+                : Acc(0);
   }
 }
 

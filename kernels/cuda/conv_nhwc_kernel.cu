@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(NhwcTile::kThreads)
 #pragma unroll
     for (int r = 0; r < NhwcTile::kRows; ++r) acc[r] = b;
     tile::strip_dot<K, S, NhwcTile::kRows>(tile::nhwc_rows<T, Acc>(g, x, nn, ch, row0, col), wk,
-                                          acc);
+                                           acc);
 #pragma unroll
     for (int r = 0; r < NhwcTile::kRows; ++r) {
       if (row0 + r < g.oh) {
@@ -95,9 +95,10 @@ __global__ void __launch_bounds__(NhwcTile::kThreads)
       Acc gv[NhwcTile::kRows];
 #pragma unroll
       for (int r = 0; r < NhwcTile::kRows; ++r) {
-        gv[r] = row0 + r < g.oh
-                    ? static_cast<Acc>(go[tile::nhwc_offset(g.oh, g.ow, g.c, nn, row0 + r, col, ch)])
-                    : Acc(0);
+        gv[r] =
+            row0 + r < g.oh
+                ? static_cast<Acc>(go[tile::nhwc_offset(g.oh, g.ow, g.c, nn, row0 + r, col, ch)])
+                : Acc(0);
       }
       tile::strip_grad_weight<K, S, NhwcTile::kRows>(
           tile::nhwc_rows<T, Acc>(g, x, nn, ch, row0, col), gv, gw);
@@ -107,7 +108,8 @@ __global__ void __launch_bounds__(NhwcTile::kThreads)
   for (int y = 0; y < NhwcTile::kThreadsX; ++y) {
     if (ty == y) {
 #pragma unroll
-      for (int t = 0; t < K * K; ++t) red[tx][t] = (y == 0 ? Acc(0) : red[tx][t]) + gw[t / K][t % K];
+      for (int t = 0; t < K * K; ++t)
+        red[tx][t] = (y == 0 ? Acc(0) : red[tx][t]) + gw[t / K][t % K];
     }
     __syncthreads();
   }
@@ -126,7 +128,8 @@ bool nhwc_forward(const ConvGeom& g, const at::Tensor& x, const at::Tensor& wt,
                   const at::Tensor& bias, at::Tensor& out, cudaStream_t stream) {
   const tile::SmallFilter f = tile::nhwc_depthwise(g);
   if (!f) return false;
-  const dim3 blocks(tile::ceil_div(g.c, NhwcTile::kThreadsC), tile::ceil_div(g.ow, NhwcTile::kThreadsX),
+  const dim3 blocks(tile::ceil_div(g.c, NhwcTile::kThreadsC),
+                    tile::ceil_div(g.ow, NhwcTile::kThreadsX),
                     tile::nhwc_grid_z(tile::nhwc_strips(g.n, g.oh)));
   const dim3 threads(NhwcTile::kThreadsC, NhwcTile::kThreadsX);
   const T* b = bias.defined() ? bias.data_ptr<T>() : nullptr;
@@ -139,8 +142,8 @@ bool nhwc_forward(const ConvGeom& g, const at::Tensor& x, const at::Tensor& wt,
 }
 
 template <typename T, typename Acc>
-bool nhwc_grad_input(const ConvGeom& g, const at::Tensor& go, const at::Tensor& wt,
-                     at::Tensor& gx, cudaStream_t stream) {
+bool nhwc_grad_input(const ConvGeom& g, const at::Tensor& go, const at::Tensor& wt, at::Tensor& gx,
+                     cudaStream_t stream) {
   const tile::SmallFilter f = tile::nhwc_depthwise(g);
   if (!f) return false;
   const dim3 threads(NhwcTile::kThreadsC, NhwcTile::kThreadsX);
@@ -152,15 +155,17 @@ bool nhwc_grad_input(const ConvGeom& g, const at::Tensor& go, const at::Tensor& 
                       tile::ceil_div(t.ow, NhwcTile::kThreadsX),
                       tile::nhwc_grid_z(tile::nhwc_strips(t.n, t.oh)));
     tile::with_small(f, [&](auto k, auto s) {
-      nhwc_fwd_kernel<T, Acc, decltype(k)::value, decltype(s)::value><<<blocks, threads, 0, stream>>>(
-          go.data_ptr<T>(), wt.data_ptr<T>(), nullptr, gx.data_ptr<T>(), t, true);
+      nhwc_fwd_kernel<T, Acc, decltype(k)::value, decltype(s)::value>
+          <<<blocks, threads, 0, stream>>>(go.data_ptr<T>(), wt.data_ptr<T>(), nullptr,
+                                           gx.data_ptr<T>(), t, true);
     });
   } else {
-    const dim3 blocks(tile::ceil_div(g.c, NhwcTile::kThreadsC), tile::ceil_div(g.w, NhwcTile::kThreadsX),
+    const dim3 blocks(tile::ceil_div(g.c, NhwcTile::kThreadsC),
+                      tile::ceil_div(g.w, NhwcTile::kThreadsX),
                       tile::nhwc_grid_z(tile::nhwc_strips(g.n, g.h)));
     tile::with_small(f, [&](auto k, auto s) {
-      nhwc_transposed_kernel<T, Acc, decltype(k)::value, decltype(s)::value><<<blocks, threads, 0, stream>>>(
-          go.data_ptr<T>(), wt.data_ptr<T>(), gx.data_ptr<T>(), g);
+      nhwc_transposed_kernel<T, Acc, decltype(k)::value, decltype(s)::value>
+          <<<blocks, threads, 0, stream>>>(go.data_ptr<T>(), wt.data_ptr<T>(), gx.data_ptr<T>(), g);
     });
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -168,8 +173,8 @@ bool nhwc_grad_input(const ConvGeom& g, const at::Tensor& go, const at::Tensor& 
 }
 
 template <typename T, typename Acc>
-bool nhwc_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor& x,
-                      at::Tensor& gw, cudaStream_t stream) {
+bool nhwc_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor& x, at::Tensor& gw,
+                      cudaStream_t stream) {
   const tile::SmallFilter f = tile::nhwc_depthwise(g);
   if (!f) return false;
   // About 8 blocks per SM in all, each summing its strips in registers first.
@@ -178,12 +183,13 @@ bool nhwc_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor&
   const int64_t splits = tile::nhwc_grad_weight_splits(g, grid_z), taps = gw.numel();
   const at::Tensor partial =
       at::empty({taps * splits}, x.options().dtype(c10::CppTypeToScalarType<Acc>::value));
-  const dim3 blocks(tile::ceil_div(g.c, NhwcTile::kThreadsC), tile::ceil_div(g.ow, NhwcTile::kThreadsX),
-                    grid_z);
+  const dim3 blocks(tile::ceil_div(g.c, NhwcTile::kThreadsC),
+                    tile::ceil_div(g.ow, NhwcTile::kThreadsX), grid_z);
   const dim3 threads(NhwcTile::kThreadsC, NhwcTile::kThreadsX);
   tile::with_small(f, [&](auto k, auto s) {
-    nhwc_grad_weight_kernel<T, Acc, decltype(k)::value, decltype(s)::value><<<blocks, threads, 0, stream>>>(
-        go.data_ptr<T>(), x.data_ptr<T>(), g, splits, partial.data_ptr<Acc>());
+    nhwc_grad_weight_kernel<T, Acc, decltype(k)::value, decltype(s)::value>
+        <<<blocks, threads, 0, stream>>>(go.data_ptr<T>(), x.data_ptr<T>(), g, splits,
+                                         partial.data_ptr<Acc>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch_sum<T, Acc>(partial, taps, splits, gw, stream);

@@ -50,8 +50,8 @@ __global__ void __launch_bounds__(SmallTile::kThreads) small_fwd_kernel(const Sm
       Acc wk[K][K];
       tile::small_load_taps<K>(p.wt + (oc * g.cig + icg) * K * K, p.flip, wk);
       __syncthreads();  // everyone is done reading the previous patch
-      tile::small_load_patch<K, S>(p.x + (nn * g.c + grp * g.cig + icg) * g.h * g.w, g.h, g.w,
-                                   iy0, ix0, patch, tx, ty);
+      tile::small_load_patch<K, S>(p.x + (nn * g.c + grp * g.cig + icg) * g.h * g.w, g.h, g.w, iy0,
+                                   ix0, patch, tx, ty);
       __syncthreads();
       tile::small_strip_dot<K, S>(patch, wk, tx, ty, acc);
     }
@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(SmallTile::kThreads)
                                    ix0, patch, tx, ty);
       __syncthreads();
       Acc gw[K][K] = {};
-      tile::strip_grad_weight<K, S, SmallTile::kRows>(
-          tile::PatchRows<K, S, Acc>(patch, tx, ty), gv, gw);
+      tile::strip_grad_weight<K, S, SmallTile::kRows>(tile::PatchRows<K, S, Acc>(patch, tx, ty), gv,
+                                                      gw);
       const Acc s = block_sum_taps<K>(gw, red);
       const int tid = ty * SmallTile::kThreadsX + tx;
       if (tid < K * K) partial[((oc * g.cig + icg) * K * K + tid) * splits + slot] = s;
@@ -147,21 +147,26 @@ bool small_forward(const ConvGeom& g, const at::Tensor& x, const at::Tensor& wt,
                    const at::Tensor& bias, at::Tensor& out, cudaStream_t stream) {
   const tile::SmallFilter f = tile::small_direct(g);
   if (!f) return false;
-  const SmallFwd<T> p{x.data_ptr<T>(), wt.data_ptr<T>(), bias.defined() ? bias.data_ptr<T>() : nullptr,
-                      out.data_ptr<T>(), g, false};
-  const dim3 blocks(tile::ceil_div(g.ow, SmallTile::kTileW), tile::ceil_div(g.oh, SmallTile::kTileH),
-                    std::min(g.n * g.cout, kMaxGridZ));
+  const SmallFwd<T> p{x.data_ptr<T>(),
+                      wt.data_ptr<T>(),
+                      bias.defined() ? bias.data_ptr<T>() : nullptr,
+                      out.data_ptr<T>(),
+                      g,
+                      false};
+  const dim3 blocks(tile::ceil_div(g.ow, SmallTile::kTileW),
+                    tile::ceil_div(g.oh, SmallTile::kTileH), std::min(g.n * g.cout, kMaxGridZ));
   const dim3 threads(SmallTile::kThreadsX, SmallTile::kThreadsY);
   tile::with_small(f, [&](auto k, auto s) {
-    small_fwd_kernel<T, Acc, decltype(k)::value, decltype(s)::value><<<blocks, threads, 0, stream>>>(p);
+    small_fwd_kernel<T, Acc, decltype(k)::value, decltype(s)::value>
+        <<<blocks, threads, 0, stream>>>(p);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
 
 template <typename T, typename Acc>
-bool small_grad_input(const ConvGeom& g, const at::Tensor& go, const at::Tensor& wt,
-                      at::Tensor& gx, cudaStream_t stream) {
+bool small_grad_input(const ConvGeom& g, const at::Tensor& go, const at::Tensor& wt, at::Tensor& gx,
+                      cudaStream_t stream) {
   const dim3 threads(SmallTile::kThreadsX, SmallTile::kThreadsY);
   if (const tile::SmallFilter f = tile::small_grad_input(g)) {
     // A forward over grad_output (grad_input_as_forward); one filter per
@@ -174,7 +179,8 @@ bool small_grad_input(const ConvGeom& g, const at::Tensor& go, const at::Tensor&
     const dim3 blocks(tile::ceil_div(t.ow, SmallTile::kTileW),
                       tile::ceil_div(t.oh, SmallTile::kTileH), std::min(t.n * t.cout, kMaxGridZ));
     tile::with_small(f, [&](auto k, auto s) {
-      small_fwd_kernel<T, Acc, decltype(k)::value, decltype(s)::value><<<blocks, threads, 0, stream>>>(p);
+      small_fwd_kernel<T, Acc, decltype(k)::value, decltype(s)::value>
+          <<<blocks, threads, 0, stream>>>(p);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return true;
@@ -184,27 +190,28 @@ bool small_grad_input(const ConvGeom& g, const at::Tensor& go, const at::Tensor&
   const dim3 blocks(tile::ceil_div(g.w, SmallTile::kTileW), tile::ceil_div(g.h, SmallTile::kTileH),
                     std::min(g.n * g.c, kMaxGridZ));
   tile::with_small(f, [&](auto k, auto s) {
-    small_transposed_kernel<T, Acc, decltype(k)::value, decltype(s)::value><<<blocks, threads, 0, stream>>>(
-        go.data_ptr<T>(), wt.data_ptr<T>(), gx.data_ptr<T>(), g);
+    small_transposed_kernel<T, Acc, decltype(k)::value, decltype(s)::value>
+        <<<blocks, threads, 0, stream>>>(go.data_ptr<T>(), wt.data_ptr<T>(), gx.data_ptr<T>(), g);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
 }
 
 template <typename T, typename Acc>
-bool small_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor& x,
-                       at::Tensor& gw, cudaStream_t stream) {
+bool small_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor& x, at::Tensor& gw,
+                       cudaStream_t stream) {
   const tile::SmallFilter f = tile::small_direct(g);
   if (!f) return false;
   const int64_t splits = tile::small_grad_weight_splits(g), taps = gw.numel();
   const at::Tensor partial =
       at::empty({taps * splits}, x.options().dtype(c10::CppTypeToScalarType<Acc>::value));
-  const dim3 blocks(tile::ceil_div(g.ow, SmallTile::kTileW), tile::ceil_div(g.oh, SmallTile::kTileH),
-                    std::min(g.n * g.cout, kMaxGridZ));
+  const dim3 blocks(tile::ceil_div(g.ow, SmallTile::kTileW),
+                    tile::ceil_div(g.oh, SmallTile::kTileH), std::min(g.n * g.cout, kMaxGridZ));
   const dim3 threads(SmallTile::kThreadsX, SmallTile::kThreadsY);
   tile::with_small(f, [&](auto k, auto s) {
-    small_grad_weight_kernel<T, Acc, decltype(k)::value, decltype(s)::value><<<blocks, threads, 0, stream>>>(
-        go.data_ptr<T>(), x.data_ptr<T>(), g, splits, partial.data_ptr<Acc>());
+    small_grad_weight_kernel<T, Acc, decltype(k)::value, decltype(s)::value>
+        <<<blocks, threads, 0, stream>>>(go.data_ptr<T>(), x.data_ptr<T>(), g, splits,
+                                         partial.data_ptr<Acc>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch_sum<T, Acc>(partial, taps, splits, gw, stream);
@@ -212,12 +219,12 @@ bool small_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor
 }
 
 #define DDPX_SMALL_CONV_INSTANTIATE(T, Acc)                                                      \
-  template bool small_forward<T, Acc>(const ConvGeom&, const at::Tensor&, const at::Tensor&,    \
-                                      const at::Tensor&, at::Tensor&, cudaStream_t);            \
-  template bool small_grad_input<T, Acc>(const ConvGeom&, const at::Tensor&, const at::Tensor&, \
-                                         at::Tensor&, cudaStream_t);                            \
-  template bool small_grad_weight<T, Acc>(const ConvGeom&, const at::Tensor&,                   \
-                                          const at::Tensor&, at::Tensor&, cudaStream_t);
+  template bool small_forward<T, Acc>(const ConvGeom&, const at::Tensor&, const at::Tensor&,     \
+                                      const at::Tensor&, at::Tensor&, cudaStream_t);             \
+  template bool small_grad_input<T, Acc>(const ConvGeom&, const at::Tensor&, const at::Tensor&,  \
+                                         at::Tensor&, cudaStream_t);                             \
+  template bool small_grad_weight<T, Acc>(const ConvGeom&, const at::Tensor&, const at::Tensor&, \
+                                          at::Tensor&, cudaStream_t);
 DDPX_SMALL_CONV_INSTANTIATE(double, double)
 DDPX_SMALL_CONV_INSTANTIATE(float, float)
 DDPX_SMALL_CONV_INSTANTIATE(c10::Half, float)

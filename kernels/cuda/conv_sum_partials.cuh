@@ -20,7 +20,8 @@ __global__ void __launch_bounds__(kSumThreads)
     sum_partials_kernel(const Acc* partial, int64_t taps, int64_t splits, T* gw) {
   __shared__ Acc part[kSumThreads];
   for (int64_t tap = blockIdx.x; tap < taps; tap += gridDim.x) {
-    part[threadIdx.x] = tile::partial_share(partial + tap * splits, splits, threadIdx.x, kSumThreads);
+    part[threadIdx.x] =
+        tile::partial_share(partial + tap * splits, splits, threadIdx.x, kSumThreads);
     __syncthreads();
     for (int half = kSumThreads / 2; half > 0; half /= 2) {
       if (threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
@@ -33,7 +34,7 @@ __global__ void __launch_bounds__(kSumThreads)
 
 template <typename T, typename Acc>
 inline void launch_sum(const at::Tensor& partial, int64_t taps, int64_t splits, at::Tensor& gw,
-                cudaStream_t stream) {
+                       cudaStream_t stream) {
   sum_partials_kernel<T, Acc><<<std::min<int64_t>(taps, 65535), kSumThreads, 0, stream>>>(
       partial.data_ptr<Acc>(), taps, splits, gw.data_ptr<T>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

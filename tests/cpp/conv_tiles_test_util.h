@@ -32,14 +32,14 @@ inline ConvGeom geom(const Case& k) {
 
 inline std::string name(const Case& k) {
   // (c10::str: GCC 12 warns falsely about a chain of std::string operator+.)
-  return c10::str("n", k.n, "c", k.c, "_", k.h, "x", k.w, "_o", k.cout, "_k", k.kh, "x", k.kw,
-                  "_s", k.sh, k.sw, "_p", k.ph, k.pw, "_d", k.dh, k.dw, "_g", k.groups);
+  return c10::str("n", k.n, "c", k.c, "_", k.h, "x", k.w, "_o", k.cout, "_k", k.kh, "x", k.kw, "_s",
+                  k.sh, k.sw, "_p", k.ph, k.pw, "_d", k.dh, k.dw, "_g", k.groups);
 }
 
 // Every element of a row-major ph x pw patch whose origin is input (iy0, ix0)
 // was loaded, and holds the input there, or zero where it hangs over the padding.
 inline void expect_patch(const ConvGeom& g, const double* src, int64_t iy0, int64_t ix0, int64_t ph,
-                  int64_t pw, const double* patch) {
+                         int64_t pw, const double* patch) {
   for (int64_t e = 0; e < ph * pw; ++e) {
     const int64_t iy = iy0 + e / pw, ix = ix0 + e % pw;
     const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
@@ -50,7 +50,7 @@ inline void expect_patch(const ConvGeom& g, const double* src, int64_t iy0, int6
 
 // Each output written exactly once (writes counts them), and out equals ref.
 inline void expect_each_output_once(const std::vector<int>& writes, const at::Tensor& out,
-                             const at::Tensor& ref) {
+                                    const at::Tensor& ref) {
   for (size_t i = 0; i < writes.size(); ++i) ASSERT_EQ(writes[i], 1) << "output " << i;
   EXPECT_TRUE(at::allclose(out, ref, 1e-10, 1e-10)) << (out - ref).abs().max().item<double>();
 }

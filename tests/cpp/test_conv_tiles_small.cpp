@@ -71,12 +71,14 @@ void small_forward(const ConvGeom& g, const at::Tensor& x, const at::Tensor& wt,
           each_small_thread([&](int tx, int ty) {
             tile::small_load_patch<K, S>(src, g.h, g.w, iy0, ix0, patch, tx, ty);
           });
-          ASSERT_NO_FATAL_FAILURE(expect_patch(g, src, iy0, ix0, Patch::kH, Patch::kW, store.data()));
+          ASSERT_NO_FATAL_FAILURE(
+              expect_patch(g, src, iy0, ix0, Patch::kH, Patch::kW, store.data()));
           double wk[K][K];
           tile::small_load_taps<K>(wp + (oc * g.cig + icg) * K * K, flip, wk);
           each_small_thread([&](int tx, int ty) {
             double a[R];
-            std::copy(acc[ty * SmallTile::kThreadsX + tx].begin(), acc[ty * SmallTile::kThreadsX + tx].end(), a);
+            std::copy(acc[ty * SmallTile::kThreadsX + tx].begin(),
+                      acc[ty * SmallTile::kThreadsX + tx].end(), a);
             tile::small_strip_dot<K, S>(patch, wk, tx, ty, a);
             std::copy(a, a + R, acc[ty * SmallTile::kThreadsX + tx].begin());
           });
@@ -115,8 +117,8 @@ void small_transposed(const ConvGeom& g, const at::Tensor& go, const at::Tensor&
             const int64_t oc = grp * g.cog + m;
             double wk[K][K];
             tile::small_load_taps<K>(wt.data_ptr<double>() + (oc * g.cig + icg) * K * K, false, wk);
-            tile::transposed_strip<K, S, R>(gp + (nn * g.cout + oc) * g.oh * g.ow, g.oh, g.ow,
-                                            g.ow, 1, g.ph, g.pw, iy0, ix, wk, acc);
+            tile::transposed_strip<K, S, R>(gp + (nn * g.cout + oc) * g.oh * g.ow, g.oh, g.ow, g.ow,
+                                            1, g.ph, g.pw, iy0, ix, wk, acc);
           }
           for (int r = 0; r < R; ++r) {
             if (iy0 + r >= g.h) continue;
@@ -135,7 +137,8 @@ void small_transposed(const ConvGeom& g, const at::Tensor& go, const at::Tensor&
 void sum_partials(const std::vector<double>& partial, int64_t splits, at::Tensor& gw) {
   for (int64_t tap = 0; tap < gw.numel(); ++tap) {
     double s = 0;
-    for (int tid = 0; tid < 256; ++tid) s += tile::partial_share(partial.data() + tap * splits, splits, tid, 256);
+    for (int tid = 0; tid < 256; ++tid)
+      s += tile::partial_share(partial.data() + tap * splits, splits, tid, 256);
     gw.data_ptr<double>()[tap] = s;
   }
 }
@@ -159,13 +162,15 @@ void small_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor
         for (int64_t icg = 0; icg < g.cig; ++icg) {
           std::fill(store.begin(), store.end(), kNan);
           each_small_thread([&](int tx, int ty) {
-            tile::small_load_patch<K, S>(x.data_ptr<double>() + (nn * g.c + grp * g.cig + icg) * g.h * g.w,
-                                         g.h, g.w, iy0, ix0, patch, tx, ty);
+            tile::small_load_patch<K, S>(
+                x.data_ptr<double>() + (nn * g.c + grp * g.cig + icg) * g.h * g.w, g.h, g.w, iy0,
+                ix0, patch, tx, ty);
           });
           double block[K][K] = {};
           each_small_thread([&](int tx, int ty) {
             double gv[R];
-            tile::small_load_grad_out(g, go.data_ptr<double>() + plane * g.oh * g.ow, by, bx, tx, ty, gv);
+            tile::small_load_grad_out(g, go.data_ptr<double>() + plane * g.oh * g.ow, by, bx, tx,
+                                      ty, gv);
             double gw[K][K] = {};
             tile::strip_grad_weight<K, S, R>(tile::PatchRows<K, S, double>(patch, tx, ty), gv, gw);
             for (int t = 0; t < K * K; ++t) block[t / K][t % K] += gw[t / K][t % K];
@@ -243,19 +248,19 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, ConvTilesSmall,
     ::testing::Values(
         // n, c, h, w, cout, kh, kw, sh, sw, ph, pw, dh, dw, groups
-        Case{1, 1, 17, 19, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1},   // the seed's case, odd sizes
-        Case{2, 1, 97, 70, 2, 5, 5, 1, 1, 2, 2, 1, 1, 1},   // several tiles both ways, ragged
-        Case{1, 1, 1, 1, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1},     // all halo, one output
-        Case{1, 1, 5, 5, 1, 5, 5, 1, 1, 0, 0, 1, 1, 1},     // no padding: one output
-        Case{2, 3, 33, 65, 3, 3, 3, 1, 1, 0, 2, 1, 1, 3},   // depthwise, padding 0 / 2
-        Case{1, 8, 40, 31, 8, 5, 5, 1, 1, 4, 1, 1, 1, 2},   // 4 channels per group, pad > k/2
-        Case{3, 2, 9, 34, 4, 3, 3, 1, 1, 1, 0, 1, 1, 1},    // 2 channels, 2 filters
-        Case{2, 4, 45, 37, 4, 7, 7, 1, 1, 3, 3, 1, 1, 4},   // depthwise 7x7
-        Case{2, 3, 70, 67, 3, 3, 3, 2, 2, 1, 1, 1, 1, 3},   // depthwise stride 2, odd
-        Case{1, 2, 69, 66, 2, 5, 5, 2, 2, 2, 2, 1, 1, 2},   // 5x5 stride 2, two tiles down
-        Case{2, 2, 41, 80, 2, 7, 7, 2, 2, 3, 3, 1, 1, 2},   // 7x7 stride 2, two tiles across
-        Case{1, 2, 23, 29, 4, 7, 7, 2, 2, 7, 1, 1, 1, 2},   // multiplier 2, pad > K-1
-        Case{1, 1, 7, 7, 1, 7, 7, 2, 2, 0, 0, 1, 1, 1}),    // stride 2, one output
+        Case{1, 1, 17, 19, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1},  // the seed's case, odd sizes
+        Case{2, 1, 97, 70, 2, 5, 5, 1, 1, 2, 2, 1, 1, 1},  // several tiles both ways, ragged
+        Case{1, 1, 1, 1, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1},    // all halo, one output
+        Case{1, 1, 5, 5, 1, 5, 5, 1, 1, 0, 0, 1, 1, 1},    // no padding: one output
+        Case{2, 3, 33, 65, 3, 3, 3, 1, 1, 0, 2, 1, 1, 3},  // depthwise, padding 0 / 2
+        Case{1, 8, 40, 31, 8, 5, 5, 1, 1, 4, 1, 1, 1, 2},  // 4 channels per group, pad > k/2
+        Case{3, 2, 9, 34, 4, 3, 3, 1, 1, 1, 0, 1, 1, 1},   // 2 channels, 2 filters
+        Case{2, 4, 45, 37, 4, 7, 7, 1, 1, 3, 3, 1, 1, 4},  // depthwise 7x7
+        Case{2, 3, 70, 67, 3, 3, 3, 2, 2, 1, 1, 1, 1, 3},  // depthwise stride 2, odd
+        Case{1, 2, 69, 66, 2, 5, 5, 2, 2, 2, 2, 1, 1, 2},  // 5x5 stride 2, two tiles down
+        Case{2, 2, 41, 80, 2, 7, 7, 2, 2, 3, 3, 1, 1, 2},  // 7x7 stride 2, two tiles across
+        Case{1, 2, 23, 29, 4, 7, 7, 2, 2, 7, 1, 1, 1, 2},  // multiplier 2, pad > K-1
+        Case{1, 1, 7, 7, 1, 7, 7, 2, 2, 0, 0, 1, 1, 1}),   // stride 2, one output
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
 // ---- channels_last depthwise ------------------------------------------------------------------
@@ -272,7 +277,8 @@ void each_block(int64_t gx, int64_t gy, int64_t gz, Fn&& fn) {
 
 std::vector<double> staged_taps(const ConvGeom& g, const double* wt, int64_t kk, int64_t bc) {
   std::vector<double> staged(NhwcTile::kThreadsC * kk, kNan);
-  for (int tid = 0; tid < NhwcTile::kThreads; ++tid) tile::nhwc_stage_taps(wt, g.c, kk, bc, staged.data(), tid);
+  for (int tid = 0; tid < NhwcTile::kThreads; ++tid)
+    tile::nhwc_stage_taps(wt, g.c, kk, bc, staged.data(), tid);
   return staged;
 }
 
@@ -286,36 +292,38 @@ void nhwc_pass(const ConvGeom& g, const at::Tensor& in_cl, const at::Tensor& wt,
   at::Tensor out = at::zeros({g.n, rows, cols, g.c}, ref.options());  // NHWC memory
   std::vector<int> writes(out.numel(), 0);
   const double* in = in_cl.data_ptr<double>();
-  each_block(tile::ceil_div(g.c, NhwcTile::kThreadsC), tile::ceil_div(cols, NhwcTile::kThreadsX), gz,
-             [&](int64_t bc, int64_t bx, int64_t bz) {
-    const std::vector<double> staged = staged_taps(g, wt.data_ptr<double>(), K * K, bc);
-    for (int ty = 0; ty < NhwcTile::kThreadsX; ++ty) {
-      for (int tx = 0; tx < NhwcTile::kThreadsC; ++tx) {
-        int64_t ch, col;
-        if (!tile::nhwc_thread(g.c, cols, bc, bx, tx, ty, &ch, &col)) continue;
-        double wk[K][K];
-        tile::nhwc_taps<K>(staged.data(), tx, flip, wk);
-        for (int64_t z = bz; z < tile::nhwc_strips(g.n, rows); z += gz) {
-          int64_t nn, row0;
-          tile::nhwc_strip(z, rows, &nn, &row0);
-          double acc[NhwcTile::kRows] = {};
-          if (transposed) {
-            tile::transposed_strip<K, S, NhwcTile::kRows>(in + nn * g.oh * g.ow * g.c + ch, g.oh, g.ow,
-                                                          g.ow * g.c, g.c, g.ph, g.pw, row0, col, wk, acc);
-          } else {
-            tile::strip_dot<K, S, NhwcTile::kRows>(tile::nhwc_rows<double, double>(g, in, nn, ch, row0, col),
-                                                  wk, acc);
-          }
-          for (int r = 0; r < NhwcTile::kRows; ++r) {
-            if (row0 + r >= rows) continue;
-            const int64_t off = tile::nhwc_offset(rows, cols, g.c, nn, row0 + r, col, ch);
-            out.data_ptr<double>()[off] = acc[r];
-            ++writes[off];
-          }
-        }
-      }
-    }
-  });
+  each_block(tile::ceil_div(g.c, NhwcTile::kThreadsC), tile::ceil_div(cols, NhwcTile::kThreadsX),
+             gz, [&](int64_t bc, int64_t bx, int64_t bz) {
+               const std::vector<double> staged = staged_taps(g, wt.data_ptr<double>(), K * K, bc);
+               for (int ty = 0; ty < NhwcTile::kThreadsX; ++ty) {
+                 for (int tx = 0; tx < NhwcTile::kThreadsC; ++tx) {
+                   int64_t ch, col;
+                   if (!tile::nhwc_thread(g.c, cols, bc, bx, tx, ty, &ch, &col)) continue;
+                   double wk[K][K];
+                   tile::nhwc_taps<K>(staged.data(), tx, flip, wk);
+                   for (int64_t z = bz; z < tile::nhwc_strips(g.n, rows); z += gz) {
+                     int64_t nn, row0;
+                     tile::nhwc_strip(z, rows, &nn, &row0);
+                     double acc[NhwcTile::kRows] = {};
+                     if (transposed) {
+                       tile::transposed_strip<K, S, NhwcTile::kRows>(
+                           in + nn * g.oh * g.ow * g.c + ch, g.oh, g.ow, g.ow * g.c, g.c, g.ph,
+                           g.pw, row0, col, wk, acc);
+                     } else {
+                       tile::strip_dot<K, S, NhwcTile::kRows>(
+                           tile::nhwc_rows<double, double>(g, in, nn, ch, row0, col), wk, acc);
+                     }
+                     for (int r = 0; r < NhwcTile::kRows; ++r) {
+                       if (row0 + r >= rows) continue;
+                       const int64_t off =
+                           tile::nhwc_offset(rows, cols, g.c, nn, row0 + r, col, ch);
+                       out.data_ptr<double>()[off] = acc[r];
+                       ++writes[off];
+                     }
+                   }
+                 }
+               }
+             });
   expect_each_output_once(writes, out, ref.permute({0, 2, 3, 1}));
 }
 
@@ -327,36 +335,40 @@ void nhwc_grad_weight(const ConvGeom& g, const at::Tensor& go_cl, const at::Tens
   std::vector<double> partial(ref.numel() * splits, kNan);
   std::vector<int> writes(partial.size(), 0);
   const double* gop = go_cl.data_ptr<double>();
-  each_block(tile::ceil_div(g.c, NhwcTile::kThreadsC), tile::ceil_div(g.ow, NhwcTile::kThreadsX), gz,
-             [&](int64_t bc, int64_t bx, int64_t bz) {
-    double red[NhwcTile::kThreadsC][K * K] = {};
-    for (int ty = 0; ty < NhwcTile::kThreadsX; ++ty) {  // (the kernel's ty order)
-      for (int tx = 0; tx < NhwcTile::kThreadsC; ++tx) {
-        int64_t ch, col;
-        if (!tile::nhwc_thread(g.c, g.ow, bc, bx, tx, ty, &ch, &col)) continue;
-        double gw[K][K] = {};
-        for (int64_t z = bz; z < tile::nhwc_strips(g.n, g.oh); z += gz) {
-          int64_t nn, row0;
-          tile::nhwc_strip(z, g.oh, &nn, &row0);
-          double gv[NhwcTile::kRows];
-          for (int r = 0; r < NhwcTile::kRows; ++r) {
-            gv[r] = row0 + r < g.oh ? gop[tile::nhwc_offset(g.oh, g.ow, g.c, nn, row0 + r, col, ch)] : 0.0;
+  each_block(
+      tile::ceil_div(g.c, NhwcTile::kThreadsC), tile::ceil_div(g.ow, NhwcTile::kThreadsX), gz,
+      [&](int64_t bc, int64_t bx, int64_t bz) {
+        double red[NhwcTile::kThreadsC][K * K] = {};
+        for (int ty = 0; ty < NhwcTile::kThreadsX; ++ty) {  // (the kernel's ty order)
+          for (int tx = 0; tx < NhwcTile::kThreadsC; ++tx) {
+            int64_t ch, col;
+            if (!tile::nhwc_thread(g.c, g.ow, bc, bx, tx, ty, &ch, &col)) continue;
+            double gw[K][K] = {};
+            for (int64_t z = bz; z < tile::nhwc_strips(g.n, g.oh); z += gz) {
+              int64_t nn, row0;
+              tile::nhwc_strip(z, g.oh, &nn, &row0);
+              double gv[NhwcTile::kRows];
+              for (int r = 0; r < NhwcTile::kRows; ++r) {
+                gv[r] = row0 + r < g.oh
+                            ? gop[tile::nhwc_offset(g.oh, g.ow, g.c, nn, row0 + r, col, ch)]
+                            : 0.0;
+              }
+              tile::strip_grad_weight<K, S, NhwcTile::kRows>(
+                  tile::nhwc_rows<double, double>(g, x_cl.data_ptr<double>(), nn, ch, row0, col),
+                  gv, gw);
+            }
+            for (int t = 0; t < K * K; ++t) red[tx][t] += gw[t / K][t % K];
           }
-          tile::strip_grad_weight<K, S, NhwcTile::kRows>(
-              tile::nhwc_rows<double, double>(g, x_cl.data_ptr<double>(), nn, ch, row0, col), gv, gw);
         }
-        for (int t = 0; t < K * K; ++t) red[tx][t] += gw[t / K][t % K];
-      }
-    }
-    const int64_t slot = bx * gz + bz;
-    for (int e = 0; e < NhwcTile::kThreadsC * K * K; ++e) {
-      const int64_t c = bc * NhwcTile::kThreadsC + e / (K * K);
-      if (c >= g.c) continue;
-      const int64_t at = (c * K * K + e % (K * K)) * splits + slot;
-      partial[at] = red[e / (K * K)][e % (K * K)];
-      ++writes[at];
-    }
-  });
+        const int64_t slot = bx * gz + bz;
+        for (int e = 0; e < NhwcTile::kThreadsC * K * K; ++e) {
+          const int64_t c = bc * NhwcTile::kThreadsC + e / (K * K);
+          if (c >= g.c) continue;
+          const int64_t at = (c * K * K + e % (K * K)) * splits + slot;
+          partial[at] = red[e / (K * K)][e % (K * K)];
+          ++writes[at];
+        }
+      });
   for (size_t i = 0; i < writes.size(); ++i) ASSERT_EQ(writes[i], 1) << "partial " << i;
   at::Tensor gw = at::zeros_like(ref);
   sum_partials(partial, splits, gw);
@@ -381,10 +393,10 @@ TEST_P(ConvTilesNhwc, ForwardAndGradInput) {
   tile::with_small(f, [&](auto k, auto s) {
     constexpr int K = decltype(k)::value, S = decltype(s)::value;
     nhwc_pass<K, S>(g, x_cl, wt, false, false, small_z(g.oh), ref);
-    nhwc_pass<K, S>(g, x_cl, wt, false, false, tile::nhwc_grid_z(tile::nhwc_strips(g.n, g.oh)), ref);
+    nhwc_pass<K, S>(g, x_cl, wt, false, false, tile::nhwc_grid_z(tile::nhwc_strips(g.n, g.oh)),
+                    ref);
     if (tile::small_grad_input(g)) {
-      nhwc_pass<K, S>(tile::grad_input_as_forward(g), go_cl, wt, true, false,
-                      small_z(g.h), gx_ref);
+      nhwc_pass<K, S>(tile::grad_input_as_forward(g), go_cl, wt, true, false, small_z(g.h), gx_ref);
     }
     nhwc_pass<K, S>(g, go_cl, wt, false, true, small_z(g.h), gx_ref);
   });
@@ -408,19 +420,20 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, ConvTilesNhwc,
     ::testing::Values(
         // n, c, h, w, cout, kh, kw, sh, sw, ph, pw, dh, dw, groups
-        Case{2, 5, 13, 11, 5, 3, 3, 1, 1, 1, 1, 1, 1, 5},      // fewer channels than a warp
-        Case{1, 33, 9, 17, 33, 3, 3, 2, 2, 1, 1, 1, 1, 33},    // two channel blocks, stride 2
-        Case{2, 8, 14, 15, 8, 5, 5, 1, 1, 2, 0, 1, 1, 8},      // 5x5, padding 2 / 0
-        Case{1, 6, 17, 12, 6, 7, 7, 2, 2, 3, 3, 1, 1, 6},      // 7x7 stride 2
-        Case{1, 4, 12, 10, 4, 7, 7, 1, 1, 3, 3, 1, 1, 4},      // 7x7 stride 1
-        Case{2, 3, 6, 9, 3, 3, 3, 1, 1, 3, 2, 1, 1, 3},        // padding over K-1: gather only
-        Case{1, 2, 1, 1, 2, 5, 5, 2, 2, 2, 2, 1, 1, 2}),       // one pixel
+        Case{2, 5, 13, 11, 5, 3, 3, 1, 1, 1, 1, 1, 1, 5},    // fewer channels than a warp
+        Case{1, 33, 9, 17, 33, 3, 3, 2, 2, 1, 1, 1, 1, 33},  // two channel blocks, stride 2
+        Case{2, 8, 14, 15, 8, 5, 5, 1, 1, 2, 0, 1, 1, 8},    // 5x5, padding 2 / 0
+        Case{1, 6, 17, 12, 6, 7, 7, 2, 2, 3, 3, 1, 1, 6},    // 7x7 stride 2
+        Case{1, 4, 12, 10, 4, 7, 7, 1, 1, 3, 3, 1, 1, 4},    // 7x7 stride 1
+        Case{2, 3, 6, 9, 3, 3, 3, 1, 1, 3, 2, 1, 1, 3},      // padding over K-1: gather only
+        Case{1, 2, 1, 1, 2, 5, 5, 2, 2, 2, 2, 1, 1, 2}),     // one pixel
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
 
 TEST(ConvTilesDecisions, SmallFilterPath) {
   EXPECT_EQ(tile::small_direct(geom(Case{1, 1, 2048, 2048, 1, 5, 5, 1, 1, 2, 2, 1, 1, 1})).k, 5);
   EXPECT_EQ(tile::small_direct(geom(Case{8, 32, 56, 56, 32, 3, 3, 1, 1, 1, 1, 1, 1, 32})).k, 3);
-  const tile::SmallFilter s2 = tile::small_direct(geom(Case{8, 32, 56, 56, 32, 7, 7, 2, 2, 3, 3, 1, 1, 32}));
+  const tile::SmallFilter s2 =
+      tile::small_direct(geom(Case{8, 32, 56, 56, 32, 7, 7, 2, 2, 3, 3, 1, 1, 32}));
   EXPECT_EQ(s2.k, 7);
   EXPECT_EQ(s2.s, 2);
   // grad_input as a forward: stride 1 and a padding K-1-p that is not negative.
@@ -441,14 +454,16 @@ TEST(ConvTilesDecisions, SmallFilterPath) {
   EXPECT_FALSE(tile::nhwc_depthwise(geom(Case{8, 32, 56, 56, 64, 3, 3, 1, 1, 1, 1, 1, 1, 32})));
   EXPECT_FALSE(tile::nhwc_depthwise(geom(Case{8, 32, 56, 56, 32, 3, 3, 1, 1, 1, 1, 1, 1, 16})));
   // The seed's weight gradient on the forward's blocks: one partial per 32x32 tile.
-  EXPECT_EQ(tile::small_grad_weight_splits(geom(Case{1, 1, 2048, 2048, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1})),
-            4096);
+  EXPECT_EQ(
+      tile::small_grad_weight_splits(geom(Case{1, 1, 2048, 2048, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1})),
+      4096);
   // Row runs (other geometries): never more runs than rows, never fewer than one.
   const ConvGeom seed = geom(Case{1, 1, 2048, 2048, 1, 5, 5, 1, 1, 2, 2, 1, 1, 1});
   EXPECT_EQ(tile::grad_weight_splits(seed, 1056), 43);
-  EXPECT_EQ(tile::grad_weight_splits(geom(Case{1, 1, 3, 3, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1}), 1056), 3);
-  EXPECT_EQ(tile::grad_weight_splits(geom(Case{8, 64, 56, 56, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1}), 1056),
-            1);
+  EXPECT_EQ(tile::grad_weight_splits(geom(Case{1, 1, 3, 3, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1}), 1056),
+            3);
+  EXPECT_EQ(
+      tile::grad_weight_splits(geom(Case{8, 64, 56, 56, 64, 3, 3, 1, 1, 1, 1, 1, 1, 1}), 1056), 1);
 }
 
 }  // namespace

@@ -26,13 +26,14 @@ struct Gru {
     at::manual_seed(0);
     const auto o = at::TensorOptions().dtype(at::kDouble);
     x = at::randn({kT, kB, kI}, o).requires_grad_();
-    for (const auto& shape : std::vector<std::vector<int64_t>>{{3 * kH, kI}, {3 * kH, kH}, {3 * kH}, {3 * kH}}) {
+    for (const auto& shape :
+         std::vector<std::vector<int64_t>>{{3 * kH, kI}, {3 * kH, kH}, {3 * kH}, {3 * kH}}) {
       params.push_back(at::randn(shape, o).requires_grad_());
     }
   }
   GruOutputs run() const {
-    auto [y, h] = at::gru(x, at::zeros({1, kB, kH}, x.options()), params, true, 1, 0.0, true,
-                          false, false);
+    auto [y, h] =
+        at::gru(x, at::zeros({1, kB, kH}, x.options()), params, true, 1, 0.0, true, false, false);
     return {y, h};
   }
   std::vector<at::Tensor> leaves() const {
@@ -49,11 +50,14 @@ TEST(GruTune, FasterWinsItsOutputsBackpropagateAndGradIsUntouched) {
   conv_path_tuning_clear();
   const Gru g;
   std::vector<int> runs(2, 0);
-  const auto [y, h] = gru_tune(g.key(true), c10::Device(c10::kCPU), 2, [&](int i) {
-    ++runs[i];
-    if (i == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    return g.run();
-  }, g.leaves());
+  const auto [y, h] = gru_tune(
+      g.key(true), c10::Device(c10::kCPU), 2,
+      [&](int i) {
+        ++runs[i];
+        if (i == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        return g.run();
+      },
+      g.leaves());
   EXPECT_EQ(conv_tuned_choice(g.key(true)), 1);
   EXPECT_GE(runs[0], 2);  // warm-up and one timed call at least, each
   EXPECT_GE(runs[1], 2);
@@ -77,8 +81,8 @@ TEST(GruTune, InferenceRunsNoBackward) {
   const Gru g;
   at::NoGradGuard no_grad;
   // (outputs that do not require grad: a backward through them would throw)
-  const auto [y, h] = gru_tune(g.key(false), c10::Device(c10::kCPU), 2,
-                               [&](int) { return g.run(); }, {});
+  const auto [y, h] =
+      gru_tune(g.key(false), c10::Device(c10::kCPU), 2, [&](int) { return g.run(); }, {});
   EXPECT_FALSE(y.requires_grad());
   EXPECT_TRUE(conv_tuned_choice(g.key(false)).has_value());
   EXPECT_FALSE(conv_tuned_choice(g.key(true)).has_value());  // (training is another problem)
@@ -92,8 +96,10 @@ TEST(GruTune, KeyTellsProblemsApart) {
   EXPECT_FALSE(base == gru_tune_key(g.x, g.params, true, 1, true, false, false, true));
   EXPECT_FALSE(base == gru_tune_key(g.x, g.params, true, 1, false, true, false, true));
   EXPECT_FALSE(base == gru_tune_key(g.x, g.params, true, 1, false, false, true, true));
-  EXPECT_FALSE(base == gru_tune_key(g.x.narrow(0, 0, 4), g.params, true, 1, false, false, false, true));
-  EXPECT_FALSE(base == gru_tune_key(g.x.to(at::kFloat), g.params, true, 1, false, false, false, true));
+  EXPECT_FALSE(base ==
+               gru_tune_key(g.x.narrow(0, 0, 4), g.params, true, 1, false, false, false, true));
+  EXPECT_FALSE(base ==
+               gru_tune_key(g.x.to(at::kFloat), g.params, true, 1, false, false, false, true));
   // (tiled_conv2d's keys start with a device type, never with -2)
   EXPECT_EQ(base.fields.front(), -2);
 }
