@@ -180,10 +180,12 @@ struct GlobalRows {
   }
 };
 
-// acc[r] += the K x K taps over output r's window. Per output, taps are added
-// row by row, left to right, as patch_dot does.
-template <int K, int S, int R, typename Load, typename Acc>
-DDPX_HD void strip_dot(const Load& load, const Acc (&wk)[K][K], Acc (&acc)[R]) {
+// The strip's (row, output) pairs: for each input row rr, the K values under
+// the tap columns are loaded once, then fn(r, i, v) runs for every output r
+// that row serves, with its tap row i (all indices constant once unrolled).
+template <int K, int S, int R, typename Load, typename Fn>
+DDPX_HD void strip_visit(const Load& load, const Fn& fn) {
+  using Acc = decltype(load(0, 0));
   DDPX_UNROLL
   for (int rr = 0; rr < Strip<K, S, R>::kRowsIn; ++rr) {
     Acc v[K];
@@ -192,11 +194,19 @@ DDPX_HD void strip_dot(const Load& load, const Acc (&wk)[K][K], Acc (&acc)[R]) {
     DDPX_UNROLL
     for (int r = 0; r < R; ++r) {
       const int i = rr - r * S;
-      if (i < 0 || i >= K) continue;
-      DDPX_UNROLL
-      for (int j = 0; j < K; ++j) acc[r] += wk[i][j] * v[j];
+      if (i >= 0 && i < K) fn(r, i, v);
     }
   }
+}
+
+// acc[r] += the K x K taps over output r's window. Per output, taps are added
+// row by row, left to right, as patch_dot does.
+template <int K, int S, int R, typename Load, typename Acc>
+DDPX_HD void strip_dot(const Load& load, const Acc (&wk)[K][K], Acc (&acc)[R]) {
+  strip_visit<K, S, R>(load, [&](int r, int i, const Acc(&v)[K]) {
+    DDPX_UNROLL
+    for (int j = 0; j < K; ++j) acc[r] += wk[i][j] * v[j];
+  });
 }
 
 // The weight gradient's share of the same strip: gw[i][j] += gv[r] * the
@@ -204,19 +214,10 @@ DDPX_HD void strip_dot(const Load& load, const Acc (&wk)[K][K], Acc (&acc)[R]) {
 // for outputs past the edge).
 template <int K, int S, int R, typename Load, typename Acc>
 DDPX_HD void strip_grad_weight(const Load& load, const Acc (&gv)[R], Acc (&gw)[K][K]) {
-  DDPX_UNROLL
-  for (int rr = 0; rr < Strip<K, S, R>::kRowsIn; ++rr) {
-    Acc v[K];
+  strip_visit<K, S, R>(load, [&](int r, int i, const Acc(&v)[K]) {
     DDPX_UNROLL
-    for (int j = 0; j < K; ++j) v[j] = load(rr, j);
-    DDPX_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const int i = rr - r * S;
-      if (i < 0 || i >= K) continue;
-      DDPX_UNROLL
-      for (int j = 0; j < K; ++j) gw[i][j] += gv[r] * v[j];
-    }
-  }
+    for (int j = 0; j < K; ++j) gw[i][j] += gv[r] * v[j];
+  });
 }
 
 // The NCHW small-filter forward: thread (tx, ty) of block (by, bx) adds one

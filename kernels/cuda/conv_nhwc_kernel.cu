@@ -21,17 +21,27 @@ namespace {
 using tile::ConvGeom;
 using tile::NhwcTile;
 
+// Stages the block's taps, then finds thread (tx, ty)'s channel, column (of
+// `cols`) and K x K taps; false for a thread past the channels or columns
+// (after the kernel's only block-wide sync: it may return).
+template <int K, typename T, typename Acc>
+__device__ bool nhwc_thread_taps(const T* wt, int64_t channels, int64_t cols, bool flip,
+                                 Acc* staged, int64_t* ch, int64_t* col, Acc (&wk)[K][K]) {
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  tile::nhwc_stage_taps(wt, channels, K * K, blockIdx.x, staged, ty * NhwcTile::kThreadsC + tx);
+  __syncthreads();
+  if (!tile::nhwc_thread(channels, cols, blockIdx.x, blockIdx.y, tx, ty, ch, col)) return false;
+  tile::nhwc_taps<K>(staged, tx, flip, wk);
+  return true;
+}
+
 template <typename T, typename Acc, int K, int S>
 __global__ void __launch_bounds__(NhwcTile::kThreads)
     nhwc_fwd_kernel(const T* x, const T* wt, const T* bias, T* out, const ConvGeom g, bool flip) {
   __shared__ Acc staged[NhwcTile::kThreadsC * K * K];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  tile::nhwc_stage_taps(wt, g.c, K * K, blockIdx.x, staged, ty * NhwcTile::kThreadsC + tx);
-  __syncthreads();
   int64_t ch, col;
-  if (!tile::nhwc_thread(g.c, g.ow, blockIdx.x, blockIdx.y, tx, ty, &ch, &col)) return;
   Acc wk[K][K];
-  tile::nhwc_taps<K>(staged, tx, flip, wk);
+  if (!nhwc_thread_taps<K>(wt, g.c, g.ow, flip, staged, &ch, &col, wk)) return;
   const Acc b = bias != nullptr ? static_cast<Acc>(bias[ch]) : Acc(0);
   const int64_t strips = tile::nhwc_strips(g.n, g.oh);
   for (int64_t z = blockIdx.z; z < strips; z += gridDim.z) {
@@ -55,13 +65,9 @@ template <typename T, typename Acc, int K, int S>
 __global__ void __launch_bounds__(NhwcTile::kThreads)
     nhwc_transposed_kernel(const T* go, const T* wt, T* gx, const ConvGeom g) {
   __shared__ Acc staged[NhwcTile::kThreadsC * K * K];
-  const int tx = threadIdx.x, ty = threadIdx.y;
-  tile::nhwc_stage_taps(wt, g.c, K * K, blockIdx.x, staged, ty * NhwcTile::kThreadsC + tx);
-  __syncthreads();
   int64_t ch, ix;
-  if (!tile::nhwc_thread(g.c, g.w, blockIdx.x, blockIdx.y, tx, ty, &ch, &ix)) return;
   Acc wk[K][K];
-  tile::nhwc_taps<K>(staged, tx, false, wk);
+  if (!nhwc_thread_taps<K>(wt, g.c, g.w, false, staged, &ch, &ix, wk)) return;
   const int64_t strips = tile::nhwc_strips(g.n, g.h);
   for (int64_t z = blockIdx.z; z < strips; z += gridDim.z) {
     int64_t nn, row0;

@@ -55,4 +55,21 @@ inline void expect_each_output_once(const std::vector<int>& writes, const at::Te
   EXPECT_TRUE(at::allclose(out, ref, 1e-10, 1e-10)) << (out - ref).abs().max().item<double>();
 }
 
+// A case's tensors in double: input, weight, ATen's output, a grad_output.
+class ConvCaseTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    const Case& k = GetParam();
+    g = geom(k);
+    at::manual_seed(42);
+    const auto opts = at::TensorOptions().dtype(at::kDouble);
+    x = at::randn({k.n, k.c, k.h, k.w}, opts);
+    wt = at::randn({k.cout, k.c / k.groups, k.kh, k.kw}, opts);
+    ref = at::conv2d(x, wt, {}, {k.sh, k.sw}, {k.ph, k.pw}, {k.dh, k.dw}, k.groups);
+    go = at::randn_like(ref);
+  }
+  ConvGeom g{};
+  at::Tensor x, wt, ref, go;
+};
+
 }  // namespace ddpx_test

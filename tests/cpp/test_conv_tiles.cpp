@@ -25,20 +25,7 @@ namespace {
 using namespace ddpx_test;  // NOLINT(build/namespaces): the shared case table
 namespace tile = ddpx::detail::tile;
 
-class ConvTiles : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    const Case& k = GetParam();
-    g = geom(k);
-    at::manual_seed(42);
-    const auto opts = at::TensorOptions().dtype(at::kDouble);
-    x = at::randn({k.n, k.c, k.h, k.w}, opts);
-    wt = at::randn({k.cout, k.c / k.groups, k.kh, k.kw}, opts);
-    ref = at::conv2d(x, wt, {}, {k.sh, k.sw}, {k.ph, k.pw}, {k.dh, k.dw}, k.groups);
-  }
-  ConvGeom g{};
-  at::Tensor x, wt, ref;
-};
+class ConvTiles : public ConvCaseTest {};
 
 // The direct path, block by block; inside a block, "threads" run phase by
 // phase the way __syncthreads() separates them in the kernel.
@@ -129,7 +116,6 @@ TEST_P(ConvTiles, GemmPathEmulationMatchesAten) {
 
 TEST_P(ConvTiles, BackwardElementsMatchAten) {
   const Case& k = GetParam();
-  at::Tensor go = at::randn_like(ref);
   auto [gx_ref, gw_ref, gb_ref] =
       at::convolution_backward(go, x, wt, std::nullopt, {k.sh, k.sw}, {k.ph, k.pw}, {k.dh, k.dw},
                                false, {0, 0}, k.groups, {true, true, false});

@@ -44,6 +44,17 @@ void each_small_thread(Fn&& fn) {
   }
 }
 
+// Each block of an NCHW SmallTile launch over `planes` planes of rows x cols
+// outputs (or inputs): fn(plane, by, bx).
+template <typename Fn>
+void each_small_block(int64_t planes, int64_t rows, int64_t cols, Fn&& fn) {
+  for (int64_t plane = 0; plane < planes; ++plane) {
+    for (int64_t by = 0; by < tile::ceil_div(rows, SmallTile::kTileH); ++by) {
+      for (int64_t bx = 0; bx < tile::ceil_div(cols, SmallTile::kTileW); ++bx) fn(plane, by, bx);
+    }
+  }
+}
+
 // ---- NCHW ---------------------------------------------------------------------------------
 
 // small_fwd_kernel on (x, wt) with geometry g (flip: the taps rotated).
@@ -58,43 +69,38 @@ void small_forward(const ConvGeom& g, const at::Tensor& x, const at::Tensor& wt,
   double* op = out.data_ptr<double>();
   std::vector<double> store(Patch::kH * Patch::kW);
   auto* patch = reinterpret_cast<double(*)[Patch::kW]>(store.data());
-  for (int64_t plane = 0; plane < g.n * g.cout; ++plane) {
+  each_small_block(g.n * g.cout, g.oh, g.ow, [&](int64_t plane, int64_t by, int64_t bx) {
     const int64_t nn = plane / g.cout, oc = plane % g.cout, grp = oc / g.cog;
-    for (int64_t by = 0; by < tile::ceil_div(g.oh, SmallTile::kTileH); ++by) {
-      for (int64_t bx = 0; bx < tile::ceil_div(g.ow, SmallTile::kTileW); ++bx) {
-        std::vector<std::array<double, R>> acc(SmallTile::kThreads);
-        for (auto& a : acc) a.fill(0.0);
-        const int64_t iy0 = tile::small_origin_y(g, by), ix0 = tile::small_origin_x(g, bx);
-        for (int64_t icg = 0; icg < g.cig; ++icg) {
-          std::fill(store.begin(), store.end(), kNan);
-          const double* src = xp + (nn * g.c + grp * g.cig + icg) * g.h * g.w;
-          each_small_thread([&](int tx, int ty) {
-            tile::small_load_patch<K, S>(src, g.h, g.w, iy0, ix0, patch, tx, ty);
-          });
-          ASSERT_NO_FATAL_FAILURE(
-              expect_patch(g, src, iy0, ix0, Patch::kH, Patch::kW, store.data()));
-          double wk[K][K];
-          tile::small_load_taps<K>(wp + (oc * g.cig + icg) * K * K, flip, wk);
-          each_small_thread([&](int tx, int ty) {
-            double a[R];
-            std::copy(acc[ty * SmallTile::kThreadsX + tx].begin(),
-                      acc[ty * SmallTile::kThreadsX + tx].end(), a);
-            tile::small_strip_dot<K, S>(patch, wk, tx, ty, a);
-            std::copy(a, a + R, acc[ty * SmallTile::kThreadsX + tx].begin());
-          });
-        }
-        each_small_thread([&](int tx, int ty) {
-          for (int r = 0; r < R; ++r) {
-            int64_t oy, ox;
-            if (!tile::small_output(g, by, bx, tx, ty, r, &oy, &ox)) continue;
-            const int64_t off = (plane * g.oh + oy) * g.ow + ox;
-            op[off] = acc[ty * SmallTile::kThreadsX + tx][r];
-            ++writes[off];
-          }
-        });
-      }
+    std::vector<std::array<double, R>> acc(SmallTile::kThreads);
+    for (auto& a : acc) a.fill(0.0);
+    const int64_t iy0 = tile::small_origin_y(g, by), ix0 = tile::small_origin_x(g, bx);
+    for (int64_t icg = 0; icg < g.cig; ++icg) {
+      std::fill(store.begin(), store.end(), kNan);
+      const double* src = xp + (nn * g.c + grp * g.cig + icg) * g.h * g.w;
+      each_small_thread([&](int tx, int ty) {
+        tile::small_load_patch<K, S>(src, g.h, g.w, iy0, ix0, patch, tx, ty);
+      });
+      ASSERT_NO_FATAL_FAILURE(expect_patch(g, src, iy0, ix0, Patch::kH, Patch::kW, store.data()));
+      double wk[K][K];
+      tile::small_load_taps<K>(wp + (oc * g.cig + icg) * K * K, flip, wk);
+      each_small_thread([&](int tx, int ty) {
+        double a[R];
+        std::copy(acc[ty * SmallTile::kThreadsX + tx].begin(),
+                  acc[ty * SmallTile::kThreadsX + tx].end(), a);
+        tile::small_strip_dot<K, S>(patch, wk, tx, ty, a);
+        std::copy(a, a + R, acc[ty * SmallTile::kThreadsX + tx].begin());
+      });
     }
-  }
+    each_small_thread([&](int tx, int ty) {
+      for (int r = 0; r < R; ++r) {
+        int64_t oy, ox;
+        if (!tile::small_output(g, by, bx, tx, ty, r, &oy, &ox)) continue;
+        const int64_t off = (plane * g.oh + oy) * g.ow + ox;
+        op[off] = acc[ty * SmallTile::kThreadsX + tx][r];
+        ++writes[off];
+      }
+    });
+  });
   expect_each_output_once(writes, out, ref);
 }
 
@@ -105,31 +111,27 @@ void small_transposed(const ConvGeom& g, const at::Tensor& go, const at::Tensor&
   at::Tensor gx = at::zeros_like(ref);
   std::vector<int> writes(gx.numel(), 0);
   const double* gp = go.data_ptr<double>();
-  for (int64_t plane = 0; plane < g.n * g.c; ++plane) {
+  each_small_block(g.n * g.c, g.h, g.w, [&](int64_t plane, int64_t by, int64_t bx) {
     const int64_t nn = plane / g.c, c = plane % g.c, grp = c / g.cig, icg = c % g.cig;
-    for (int64_t by = 0; by < tile::ceil_div(g.h, SmallTile::kTileH); ++by) {
-      for (int64_t bx = 0; bx < tile::ceil_div(g.w, SmallTile::kTileW); ++bx) {
-        each_small_thread([&](int tx, int ty) {
-          int64_t iy0, ix;
-          if (!tile::transposed_input(g, by, bx, tx, ty, &iy0, &ix)) return;
-          double acc[R] = {};
-          for (int64_t m = 0; m < g.cog; ++m) {
-            const int64_t oc = grp * g.cog + m;
-            double wk[K][K];
-            tile::small_load_taps<K>(wt.data_ptr<double>() + (oc * g.cig + icg) * K * K, false, wk);
-            tile::transposed_strip<K, S, R>(gp + (nn * g.cout + oc) * g.oh * g.ow, g.oh, g.ow, g.ow,
-                                            1, g.ph, g.pw, iy0, ix, wk, acc);
-          }
-          for (int r = 0; r < R; ++r) {
-            if (iy0 + r >= g.h) continue;
-            const int64_t off = (plane * g.h + iy0 + r) * g.w + ix;
-            gx.data_ptr<double>()[off] = acc[r];
-            ++writes[off];
-          }
-        });
+    each_small_thread([&](int tx, int ty) {
+      int64_t iy0, ix;
+      if (!tile::transposed_input(g, by, bx, tx, ty, &iy0, &ix)) return;
+      double acc[R] = {};
+      for (int64_t m = 0; m < g.cog; ++m) {
+        const int64_t oc = grp * g.cog + m;
+        double wk[K][K];
+        tile::small_load_taps<K>(wt.data_ptr<double>() + (oc * g.cig + icg) * K * K, false, wk);
+        tile::transposed_strip<K, S, R>(gp + (nn * g.cout + oc) * g.oh * g.ow, g.oh, g.ow, g.ow, 1,
+                                        g.ph, g.pw, iy0, ix, wk, acc);
       }
-    }
-  }
+      for (int r = 0; r < R; ++r) {
+        if (iy0 + r >= g.h) continue;
+        const int64_t off = (plane * g.h + iy0 + r) * g.w + ix;
+        gx.data_ptr<double>()[off] = acc[r];
+        ++writes[off];
+      }
+    });
+  });
   expect_each_output_once(writes, gx, ref);
 }
 
@@ -153,58 +155,40 @@ void small_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor
   std::vector<int> writes(partial.size(), 0);
   std::vector<double> store(Patch::kH * Patch::kW);
   auto* patch = reinterpret_cast<double(*)[Patch::kW]>(store.data());
-  for (int64_t plane = 0; plane < g.n * g.cout; ++plane) {
+  each_small_block(g.n * g.cout, g.oh, g.ow, [&](int64_t plane, int64_t by, int64_t bx) {
     const int64_t nn = plane / g.cout, oc = plane % g.cout, grp = oc / g.cog;
-    for (int64_t by = 0; by < tile::ceil_div(g.oh, SmallTile::kTileH); ++by) {
-      for (int64_t bx = 0; bx < tile::ceil_div(g.ow, SmallTile::kTileW); ++bx) {
-        const int64_t slot = tile::small_grad_weight_slot(g, nn, by, bx);
-        const int64_t iy0 = tile::small_origin_y(g, by), ix0 = tile::small_origin_x(g, bx);
-        for (int64_t icg = 0; icg < g.cig; ++icg) {
-          std::fill(store.begin(), store.end(), kNan);
-          each_small_thread([&](int tx, int ty) {
-            tile::small_load_patch<K, S>(
-                x.data_ptr<double>() + (nn * g.c + grp * g.cig + icg) * g.h * g.w, g.h, g.w, iy0,
-                ix0, patch, tx, ty);
-          });
-          double block[K][K] = {};
-          each_small_thread([&](int tx, int ty) {
-            double gv[R];
-            tile::small_load_grad_out(g, go.data_ptr<double>() + plane * g.oh * g.ow, by, bx, tx,
-                                      ty, gv);
-            double gw[K][K] = {};
-            tile::strip_grad_weight<K, S, R>(tile::PatchRows<K, S, double>(patch, tx, ty), gv, gw);
-            for (int t = 0; t < K * K; ++t) block[t / K][t % K] += gw[t / K][t % K];
-          });
-          for (int t = 0; t < K * K; ++t) {
-            const int64_t at = ((oc * g.cig + icg) * K * K + t) * splits + slot;
-            partial[at] = block[t / K][t % K];
-            ++writes[at];
-          }
-        }
+    const int64_t slot = tile::small_grad_weight_slot(g, nn, by, bx);
+    const int64_t iy0 = tile::small_origin_y(g, by), ix0 = tile::small_origin_x(g, bx);
+    for (int64_t icg = 0; icg < g.cig; ++icg) {
+      std::fill(store.begin(), store.end(), kNan);
+      each_small_thread([&](int tx, int ty) {
+        tile::small_load_patch<K, S>(
+            x.data_ptr<double>() + (nn * g.c + grp * g.cig + icg) * g.h * g.w, g.h, g.w, iy0, ix0,
+            patch, tx, ty);
+      });
+      double block[K][K] = {};
+      each_small_thread([&](int tx, int ty) {
+        double gv[R];
+        tile::small_load_grad_out(g, go.data_ptr<double>() + plane * g.oh * g.ow, by, bx, tx, ty,
+                                  gv);
+        double gw[K][K] = {};
+        tile::strip_grad_weight<K, S, R>(tile::PatchRows<K, S, double>(patch, tx, ty), gv, gw);
+        for (int t = 0; t < K * K; ++t) block[t / K][t % K] += gw[t / K][t % K];
+      });
+      for (int t = 0; t < K * K; ++t) {
+        const int64_t at = ((oc * g.cig + icg) * K * K + t) * splits + slot;
+        partial[at] = block[t / K][t % K];
+        ++writes[at];
       }
     }
-  }
+  });
   for (size_t i = 0; i < writes.size(); ++i) ASSERT_EQ(writes[i], 1) << "partial " << i;
   at::Tensor gw = at::zeros_like(ref);
   sum_partials(partial, splits, gw);
   EXPECT_TRUE(at::allclose(gw, ref, 1e-10, 1e-10)) << (gw - ref).abs().max().item<double>();
 }
 
-class ConvTilesSmall : public ::testing::TestWithParam<Case> {
- protected:
-  void SetUp() override {
-    const Case& k = GetParam();
-    g = geom(k);
-    at::manual_seed(42);
-    const auto opts = at::TensorOptions().dtype(at::kDouble);
-    x = at::randn({k.n, k.c, k.h, k.w}, opts);
-    wt = at::randn({k.cout, k.c / k.groups, k.kh, k.kw}, opts);
-    ref = at::conv2d(x, wt, {}, {k.sh, k.sw}, {k.ph, k.pw}, {k.dh, k.dw}, k.groups);
-    go = at::randn_like(ref);
-  }
-  ConvGeom g{};
-  at::Tensor x, wt, ref, go;
-};
+class ConvTilesSmall : public ConvCaseTest {};
 
 TEST_P(ConvTilesSmall, Forward) {
   const tile::SmallFilter f = tile::small_direct(g);
