@@ -353,6 +353,11 @@ DDPX_HD Acc partial_share(const Acc* tap_partials, int64_t splits, int tid, int 
   return s;
 }
 
+// A tap with fewer partial sums than this is added by one thread, in order
+// (the row-run path: many taps, few runs each, where a block's tree would idle
+// most of its threads); one with more by a block (partial_share, then a tree).
+constexpr int64_t kBlockSumSplits = 256;
+
 // ---- weight gradient in row runs -----------------------------------------------------------
 
 // How many runs each tap's n*oh rows are cut into: enough blocks for

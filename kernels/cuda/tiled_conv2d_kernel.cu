@@ -34,6 +34,7 @@
 #include "kernels/common/tiled_conv2d_aten.h"
 #include "kernels/common/tiled_conv2d_cuda_path.h"
 #include "kernels/cuda/conv_small_launch.h"
+#include "kernels/cuda/conv_sum_partials.cuh"
 
 namespace ddpx::detail::cuda {
 namespace {
@@ -173,17 +174,6 @@ __global__ void __launch_bounds__(kReduceThreads)
     }
     if (threadIdx.x == 0) partial[tap * splits + blockIdx.x] = part[0];
     __syncthreads();  // part[0] is read before the next tap overwrites it
-  }
-}
-
-// gw[tap] = the sum of tap's runs, in run order (the same every call).
-template <typename T, typename Acc>
-__global__ void grad_weight_sum_kernel(int64_t taps, int64_t splits, const Acc* partial, T* gw) {
-  for (int64_t tap = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; tap < taps;
-       tap += int64_t(gridDim.x) * blockDim.x) {
-    Acc s = 0;
-    for (int64_t k = 0; k < splits; ++k) s += partial[tap * splits + k];
-    gw[tap] = static_cast<T>(s);
   }
 }
 
@@ -382,10 +372,7 @@ Grads ours_backward(const Conv2dShape& s, const at::Tensor& grad_output, const a
                 g, go.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), splits,
                 partial.data_ptr<acc_t>());
             C10_CUDA_KERNEL_LAUNCH_CHECK();
-            const int64_t sum_blocks = std::min<int64_t>(tile::ceil_div(taps, 256), 65535);
-            grad_weight_sum_kernel<scalar_t, acc_t><<<sum_blocks, 256, 0, stream>>>(
-                taps, splits, partial.data_ptr<acc_t>(), gw.data_ptr<scalar_t>());
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            launch_sum<scalar_t, acc_t>(partial, taps, splits, gw, stream);
           }
         });
   }

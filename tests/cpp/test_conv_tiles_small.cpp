@@ -135,12 +135,17 @@ void small_transposed(const ConvGeom& g, const at::Tensor& go, const at::Tensor&
   expect_each_output_once(writes, gx, ref);
 }
 
-// sum_partials_kernel: each tap's partial sums, thread shares then their sum.
+// The sum pass (launch_sum): a tap's partial sums added in order by one
+// thread, or, from kBlockSumSplits on, as a block's 256 strided shares.
 void sum_partials(const std::vector<double>& partial, int64_t splits, at::Tensor& gw) {
   for (int64_t tap = 0; tap < gw.numel(); ++tap) {
+    const double* mine = partial.data() + tap * splits;
     double s = 0;
-    for (int tid = 0; tid < 256; ++tid)
-      s += tile::partial_share(partial.data() + tap * splits, splits, tid, 256);
+    if (splits < tile::kBlockSumSplits) {  // sum_partials_serial_kernel
+      for (int64_t k = 0; k < splits; ++k) s += mine[k];
+    } else {
+      for (int tid = 0; tid < 256; ++tid) s += tile::partial_share(mine, splits, tid, 256);
+    }
     gw.data_ptr<double>()[tap] = s;
   }
 }
@@ -412,6 +417,20 @@ INSTANTIATE_TEST_SUITE_P(
         Case{2, 3, 6, 9, 3, 3, 3, 1, 1, 3, 2, 1, 1, 3},      // padding over K-1: gather only
         Case{1, 2, 1, 1, 2, 5, 5, 2, 2, 2, 2, 1, 1, 2}),     // one pixel
     [](const ::testing::TestParamInfo<Case>& info) { return name(info.param); });
+
+// Both forms of the sum pass add every partial sum exactly once (the kernel
+// emulations above have few partials per tap: the serial form).
+TEST(ConvTilesDecisions, SumPassBothForms) {
+  for (const int64_t splits :
+       {int64_t{1}, int64_t{7}, tile::kBlockSumSplits - 1, tile::kBlockSumSplits, int64_t{1000}}) {
+    const at::Tensor parts = at::randn({3, splits}, at::kDouble);
+    const std::vector<double> flat(parts.data_ptr<double>(),
+                                   parts.data_ptr<double>() + parts.numel());
+    at::Tensor gw = at::zeros({3}, at::kDouble);
+    sum_partials(flat, splits, gw);
+    EXPECT_TRUE(at::allclose(gw, parts.sum(1), 1e-12, 1e-12)) << splits;
+  }
+}
 
 TEST(ConvTilesDecisions, SmallFilterPath) {
   EXPECT_EQ(tile::small_direct(geom(Case{1, 1, 2048, 2048, 1, 5, 5, 1, 1, 2, 2, 1, 1, 1})).k, 5);
