@@ -37,7 +37,7 @@ using WireStatsFn = std::function<comm::CodecStats()>;
 // (Codec::take_residuals at a re-plan, residuals() and warm_starts() for a
 // checkpoint); null for "none", which keeps no state.
 // stage_chunk_bytes (> 0): "none" stages a device bucket through pinned host
-// memory in chunks of that many bytes (hooks/host_stage.h) when the group's
+// memory in chunks of that many bytes (plugin/comm/host_stage.h) when the group's
 // backend for the device reduces host memory only (comm::detail::
 // stages_through_host); 0 hands the backend the device bucket. Codecs hand
 // the backend their (small) messages as they are.

@@ -35,7 +35,7 @@ std::vector<std::string> backend_names();
 // Whether a caller holding a tensor of device type `type` (not the CPU) may
 // stage it through host memory itself: pg's backend for `type` is a
 // registered host-only one and pg also serves CPU tensors (which the staged
-// chunks are). GradSync then pipelines the copies (hooks/host_stage.h).
+// chunks are). allreduce_sum (codec_util.h) then pipelines the copies (host_stage.h).
 bool stages_through_host(c10d::ProcessGroup& pg, c10::DeviceType type);
 
 }  // namespace ddpx::comm::detail

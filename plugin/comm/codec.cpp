@@ -2,12 +2,16 @@
 // helpers of codec_util.h.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/accumulate.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
+#include "plugin/comm/backend_registry.h"
 #include "plugin/comm/codec_util.h"
+#include "plugin/comm/host_stage.h"
 #include "plugin/comm/wire_span.h"
 #include "plugin/comm/work_wait.h"
 
@@ -129,7 +133,10 @@ int64_t check_agreement(c10d::ProcessGroup& pg, const at::Tensor& input, const s
     p[i] = fields[i];
     p[6 + i] = -fields[i];
   }
-  at::Tensor dev = fp.to(input.device());
+  // On the host where the group takes host tensors for this device's
+  // (Gloo; ddpx_mpi): no device round trip, and no sync, per call.
+  const bool on_host = input.is_cpu() || stages_through_host(pg, input.device().type());
+  at::Tensor dev = on_host ? fp : fp.to(input.device());
   std::vector<at::Tensor> v{dev};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MAX;
@@ -166,11 +173,24 @@ std::vector<int64_t> agree_on_part_numels(c10d::ProcessGroup& pg, const at::Tens
   return parts;
 }
 
-int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t) {
+int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t, int64_t stage_chunk_bytes) {
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
-  std::vector<at::Tensor> v{t};
   WireScope wire;
-  detail::wait_named(pg.allreduce(v, c10d::AllreduceOptions{}));
+  const auto waited = [&pg](at::Tensor& x) {
+    std::vector<at::Tensor> v{x};
+    detail::wait_named(pg.allreduce(v, c10d::AllreduceOptions{}));
+  };
+  // (One rank: nothing goes on the wire, so nothing to stage.)
+  if (stage_chunk_bytes > 0 && t.numel() > 0 && pg.getSize() > 1 && !t.is_cpu() &&
+      stages_through_host(pg, t.device().type())) {
+    const int64_t chunk =
+        std::max<int64_t>(1, stage_chunk_bytes / static_cast<int64_t>(t.element_size()));
+    if (auto* span = thread_wire_span()) span->staged_chunks += stage_chunk_count(t.numel(), chunk);
+    const c10::Stream stream = c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
+    staged_reduce(stream, t, thread_host_buffer(t), chunk, async_copy(), waited);
+  } else {
+    waited(t);
+  }
   return t.nbytes();
 }
 

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "plugin/comm/host_stage.h"
 #include "plugin/comm/wire_span.h"
 
 namespace ddpx::comm::detail {
@@ -50,7 +51,12 @@ std::vector<int64_t> agree_on_part_numels(c10d::ProcessGroup& pg, const at::Tens
                                           int64_t* bytes, const std::string& more_layout = "");
 
 // In-place SUM allreduce of a contiguous tensor, waited on; returns bytes sent.
-int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t);
+// A device tensor whose backend reduces host memory only
+// (stages_through_host) goes through pinned host memory in chunks of
+// `stage_chunk_bytes`, their copies pipelined with the wire (host_stage.h;
+// counted in the thread's WireSpan); 0 hands the backend the tensor itself.
+int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t,
+                      int64_t stage_chunk_bytes = kStageChunkBytes);
 
 // All-gathers a contiguous 1-D tensor of L elements into [world, L] (row r =
 // rank r's tensor), waited on. Adds this rank's payload bytes to *bytes.

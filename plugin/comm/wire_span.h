@@ -22,7 +22,7 @@ struct WireSpan {
   int64_t first_begin_ns = -1;
   int64_t last_end_ns = -1;
   // Chunks a device tensor was staged through host memory in
-  // (hooks/host_stage.h); 0: the backend was handed the tensor itself.
+  // (host_stage.h); 0: the backend was handed the tensor itself.
   int64_t staged_chunks = 0;
 };
 

@@ -239,6 +239,11 @@ if want ddp; then
   # explains.
   gpu_step "bench ddp --device cuda --quick" 60 200 python3 "$here/scripts/bench/ddp" --quick \
     --device cuda --trace "$out"
+  # PyTorch's DDP with our comm hooks on CUDA buckets (the worker's stream,
+  # "none" staged in chunks) against DDP's own allreduce and its fp16 hook,
+  # over Gloo
+  gpu_step "bench ddp_hooks --device cuda --backend gloo --quick" 40 120 \
+    python3 "$here/scripts/bench/ddp_hooks" --device cuda --backend gloo --quick
   # ddpx-train against the DDP script on the GPU, float32 and --amp bf16
   # (issue 60's training row)
   gpu_step "bench train --cuda-ddp --quick" 40 150 python3 "$here/scripts/bench/train" --cuda-ddp --quick

@@ -97,7 +97,7 @@ INSTANTIATE_TEST_SUITE_P(Cuda, GradSyncCudaModes, ::testing::ValuesIn(kCudaCases
                          [](const auto& info) { return std::string(info.param.name); });
 
 // GradSyncOptions::stage_chunk_bytes: buckets staged through pinned host
-// memory in chunks of 64 bytes (dozens a bucket: hooks/host_stage.h's
+// memory in chunks of 64 bytes (dozens a bucket: plugin/comm/host_stage.h's
 // pipeline) land bit for bit where the backend's own path (0: the bucket
 // handed over, which ddpx_mpi and Gloo stage whole) does, synchronous and
 // overlapped. Both backends reduce host memory only here.

@@ -1,5 +1,5 @@
 // The stream hand-off of device buckets (hooks/stream_handoff.h) and their
-// staging through host memory (hooks/host_stage.h), on a simulated device
+// staging through host memory (plugin/comm/host_stage.h), on a simulated device
 // with asynchronous streams: work queued on a stream runs only when the
 // simulator drains it, in an adversarial order (the channel's stream and the
 // consumer's first, the producer's last), so work that is not ordered by
@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "hooks/channel.h"
-#include "hooks/host_stage.h"
+#include "plugin/comm/host_stage.h"
 #include "hooks/param_gate.h"
 #include "hooks/stream_handoff.h"
 
@@ -338,7 +338,7 @@ TEST_F(StreamHandoff, AChannelHasOneStreamPerDevice) {
   EXPECT_TRUE(ddpx::hooks::has_streams(kDev));
 }
 
-// ---- staging through host memory (hooks/host_stage.h) -----------------------------
+// ---- staging through host memory (plugin/comm/host_stage.h) -----------------------------
 
 // Chunked staging of a "device" bucket (a CPU tensor whose reads and writes
 // the simulator queues on streams): every chunk's copy out is queued before
@@ -350,7 +350,7 @@ TEST_F(StreamHandoff, AChannelHasOneStreamPerDevice) {
 TEST_F(StreamHandoff, StagedChunksArePipelinedAndOrderedByTheirEvents) {
   for (const int64_t chunk : {3, 4, 10, 64}) {
     sim() = Sim{};
-    const int64_t n = 10, chunks = ddpx::hooks::stage_chunk_count(n, chunk);
+    const int64_t n = 10, chunks = ddpx::comm::detail::stage_chunk_count(n, chunk);
     EXPECT_EQ(chunks, (n + chunk - 1) / chunk);
     const c10::Stream writer = ddpx::hooks::pool_stream(kDev);
     const c10::Stream comm = ddpx::hooks::pool_stream(kDev);
@@ -359,7 +359,7 @@ TEST_F(StreamHandoff, StagedChunksArePipelinedAndOrderedByTheirEvents) {
     at::Tensor dev = torch::zeros({n}), host = torch::full({n + 5}, -1.0);
     std::vector<std::string> log;
     // Copies run when the simulator drains the stream they were queued on.
-    const ddpx::hooks::CopyFn copy = [&](const at::Tensor& dst, const at::Tensor& src) {
+    const ddpx::comm::detail::CopyFn copy = [&](const at::Tensor& dst, const at::Tensor& src) {
       const bool out = dst.data_ptr() >= host.data_ptr() &&
                        dst.data_ptr() < static_cast<char*>(host.data_ptr()) + host.nbytes();
       log.push_back(std::string(out ? "queue out " : "queue back ") + std::to_string(src.numel()));
@@ -377,7 +377,7 @@ TEST_F(StreamHandoff, StagedChunksArePipelinedAndOrderedByTheirEvents) {
       ddpx::hooks::run_on_stream(
           comm, before, {},
           [&] {
-            ddpx::hooks::staged_reduce(comm, dev, host, chunk, copy, [&](at::Tensor& h) {
+            ddpx::comm::detail::staged_reduce(comm, dev, host, chunk, copy, [&](at::Tensor& h) {
               log.push_back("reduce " + std::to_string(h.numel()));
               seen.push_back(h.clone());
               h.mul_(2);

@@ -16,15 +16,21 @@ rebuilds its buckets after the first step, a bucket whose parameters changed
 starts with a zero residual (the first step's leftover is dropped, as
 PyTorch's PowerSGD hook does); warm starts carry over.
 
-``CodecState(..., overlap=True)`` (the default for a CPU model) runs the codec
+``CodecState(..., overlap=True)`` (the default but over NCCL) runs the codec
 on a thread of its own, over a process group of its own made at construction
 (collective: create the state on every rank, as the model), so that
 compressing and sending a bucket overlaps the rest of backward as DDP's own
-allreduce does. CUDA buckets are reduced on the calling thread (the codec's
-collectives are ordered on the current stream).
+allreduce does. A CUDA bucket is reduced there on a CUDA stream of the
+state's own, after the work queued so far on backward's stream (an event),
+and DDP's stream waits for the result's event, not the host: the codec
+encodes on the GPU and its message goes through host memory (Gloo, ddpx_mpi);
+``none`` stages the bucket in 4 MiB chunks whose copies are pipelined with
+the wire. Over NCCL (overlap off) the codec runs on the calling thread,
+ordered on its current stream.
 
 ``none`` is the uncompressed mean: DDP's result bit for bit on two ranks.
 """
+import contextlib
 import itertools
 import queue
 import signal
@@ -51,19 +57,25 @@ class _Worker:
         self._thread = threading.Thread(target=self._run, name="ddpx-comm-hook", daemon=True)
         self._thread.start()
 
-    def submit(self, fn) -> torch.futures.Future[torch.Tensor]:
-        fut: torch.futures.Future = torch.futures.Future()
-        self._queue.put((fn, fut))
+    def submit(self, fn, stream=None) -> torch.futures.Future[torch.Tensor]:
+        """fn() on the worker; with `stream` (a CUDA stream), under it: the
+        future, made CUDA-aware, records an event on it when completed, which
+        the waiter's current stream then waits for."""
+        devices = [stream.device] if stream is not None else None
+        fut: torch.futures.Future = torch.futures.Future(devices=devices)
+        self._queue.put((fn, fut, stream))
         return fut
 
     def _run(self):
         while True:
-            fn, fut = self._queue.get()
-            try:
-                # The op releases the GIL while it encodes and waits on the wire.
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001  (handed to DDP's wait)
-                fut.set_exception(e)
+            fn, fut, stream = self._queue.get()
+            on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            with on:
+                try:
+                    # The op releases the GIL while it encodes and waits on the wire.
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001  (handed to DDP's wait)
+                    fut.set_exception(e)
 
 
 class CodecState:
@@ -72,9 +84,10 @@ class CodecState:
     over (None: the default group) and the keys of the codec's per-bucket and
     per-parameter state.
 
-    overlap: reduce CPU buckets on a thread and a process group of the
-    state's own (made here, so every rank must construct the state, in the
-    same order). None: on when the group's backend is not NCCL."""
+    overlap: reduce buckets on a thread and a process group of the state's
+    own (made here, so every rank must construct the state, in the same
+    order), CUDA buckets on a CUDA stream of its own. None: on when the
+    group's backend is not NCCL."""
 
     def __init__(self, codec: str, process_group: Optional[dist.ProcessGroup] = None,
                  overlap: Optional[bool] = None):
@@ -86,6 +99,7 @@ class CodecState:
             overlap = dist.get_backend(group) != "nccl"
         self._wire_group = None
         self._worker = None
+        self._streams: Dict[torch.device, "torch.cuda.Stream"] = {}
         if overlap:
             ranks = dist.get_process_group_ranks(group)
             self._wire_group = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
@@ -119,7 +133,15 @@ class CodecState:
         return (group if group is not None else dist.group.WORLD).group_name
 
     def _uses_worker(self, bucket: dist.GradBucket) -> bool:
-        return self._worker is not None and not bucket.buffer().is_cuda
+        return self._worker is not None
+
+    def _stream(self, device: torch.device) -> "torch.cuda.Stream":
+        """The worker's stream on a CUDA device (one per state and device: its
+        reductions run one after another, in DDP's bucket order)."""
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+        return s
 
     # -- what a user reads -----------------------------------------------------
     def stats(self) -> Dict[str, float]:
@@ -150,7 +172,19 @@ class CodecState:
             return flat.copy_(mean)
 
         if self._uses_worker(bucket):
-            return self._worker.submit(run)
+            if not flat.is_cuda:
+                return self._worker.submit(run)
+            # The bucket is complete on backward's current stream once the
+            # work queued there so far has run: the worker's stream waits for
+            # that, and neither thread blocks for the other.
+            stream = self._stream(flat.device)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(flat.device))
+
+            def run_after_ready():
+                stream.wait_event(ready)
+                return run()
+            return self._worker.submit(run_after_ready, stream)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(run())
         return fut

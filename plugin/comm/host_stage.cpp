@@ -1,4 +1,4 @@
-#include "hooks/host_stage.h"
+#include "plugin/comm/host_stage.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
@@ -7,9 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "hooks/stream_handoff.h"
-
-namespace ddpx::hooks {
+namespace ddpx::comm::detail {
 
 CopyFn async_copy() {
   return [](const at::Tensor& dst, const at::Tensor& src) { dst.copy_(src, /*non_blocking=*/true); };
@@ -57,4 +55,4 @@ at::Tensor thread_host_buffer(const at::Tensor& like) {
   return buf.narrow(0, 0, bytes).view(like.scalar_type());
 }
 
-}  // namespace ddpx::hooks
+}  // namespace ddpx::comm::detail

@@ -1,17 +1,19 @@
 #pragma once
-// A device bucket reduced through host memory, for backends that reduce host
+// A device tensor reduced through host memory, for backends that reduce host
 // memory only (Gloo's CPU algorithms; ddpx_mpi over an MPI that is not
 // CUDA-aware). Issue 60: PyTorch's Gloo group, handed a CUDA bucket, copies
 // it to pinned memory on a side stream, reduces it, copies it back: the three
 // phases one after another for the whole bucket.
 //
-// Here the bucket is cut into chunks. Every chunk's copy out (into a pinned
-// host buffer, asynchronous) is queued at once on the channel's stream, each
-// followed by an event; the channel thread waits for chunk k's event alone,
+// Here the tensor is cut into chunks. Every chunk's copy out (into a pinned
+// host buffer, asynchronous) is queued at once on the caller's stream, each
+// followed by an event; the calling thread waits for chunk k's event alone,
 // reduces chunk k on the host and queues its copy back. So chunk k is on the
-// wire while later chunks still come out and earlier ones go back. Nothing
-// of this runs on the thread that runs backward (a channel thread does it,
-// and the consumer's stream waits on the channel stream's fence).
+// wire while later chunks still come out and earlier ones go back. The
+// callers run it off the thread that runs backward: GradSync on a channel
+// thread (the consumer's stream waits on the channel stream's fence), DDP's
+// comm hooks (ddpx.distributed) on their worker thread and a stream of its
+// own; the codec "none" (allreduce_sum) serves both.
 //
 // The host buffer is reused: the next reduction on the same thread and
 // device queues its copies out on the same stream, after this one's copies
@@ -20,11 +22,20 @@
 // Device-generic (c10::Stream and c10::Event; the copies through CopyFn), so
 // tests/cpp/test_stream_handoff.cpp runs it on a simulated device.
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 
 #include <cstdint>
 #include <functional>
 
-namespace ddpx::hooks {
+namespace ddpx::comm::detail {
+
+// Chunk size of the staged path where the caller names none (the codec
+// "none" of ddpx::compressed_allreduce and the DDP comm hooks); GradSync's is
+// GradSyncOptions::stage_chunk_bytes, of the same default. 4 MiB: ~1 ms of
+// copy at PCIe 4's bandwidth and a few ms on a 10 Gbit/s link, so a bucket of
+// tens of MB overlaps its copies with the wire while a chunk's collective
+// keeps its fixed cost small.
+constexpr int64_t kStageChunkBytes = int64_t{4} << 20;
 
 // An asynchronous copy queued on the calling thread's current stream of the
 // device involved.
@@ -54,4 +65,4 @@ void staged_reduce(const c10::Stream& stream, const at::Tensor& dev, const at::T
 // device, kept for the thread's life.
 at::Tensor thread_host_buffer(const at::Tensor& like);
 
-}  // namespace ddpx::hooks
+}  // namespace ddpx::comm::detail

@@ -1,0 +1,97 @@
+"""Issue 60 on a GPU (label gpu, 2 ranks sharing the one GPU under mpirun):
+ddpx.distributed's hooks on a CUDA DDP model over the backends that reduce
+host memory (ddpx_mpi, Gloo). The codec runs on the state's worker thread and
+a CUDA stream of its own, after backward's stream, and DDP's stream waits for
+its result: `none` gives DDP's own parameters bit for bit (x/2 is exact on two
+ranks), fp16 and int8 stay within their rounding of them. The op's `none` on
+a CUDA tensor (staged through pinned host memory in 4 MiB chunks) equals the
+same call on the CPU bit for bit."""
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from conftest import needs_cuda
+
+import ddpx  # noqa: F401  (the ops and ddpx_mpi)
+from ddpx.distributed import CodecState, codec_hook
+
+pytestmark = needs_cuda
+DEVICE = "cuda"
+BATCH = 4  # per rank
+
+
+@pytest.fixture(scope="module")
+def world():
+    dist.init_process_group(backend="ddpx_mpi")
+    groups = {"ddpx_mpi": None, "gloo": dist.new_group(backend="gloo")}
+    yield groups
+    dist.destroy_process_group()
+
+
+@pytest.fixture(params=["ddpx_mpi", "gloo"])
+def group(request, world):
+    return world[request.param]
+
+
+def train(group, state=None, steps=4):
+    """Parameters after `steps` of SGD under DDP (with codec_hook on `state`)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(40, 96), torch.nn.Tanh(),
+                            torch.nn.Linear(96, 64), torch.nn.Tanh(),
+                            torch.nn.Linear(64, 5)).to(DEVICE)
+    ddp = DDP(m, process_group=group, bucket_cap_mb=0.02)
+    if state is not None:
+        ddp.register_comm_hook(state, codec_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(BATCH * world, 40, generator=g), torch.randn(BATCH * world, 5, generator=g)
+        x, y = x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x.to(DEVICE)), y.to(DEVICE)).backward()
+        opt.step()
+    return [p.detach().cpu() for p in m.parameters()]
+
+
+def test_hooks_on_cuda_buckets_run_off_backward(group, monkeypatch):
+    threads = set()
+    packed = torch.ops.ddpx.compressed_allreduce_packed
+
+    def spy(flat, *args):
+        # Where the codec ran, and on which stream: not backward's thread or
+        # its (default) stream.
+        threads.add(threading.current_thread().name)
+        if flat.is_cuda:
+            assert torch.cuda.current_stream(flat.device) != torch.cuda.default_stream(flat.device)
+        return packed(flat, *args)
+
+    monkeypatch.setattr(torch.ops.ddpx, "compressed_allreduce_packed", spy)
+    exact = train(group)
+    state = CodecState("none", process_group=group)
+    for a, b in zip(train(group, state), exact):
+        assert torch.equal(a, b)
+    assert threads == {"ddpx-comm-hook"}
+    for codec, atol in [("fp16", 2e-3), ("int8", 1e-2)]:
+        state = CodecState(codec, process_group=group)
+        got = train(group, state)
+        assert state.stats()["calls"] >= 4, codec
+        for a, b in zip(got, exact):
+            torch.testing.assert_close(a, b, rtol=0, atol=atol)
+
+
+def test_none_staged_equals_the_cpu(group):
+    # float32 of 4 MiB and 24 bytes: a whole chunk, then 6 elements; float64
+    # of 10 MiB: two chunks and a half.
+    name = (group if group is not None else dist.group.WORLD).group_name
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    for x in [torch.randn(1_048_577 + 5, generator=g),
+              torch.randn(1_310_720, generator=g, dtype=torch.float64),
+              torch.randn(300, 7, generator=g)[:, ::2]]:  # non-contiguous, one chunk
+        want = torch.ops.ddpx.compressed_allreduce(x, "none", "", name)
+        got = torch.ops.ddpx.compressed_allreduce(x.to(DEVICE), "none", "", name)
+        assert got.device.type == DEVICE and got.shape == x.shape
+        assert torch.equal(got.cpu(), want)
