@@ -1,8 +1,8 @@
 // The codec base: state and stats, the registry behind make_codec, and the
 // helpers of codec_util.h.
 #include <ATen/ATen.h>
-#include <c10/util/Exception.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
