@@ -89,8 +89,8 @@ void reduce_by_alltoall(const at::Tensor& flat, const std::vector<hooks::ShardPa
     cur.send = slices.empty() ? flat.new_empty({0}) : at::cat(slices);
     // (One element more: an empty receive still gets a buffer to point at.)
     cur.recv = flat.new_empty({world * cur.len + 1}).narrow(0, 0, world * cur.len);
-    cur.work = pg.alltoall_base(cur.recv, cur.send, recv_splits, send_splits,
-                                c10d::AllToAllOptions{});
+    cur.work =
+        pg.alltoall_base(cur.recv, cur.send, recv_splits, send_splits, c10d::AllToAllOptions{});
     if (prev) add_rows(*prev);
     prev.emplace(std::move(cur));
   }

@@ -217,7 +217,8 @@ struct GradSyncOptions {
   // split depends on the parameters and W only, never on the bucket plan.
   // Each bucket is reduced to its owners (a rank receives the average of
   // its own part of the bucket: a reduce per owner, a reduce-scatter with
-  // uneven parts), the optimizer given to set_optimizer (required in every
+  // uneven parts; over Gloo an all-to-all in pieces, the owner adding the
+  // ranks' pieces in rank order), the optimizer given to set_optimizer (required in every
   // overlap mode; it must hold every parameter GradSync syncs) steps only
   // the owned elements, its state allocated for them alone, and every owner
   // broadcasts its updated part of the bucket back into the parameters --
@@ -238,8 +239,10 @@ struct GradSyncOptions {
   // accumulates, whole, as usual) and undefined after the step.
   // Optimizer: buckets persist and .grad is a view of its (zeroed) slot
   // after each step, as without sharding.
-  // Codecs: "none" (exact: a reduce per owner's part, the parameters bit for
-  // bit those of the unsharded run), and the sharded forms of "fp16",
+  // Codecs: "none" (exact: the parameters bit for bit those of the
+  // unsharded run where the sums add in the same order -- MPI's reduce and
+  // all-reduce here, any two ranks -- and within rounding elsewhere, e.g.
+  // over Gloo beyond two ranks), and the sharded forms of "fp16",
   // "bf16" (bit for bit the unsharded codec's run) and "int8" (chunks cut at
   // the owners' bounds: within the codec's bound of the unsharded one) --
   // Codec::reduce_scatter_mean_packed; each rank's error-feedback residual
