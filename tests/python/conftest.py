@@ -78,3 +78,19 @@ def two_hosts():
 @pytest.fixture(scope="module")
 def data_cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def mpi_and_gloo():
+    """torch.distributed over the ddpx_mpi world (under mpirun), and a Gloo
+    group beside it: {"ddpx_mpi": None (the default group), "gloo": group}."""
+    import torch.distributed as dist
+    dist.init_process_group(backend="ddpx_mpi")
+    yield {"ddpx_mpi": None, "gloo": dist.new_group(backend="gloo")}
+    dist.destroy_process_group()
+
+
+@pytest.fixture(params=["ddpx_mpi", "gloo"])
+def group(request, mpi_and_gloo):
+    """Each test once over ddpx_mpi's default group and once over Gloo."""
+    return mpi_and_gloo[request.param]

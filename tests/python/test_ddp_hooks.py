@@ -28,16 +28,8 @@ BATCH = 3  # per rank
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world():
-    dist.init_process_group(backend="ddpx_mpi")
-    groups = {"ddpx_mpi": None, "gloo": dist.new_group(backend="gloo")}
-    yield groups
-    dist.destroy_process_group()
-
-
-@pytest.fixture(params=["ddpx_mpi", "gloo"])
-def group(request, world):
-    return world[request.param]
+def world(mpi_and_gloo):
+    return mpi_and_gloo
 
 
 def mlp(bias=True):

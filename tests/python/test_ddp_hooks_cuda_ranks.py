@@ -23,19 +23,6 @@ DEVICE = "cuda"
 BATCH = 4  # per rank
 
 
-@pytest.fixture(scope="module")
-def world():
-    dist.init_process_group(backend="ddpx_mpi")
-    groups = {"ddpx_mpi": None, "gloo": dist.new_group(backend="gloo")}
-    yield groups
-    dist.destroy_process_group()
-
-
-@pytest.fixture(params=["ddpx_mpi", "gloo"])
-def group(request, world):
-    return world[request.param]
-
-
 def train(group, state=None, steps=4):
     """Parameters after `steps` of SGD under DDP (with codec_hook on `state`)."""
     torch.manual_seed(0)
