@@ -8,7 +8,6 @@ a CUDA tensor (staged through pinned host memory in 4 MiB chunks) equals the
 same call on the CPU bit for bit."""
 import threading
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
