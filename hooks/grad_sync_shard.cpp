@@ -86,7 +86,7 @@ void reduce_by_alltoall(const at::Tensor& flat, const std::vector<hooks::ShardPa
     cur.begin = k;
     cur.len = std::clamp<int64_t>(numel[rank] - k, 0, piece);
     std::fill(recv_splits.begin(), recv_splits.end(), cur.len);
-    cur.send = slices.empty() ? flat.new_empty({0}) : at::cat(slices);
+    cur.send = at::cat(slices);  // (k < longest: some part still has elements)
     // (One element more: an empty receive still gets a buffer to point at.)
     cur.recv = flat.new_empty({world * cur.len + 1}).narrow(0, 0, world * cur.len);
     cur.work =
