@@ -312,10 +312,15 @@ void check_records(caffe2::serialize::PyTorchStreamReader& reader, size_t file_s
     sizes[name] = n;
   }
   for (const auto& [name, n] : sizes) {
-    if (!ends_with(name, ".pkl")) continue;
+    // A TorchScript archive's "code/<file>.py.debug_pkl" (source ranges) is a
+    // pickle too, unpickled only when torch reports an error in that code --
+    // after this check -- so it is walked like the others; it names no
+    // storages.
+    const bool debug = ends_with(name, ".debug_pkl");
+    if (!debug && !ends_with(name, ".pkl")) continue;
     const std::string dir = name.substr(0, name.size() - 4) + "/";
     const std::function<int64_t(const std::string&)> storage = [&](const std::string& key) {
-      auto it = sizes.find(dir + key);
+      auto it = debug ? sizes.end() : sizes.find(dir + key);
       return it == sizes.end() ? int64_t(-1) : int64_t(it->second);
     };
     auto [ptr, len] = reader.getRecord(name);

@@ -9,6 +9,7 @@
 #include <torch/serialize.h>
 #include <torch/serialize/output-archive.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -133,6 +134,11 @@ TEST(ArchiveCheck, LibTorchArchivesPassAndEveryTensorIsSeen) {
     return k;
   });
   EXPECT_NO_THROW(check_torch_archive(ckpt.data(), ckpt.size(), "checkpoint"));
+  // ...whose source ranges are walked too (and pass).
+  const auto records = open_torch_archive(ckpt.data(), ckpt.size(), "ckpt")->getAllRecords();
+  EXPECT_TRUE(std::any_of(records.begin(), records.end(), [](const std::string& r) {
+    return r.size() > 10 && r.compare(r.size() - 10, 10, ".debug_pkl") == 0;
+  }));
 }
 
 TEST(ArchiveCheck, PythonTorchSaveIsUnderstood) {
@@ -193,6 +199,11 @@ TEST(ArchiveCheck, LengthsAndMemoIndicesBeyondTheRecordAreRefused) {
   EXPECT_NO_THROW(walk(proto + "}q\x05h\x05h\x09" + "00."));
 }
 
+// A pickle of one string whose length field says `len` (3 bytes follow).
+std::string str_pickle_of_length(uint32_t len) {
+  return std::string("\x80\x02X", 3) + u32(len) + "abc.";
+}
+
 TEST(ArchiveCheck, DamagedArchivesFailBeforeTorchReadsThem) {
   const std::string huge_memo = std::string("\x80\x02}r", 4) + u32(0xFFFFFFF0u) + ".";
   const std::string a = zip({{"data.pkl", huge_memo}});
@@ -206,6 +217,12 @@ TEST(ArchiveCheck, DamagedArchivesFailBeforeTorchReadsThem) {
                              {"constants/0", float_bytes(5)}, {"data/0", float_bytes(6)}});
   expect_refused([&] { check_torch_archive(c.data(), c.size(), "bad.pt"); },
                  "record constants.pkl is damaged");
+  // A TorchScript file's source ranges, read only to report an error in its
+  // code (found by fuzz_checkpoint: 1.1 GB reserved for a 106-byte record).
+  const std::string d = zip({{"code/__torch__.py.debug_pkl", str_pickle_of_length(0x45FFFFFFu)}});
+  expect_refused([&] { check_torch_archive(d.data(), d.size(), "bad.pt"); },
+                 "record code/__torch__.py.debug_pkl is damaged at byte 7 of 11: a string of "
+                 "1174405119 bytes");
   const std::string legacy = "\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19.";
   expect_refused([&] { check_torch_archive(legacy.data(), legacy.size(), "old.pt"); },
                  "old.pt is not a zip archive");
