@@ -30,8 +30,9 @@ std::unique_ptr<caffe2::serialize::PyTorchStreamReader> open_torch_archive(
 
 // Checks the zip archive `data` (torch.save, torch::save, torch::pickle_save,
 // torch::jit::save): every record fits inside the file, and every pickle
-// record ("<name>.pkl") walks within its bytes, with memo indices below its
-// length, and every storage it names ("<name>/<key>") at least as large as
+// record ("<name>.pkl", and TorchScript's source ranges "<file>.debug_pkl")
+// walks within its bytes, with memo indices below its length, and every
+// storage it names ("<name>/<key>") at least as large as
 // the elements it declares, and every tensor it rebuilds inside its storage.
 // `what` names the file in errors.
 void check_torch_archive(const char* data, size_t size, const std::string& what);
