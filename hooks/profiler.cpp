@@ -79,20 +79,25 @@ TraceConfig TraceConfig::from(const GradSyncOptions& o) {
   return c;
 }
 
-ReduceScope::ReduceScope(const LaunchContext& ctx) : slot_(ctx.slot) {
+ReduceScope::ReduceScope(const LaunchContext& ctx) {
   if (ctx.tls) tls_.emplace(*ctx.tls);
   rf_.emplace(at::RecordScope::USER_SCOPE);
-  if (rf_->isActive()) rf_->before("ddpx::allreduce[bucket" + std::to_string(ctx.bucket) + "]");
-  if (slot_) {
-    slot_->run_begin_ns = comm::detail::steady_ns();
-    prev_ = comm::detail::set_thread_wire_span(&slot_->wire);
+  if (rf_->isActive()) {
+    rf_->before(std::string(ctx.gather ? "ddpx::gather" : "ddpx::allreduce") + "[bucket" +
+                std::to_string(ctx.bucket) + "]");
+  }
+  if (BucketTrace* s = ctx.slot) {
+    begin_ns_ = ctx.gather ? &s->gather_begin_ns : &s->run_begin_ns;
+    end_ns_ = ctx.gather ? &s->gather_end_ns : &s->run_end_ns;
+    *begin_ns_ = comm::detail::steady_ns();
+    prev_ = comm::detail::set_thread_wire_span(ctx.gather ? &s->gather_wire : &s->wire);
   }
 }
 
 ReduceScope::~ReduceScope() {
-  if (slot_) {
+  if (end_ns_) {
     comm::detail::set_thread_wire_span(prev_);
-    slot_->run_end_ns = comm::detail::steady_ns();
+    *end_ns_ = comm::detail::steady_ns();
   }
   rf_.reset();
   tls_.reset();
@@ -157,9 +162,10 @@ void Profiler::on_hook(int bucket, Clock::time_point h0, Clock::time_point h1) {
   ++b.hooks;
 }
 
-LaunchContext Profiler::launch_context(int bucket) {
+LaunchContext Profiler::launch_context(int bucket, bool gather) {
   LaunchContext ctx;
   ctx.bucket = bucket;
+  ctx.gather = gather;
   if (tracing_) ctx.slot = &buckets_[bucket];
   // torch.profiler listens through thread-local callbacks: hand them over.
   if (at::hasThreadLocalCallbacks()) ctx.tls = std::make_shared<at::ThreadLocalState>();
@@ -279,6 +285,14 @@ void Profiler::record_step_events(const StepStats& s, const FinalTimes& t, const
       span("ddpx::encode", tid, bt.run_begin_ns, bt.wire.first_begin_ns);
       span("ddpx::wire", tid, bt.wire.first_begin_ns, bt.wire.last_end_ns);
       span("ddpx::decode", tid, bt.wire.last_end_ns, bt.run_end_ns);
+    }
+    // Sharded: the gather of the bucket's updated parts (its own wire span).
+    if (bt.gather_begin_ns >= 0) {
+      auto& g = span("ddpx::gather" + tag, tid, bt.gather_begin_ns, bt.gather_end_ns);
+      g.args.push_back({"bucket", b.index});
+      if (bt.gather_wire.first_begin_ns >= 0) {
+        span("ddpx::wire", tid, bt.gather_wire.first_begin_ns, bt.gather_wire.last_end_ns);
+      }
     }
   }
   span("ddpx::step_agreement", 1000, ns_of(t.agree_begin), ns_of(t.agree_end));

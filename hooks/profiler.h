@@ -8,8 +8,9 @@
 //    a window of steps (DDPX_TRACE_STEPS=a:b, inclusive, 1-based; default
 //    1:20). Outside the window the hooks pay one branch.
 // Independently, every phase opens an at::RecordFunction range
-// ("ddpx::hook", "ddpx::bucket_launch", "ddpx::allreduce[bucket3]",
-// "ddpx::codec_wire", "ddpx::final_wait", "ddpx::<phase>"), so torch.profiler
+// ("ddpx::hook", "ddpx::bucket_launch", "ddpx::allreduce[bucket3]", sharded
+// "ddpx::gather[bucket3]", "ddpx::codec_wire", "ddpx::final_wait",
+// "ddpx::<phase>"), so torch.profiler
 // and the autograd profiler show them; the channel threads inherit the
 // launching thread's profiler state for the bucket they run.
 //
@@ -71,6 +72,9 @@ struct BucketTrace {
   int64_t hook_first_ns = -1, hook_last_ns = -1, hook_cpu_ns = 0, hooks = 0;
   int64_t run_begin_ns = -1, run_end_ns = -1;
   comm::detail::WireSpan wire;
+  // Sharded (GradSyncOptions::shard): the bucket's gather, after its step.
+  int64_t gather_begin_ns = -1, gather_end_ns = -1;
+  comm::detail::WireSpan gather_wire;
 };
 
 // The times of a step's final callback (GradSync::Impl::finish_step).
@@ -106,11 +110,12 @@ class Range {
 // What a bucket launch hands its channel thread.
 struct LaunchContext {
   int bucket = 0;
+  bool gather = false;                        // a sharded bucket's gather, not its reduction
   BucketTrace* slot = nullptr;                // null: step not traced
   std::shared_ptr<at::ThreadLocalState> tls;  // set while a profiler listens
 };
 
-// Around one bucket's reduction on its channel thread.
+// Around one bucket's reduction (or gather) on its channel thread.
 class ReduceScope {
  public:
   explicit ReduceScope(const LaunchContext& ctx);
@@ -123,7 +128,8 @@ class ReduceScope {
   // profiler state must be in place before the range looks for listeners.
   std::optional<at::ThreadLocalStateGuard> tls_;
   std::optional<at::RecordFunction> rf_;
-  BucketTrace* slot_;
+  int64_t* begin_ns_ = nullptr;  // the slot's run or gather times; null: not traced
+  int64_t* end_ns_ = nullptr;
   comm::detail::WireSpan* prev_ = nullptr;
 };
 
@@ -140,7 +146,7 @@ class Profiler {
   bool tracing() const { return tracing_; }
   // One hook of a parameter of `bucket`, [h0, h1]; call only when tracing().
   void on_hook(int bucket, Clock::time_point h0, Clock::time_point h1);
-  LaunchContext launch_context(int bucket);
+  LaunchContext launch_context(int bucket, bool gather = false);
   void end_step(const StepStats& s, const FinalTimes& t, double hooks_only_us,
                 const comm::CodecStats& wire_total);
   // A trainer phase (GradSync::phase), attributed to the last finished step.

@@ -8,8 +8,8 @@ per rank, computed from the trace's spans (backward, final callback, bucket
 runs, hooks) and its per-step "ddpx::step_stats" records (bytes, re-plans,
 mispredictions). With --png, draws a per-rank timeline of the first
 --plot-steps traced steps (step track, hooks, one track per channel with
-encode / wire / decode) above a stacked bar per rank of where a median step's
-time goes. The trace format (tracks, events) is described in hooks/profiler.h.
+encode / wire / decode, and sharded buckets' gathers) above a stacked bar
+per rank of where a median step's time goes. The trace format (tracks, events) is described in hooks/profiler.h.
 """
 import argparse
 import json
@@ -135,6 +135,7 @@ def summary(trace):
 
 COLORS = {"backward": "#9ecae1", "final_callback": "#fdd0a2", "final_wait": "#e6550d",
           "write_back": "#a1d99b", "hooks": "#756bb1", "allreduce": "#c6dbef",
+          "gather": "#fdae6b",  # a sharded bucket's gather of its updated parts
           "encode": "#31a354", "wire": "#3182bd", "decode": "#dd3497",
           "step_agreement": "#fec44f", "phase": "#969696"}
 

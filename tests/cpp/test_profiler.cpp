@@ -264,6 +264,39 @@ TEST(Profiler, CodecBytesAndCompressionInTheSummary) {
   }
 }
 
+// Sharded, a bucket's gather (after its step) is a span of its own on the
+// bucket's channel track, after its reduction's, each with its wire span.
+TEST(Profiler, ShardedBucketsTraceTheirGatherApartFromTheirReduction) {
+  const auto path = trace_path("shard");
+  torch::manual_seed(4);
+  Net m;
+  torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.01));
+  GradSync sync(m->named_parameters(), world(),
+                small_buckets().shard(ddpx::Shard::Optimizer).trace(path).trace_steps("1:2"));
+  sync.set_optimizer(opt);
+  for (int step = 0; step < 3; ++step) {  // step 3 flushes
+    m(at::randn({4, 16}) * (world()->getRank() + 1)).backward();
+  }
+  const int buckets = static_cast<int>(sync.bucket_plan().size());
+  barrier();
+  if (world()->getRank() == 0) {
+    const json t = read_trace(path);
+    for (int pid = 0; pid < world()->getSize(); ++pid) {
+      SCOPED_TRACE("rank " + std::to_string(pid));
+      auto ev = events_of(t, pid, 2);
+      for (int b = 0; b < buckets; ++b) {
+        const std::string tag = "[bucket" + std::to_string(b) + "]";
+        const auto& run = one(ev, "ddpx::allreduce" + tag);
+        const auto& gather = one(ev, "ddpx::gather" + tag);
+        EXPECT_EQ(gather["tid"], run["tid"]) << tag;
+        EXPECT_GE(gather["ts"].get<double>(), end_of(run) - kEps) << tag;
+        EXPECT_LE(run["args"]["complete"].get<double>(), gather["ts"].get<double>() + kEps);
+      }
+      EXPECT_EQ(ev.count("ddpx::wire"), static_cast<size_t>(2 * buckets));
+    }
+  }
+}
+
 TEST(Profiler, OffWritesNothingAndStillSummarises) {
   const auto path = trace_path("off");
   std::filesystem::remove(path);
