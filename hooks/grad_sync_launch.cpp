@@ -171,9 +171,9 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
   const int c = b % static_cast<int>(channels.size());
   std::future<void>& future = into ? *into : futures[b];
   if (!hooks::has_streams(plan[b].device)) {
-    future =
-        channels[c]->submit([body = std::move(body), complete, start,
-                             ctx = profiler->launch_context(b, gather)](c10d::ProcessGroup& pg) mutable {
+    future = channels[c]->submit(
+        [body = std::move(body), complete, start,
+         ctx = profiler->launch_context(b, gather)](c10d::ProcessGroup& pg) mutable {
           {
             hooks::ReduceScope scope(ctx);
             body(pg);
@@ -191,8 +191,8 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
   auto done = std::make_shared<hooks::StreamFence>();
   reduced[b] = done;  // (a cut bucket's remainder: on the same stream, after its first part)
   future = channels[c]->submit(
-      [body = std::move(body), complete, start, ctx = profiler->launch_context(b, gather), before, done,
-       keep = std::move(keep),
+      [body = std::move(body), complete, start, ctx = profiler->launch_context(b, gather), before,
+       done, keep = std::move(keep),
        comm = channels[c]->stream(plan[b].device)](c10d::ProcessGroup& pg) mutable {
         {
           hooks::ReduceScope scope(ctx);

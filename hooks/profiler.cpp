@@ -87,9 +87,8 @@ ReduceScope::ReduceScope(const LaunchContext& ctx) {
                 std::to_string(ctx.bucket) + "]");
   }
   if (BucketTrace* s = ctx.slot) {
-    begin_ns_ = ctx.gather ? &s->gather_begin_ns : &s->run_begin_ns;
+    *(ctx.gather ? &s->gather_begin_ns : &s->run_begin_ns) = comm::detail::steady_ns();
     end_ns_ = ctx.gather ? &s->gather_end_ns : &s->run_end_ns;
-    *begin_ns_ = comm::detail::steady_ns();
     prev_ = comm::detail::set_thread_wire_span(ctx.gather ? &s->gather_wire : &s->wire);
   }
 }

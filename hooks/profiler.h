@@ -128,8 +128,7 @@ class ReduceScope {
   // profiler state must be in place before the range looks for listeners.
   std::optional<at::ThreadLocalStateGuard> tls_;
   std::optional<at::RecordFunction> rf_;
-  int64_t* begin_ns_ = nullptr;  // the slot's run or gather times; null: not traced
-  int64_t* end_ns_ = nullptr;
+  int64_t* end_ns_ = nullptr;  // the slot's run or gather end; null: not traced
   comm::detail::WireSpan* prev_ = nullptr;
 };
 

@@ -219,7 +219,8 @@ TEST(ArchiveCheck, DamagedArchivesFailBeforeTorchReadsThem) {
                  "record constants.pkl is damaged");
   // A TorchScript file's source ranges, read only to report an error in its
   // code (found by fuzz_checkpoint: 1.1 GB reserved for a 106-byte record).
-  const std::string d = zip({{"code/__torch__.py.debug_pkl", str_pickle_of_length(0x45FFFFFFu)}});
+  const std::string d =
+      zip({{"code/__torch__.py.debug_pkl", str_pickle_of_length(0x45FFFFFFu)}});
   expect_refused([&] { check_torch_archive(d.data(), d.size(), "bad.pt"); },
                  "record code/__torch__.py.debug_pkl is damaged at byte 7 of 11: a string of "
                  "1174405119 bytes");
