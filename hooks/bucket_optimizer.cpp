@@ -188,6 +188,7 @@ void BucketOptimizer::fit_to_part(optim_state_ptr& st, int p) const {
 }
 
 void BucketOptimizer::step(int b, const std::vector<int>& ps, bool lookahead) {
+  std::lock_guard<std::mutex> lock(step_mu_);
   Sub& s = subs_.at(b);
   if (!s.opt) return;
   auto& sub_groups = s.opt->param_groups();

@@ -14,6 +14,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -43,7 +44,10 @@ class BucketOptimizer {
   // backward and its last update).
   void snapshot();
   // Steps parameters `ps` of bucket `b` (their .grad holds the average);
-  // parameters the optimizer does not hold are skipped.
+  // parameters the optimizer does not hold are skipped. Thread-safe: a
+  // sharded step runs on its bucket's channel thread (several channels:
+  // several threads), and every update moves entries of the trainer's
+  // optimizer's state map.
   void apply(int b, const std::vector<int>& ps) { step(b, ps, /*lookahead=*/false); }
   // The same step on copies of their state, never given back: the
   // parameters move, the trainer's optimizer keeps its state as it was
@@ -79,6 +83,7 @@ class BucketOptimizer {
     std::vector<int> groups;                       // the trainer's group of each sub group
   };
   std::vector<Sub> subs_;  // per bucket
+  std::mutex step_mu_;     // step(): one update at a time
   // The look-ahead's state copies, kept between steps so that the next one
   // copies into them (the trainer's optimizer's map type, keyed the same).
   ska::flat_hash_map<void*, std::unique_ptr<torch::optim::OptimizerParamState>> scratch_;

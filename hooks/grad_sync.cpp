@@ -65,6 +65,8 @@ void GradSync::Impl::finish_step() {
       for (auto& f : futures) if (f.valid()) f.wait();
       for (auto& f : rest_futures)
         if (f.valid()) f.wait();
+      for (auto& f : gathers)  // (sharded steps queued during backward: steps_early)
+        if (f.valid()) f.wait();
       std::string list;
       for (size_t i = 0; i < missing.size() && i < 8; ++i) list += (i ? ", " : "") + missing[i];
       TORCH_CHECK(false, "GradSync: ", missing.size(), " parameter(s) received no gradient in "
@@ -258,6 +260,10 @@ void GradSync::Impl::complete_step() {
     take(futures[b]);
     take(rest_futures[b]);
     if (!optimizer || error || step_stale) continue;
+    if (gathers[b].valid()) {  // stepped and gathered on its channel (steps_early)
+      gather_seq.push_back(b);
+      continue;
+    }
     if (needs_agreement(b)) settle();
     if (error) continue;
     const int* agreed_flags = agreed ? flags.const_data_ptr<int>() : nullptr;
@@ -328,6 +334,13 @@ void GradSync::Impl::complete_step() {
     }
   }
   wait_range.end();
+  if (error) {
+    // Sharded steps already queued on the channels (steps_early) write the
+    // parameters: they end before the step fails.
+    for (auto& g : gathers) {
+      if (g.valid()) g.wait();
+    }
+  }
   if (scaler && scaler_inv.defined() && error) {
     detail::ScalerAccess::finish_step(scaler, at::Tensor());  // no verdict: the scale stays
   }

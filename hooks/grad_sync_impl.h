@@ -12,8 +12,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -231,11 +233,28 @@ struct GradSync::Impl {
   // parameters copied out, the bucket zeroed (or released), gates opened.
   void launch_sharded_locked(int b, const std::vector<char>& anywhere);
   // (land_sharded: the owned averages become the parts' .grad; returns the
-  // parameters to step, those some rank used; step_sharded steps them.)
-  std::vector<int> land_sharded(int b, const int* agreed);
+  // parameters to step, those some rank used; step_sharded steps them.
+  // `on_channel`: called on b's channel, after its reduction there.)
+  std::vector<int> land_sharded(int b, const int* agreed, bool on_channel = false);
   void step_sharded(int b, const std::vector<int>& stepped);
   // Queues bucket b's gather (after its step) on its channel.
   void gather_sharded(int b);
+  std::function<void(c10d::ProcessGroup&)> gather_body(int b);
+  // Whether this step's reliable buckets are stepped and gathered on their
+  // channel as soon as each is reduced, during backward, rather than after
+  // the step-end agreement. The same on every rank (the options, the
+  // agreed declarations), as the collectives' order must be.
+  bool steps_early() const;
+  // What bucket b's reduction hands its early step: the ranks' used flags
+  // of its parameters, MAX-reduced in front of the reduction (undefined:
+  // Unused::Off, all used), and whether the reduction succeeded.
+  struct EarlyStep {
+    at::Tensor flags;
+    bool reduced = false;  // (both run on b's channel thread, in order)
+  };
+  // Queues that step and gather behind bucket b's reduction; the future
+  // goes to gathers[b].
+  void launch_early_step_locked(int b, std::shared_ptr<EarlyStep> early);
   void finish_sharded(int b);
   // ---- mixed precision (GradSyncOptions::mixed_precision, ddpx/amp.h) -------
   // The float32 masters of low-precision parameters (inactive: none).

@@ -120,12 +120,16 @@ void GradSync::Impl::make_room(int b) {
     std::future<void>* oldest = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu);
+      // (A bucket's reduction, then its gather if that runs during backward
+      // (steps_early), which holds a bucket-sized buffer until it lands.)
       for (int j : launch_seq) {
-        if (futures[j].valid() &&
-            futures[j].wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-          oldest = &futures[j];
-          break;
+        for (std::future<void>* f : {&futures[j], &gathers[j]}) {
+          if (!oldest && f->valid() &&
+              f->wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+            oldest = f;
+          }
         }
+        if (oldest) break;
       }
     }
     if (!oldest) return;  // nothing on the wire: what fills must be made
@@ -221,7 +225,70 @@ void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywh
     bucket_bytes -= static_cast<int64_t>(flat.nbytes());
     flat = at::Tensor();
   };
-  submit_locked(b, std::move(body), std::move(keep), nullptr, comm::detail::FrOp::kReduceScatter);
+  // Stepped and gathered during backward (steps_early): whether some rank
+  // used each parameter of the bucket decides whether its owner steps it (a
+  // parameter no rank used is not stepped). Under Off every one was (else
+  // the step fails at its end on the rank that missed one); under Predict
+  // one unused here may be used elsewhere, so the ranks MAX-reduce the
+  // bucket's flags first, a few ints in front of its reduction (there the
+  // link is quiet and the ranks meet anyway: behind the reduction, the
+  // round trip queued behind its last bytes and cost more than it saves).
+  std::shared_ptr<EarlyStep> early;
+  if (steps_early() && !plan[b].late) {  // (a late one is stepped after the agreement)
+    early = std::make_shared<EarlyStep>();
+    if (opts.unused_ != Unused::Off) {
+      const auto& ps = plan[b].params;
+      early->flags = at::zeros({static_cast<int64_t>(ps.size())}, at::kInt);
+      int* f = early->flags.data_ptr<int>();
+      for (size_t i = 0; i < ps.size(); ++i) {
+        f[i] = arrival_us[ps[i]] >= 0 ||
+               std::find(carried.begin(), carried.end(), ps[i]) != carried.end();
+      }
+    }
+  }
+  submit_locked(
+      b,
+      [body = std::move(body), early](c10d::ProcessGroup& pg) mutable {
+        if (early && early->flags.defined()) {
+          std::vector<at::Tensor> v{early->flags};
+          c10d::AllreduceOptions o;
+          o.reduceOp = c10d::ReduceOp::MAX;
+          comm::detail::wait_named(pg.allreduce(v, o));
+        }
+        body(pg);
+        if (early) early->reduced = true;
+      },
+      std::move(keep), nullptr, comm::detail::FrOp::kReduceScatter);
+  if (early) launch_early_step_locked(b, std::move(early));
+}
+
+bool GradSync::Impl::steps_early() const {
+  // Not: NextForward, whose gathers go first layer first behind the next
+  // forward; Exact and declarations, whose agreement may yet fail the step
+  // (no update may have run then); clipping, which needs every bucket's
+  // average first. (Sharding refuses a GradScaler and staleness.)
+  return shard.active() && optimizer && !gates && opts.unused_ != Unused::Exact &&
+         n_declared == 0 && opts.clip_grad_norm_ <= 0;
+}
+
+void GradSync::Impl::launch_early_step_locked(int b, std::shared_ptr<EarlyStep> early) {
+  auto body = [this, b, early = std::move(early),
+               gather = gather_body(b)](c10d::ProcessGroup& pg) mutable {
+    if (!early->reduced) return;  // (the reduction's failure is complete_step's to report)
+    std::vector<int> agreed;
+    if (early->flags.defined()) {
+      agreed.assign(params.size(), 0);
+      const int* f = early->flags.const_data_ptr<int>();
+      for (size_t i = 0; i < plan[b].params.size(); ++i) agreed[plan[b].params[i]] = f[i];
+    }
+    {
+      hooks::Range range("ddpx::shard_step");
+      step_sharded(b, land_sharded(b, agreed.empty() ? nullptr : agreed.data(), true));
+    }
+    gather(pg);
+  };
+  submit_locked(b, std::move(body), {}, &gathers[b], comm::detail::FrOp::kAllGather,
+                /*timed=*/false);
 }
 
 at::Tensor GradSync::Impl::scatter_through_codec(int b, const at::Tensor& flat,
@@ -246,10 +313,13 @@ at::Tensor GradSync::Impl::scatter_through_codec(int b, const at::Tensor& flat,
   return mean;
 }
 
-std::vector<int> GradSync::Impl::land_sharded(int b, const int* agreed) {
-  // A device bucket: queued on this thread's stream after the reduction.
+std::vector<int> GradSync::Impl::land_sharded(int b, const int* agreed, bool on_channel) {
+  // A device bucket: queued on this thread's stream after the reduction
+  // (on the channel: its stream, which ran the reduction).
   const c10::Device device = plan[b].device;
-  if (hooks::has_streams(device) && reduced[b]) reduced[b]->block(hooks::current_stream(device));
+  if (!on_channel && hooks::has_streams(device) && reduced[b]) {
+    reduced[b]->block(hooks::current_stream(device));
+  }
   const hooks::ShardPart* mine = my_part(b);
   std::vector<int> stepped;
   for (int p : plan[b].params) {
@@ -291,6 +361,13 @@ void GradSync::Impl::step_sharded(int b, const std::vector<int>& stepped) {
 }
 
 void GradSync::Impl::gather_sharded(int b) {
+  auto body = gather_body(b);
+  std::lock_guard<std::mutex> lock(mu);
+  submit_locked(b, std::move(body), {}, &gathers[b], comm::detail::FrOp::kAllGather,
+                /*timed=*/false);
+}
+
+std::function<void(c10d::ProcessGroup&)> GradSync::Impl::gather_body(int b) {
   const c10::Device device = plan[b].device;
   // The gather: each owner's elements of every parameter of the bucket
   // (stepped or not) broadcast in a bucket-sized buffer -- the bucket
@@ -308,14 +385,15 @@ void GradSync::Impl::gather_sharded(int b) {
     slots.push_back(
         {params[p].detach().view(-1), offset_of[p], shard_views[p], shard.mine(p).first});
   }
-  auto body = [this, buffer = storage[b], numel = plan[b].numel,
-               options = at::TensorOptions().dtype(plan[b].dtype).device(device),
-               parts = shard_parts[b], slots = std::move(slots)](c10d::ProcessGroup& pg) mutable {
+  return [this, buffer = storage[b], numel = plan[b].numel,
+          options = at::TensorOptions().dtype(plan[b].dtype).device(device), parts = shard_parts[b],
+          slots = std::move(slots)](c10d::ProcessGroup& pg) mutable {
     at::NoGradGuard no_grad;
     const bool made = !buffer.defined();
     if (made) {
       buffer = at::empty({numel}, options);
       account(static_cast<int64_t>(buffer.nbytes()));
+      bucket_bytes += static_cast<int64_t>(buffer.nbytes());  // (make_room's, during backward)
     }
     for (const auto& s : slots) {
       if (s.owned.defined())
@@ -329,12 +407,10 @@ void GradSync::Impl::gather_sharded(int b) {
     for (const auto& s : slots) s.param.copy_(buffer.narrow(0, s.offset, s.param.numel()));
     if (made) {
       account(-static_cast<int64_t>(buffer.nbytes()));
+      bucket_bytes -= static_cast<int64_t>(buffer.nbytes());
       buffer = at::Tensor();
     }
   };
-  std::lock_guard<std::mutex> lock(mu);
-  submit_locked(b, std::move(body), {}, &gathers[b], comm::detail::FrOp::kAllGather,
-                /*timed=*/false);
 }
 
 void GradSync::Impl::finish_sharded(int b) {

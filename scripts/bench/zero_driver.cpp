@@ -37,7 +37,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Args {
-  std::string model, name, kase = "gs", overlap = "none", codec = "none", out;
+  std::string model, name, kase = "gs", overlap = "none", codec = "none", unused = "predict", out;
   int warmup = 3, steps = 5, threads = 1, round = 0;
   double lr = 1e-3, bucket_cap_mb = 25.0;
 };
@@ -117,9 +117,12 @@ nlohmann::json run(const Args& a) {
   // Sharding needs GradSync to step the optimizer (only it knows which
   // elements are this rank's); so do the overlapped modes.
   const bool by_sync = shard != ddpx::Shard::None || overlap != ddpx::Overlap::None;
-  const auto options =
-      ddpx::GradSyncOptions().bucket_cap_mb(a.bucket_cap_mb).shard(shard).overlap(overlap).codec(
-          a.codec);
+  const auto options = ddpx::GradSyncOptions()
+                           .bucket_cap_mb(a.bucket_cap_mb)
+                           .shard(shard)
+                           .overlap(overlap)
+                           .codec(a.codec)
+                           .unused(a.unused == "off" ? ddpx::Unused::Off : ddpx::Unused::Predict);
   ddpx::GradSync sync(m, pg, options);
   if (by_sync) sync.set_optimizer(adam);
 
@@ -143,6 +146,7 @@ nlohmann::json run(const Args& a) {
           {"round", a.round},
           {"overlap", a.overlap},
           {"codec", a.codec},
+          {"unused", a.unused},
           {"step_ms", median(ms)},
           {"times_ms", ms},
           {"param_bytes", prof.param_bytes},
@@ -171,6 +175,10 @@ int main(int argc, char** argv) {
   app.add_option("--lr", a.lr, "Adam's learning rate");
   app.add_option("--codec", a.codec, "GradSync's codec (sharded: none, fp16, bf16 or int8)");
   app.add_option("--bucket-cap-mb", a.bucket_cap_mb, "GradSync's bucket cap");
+  app.add_option("--unused", a.unused,
+                 "GradSync's Unused mode: predict or off (DDP's default, "
+                 "find_unused_parameters=False)")
+      ->check(CLI::IsMember({"predict", "off"}));
   app.add_option("--round", a.round, "echoed in the record");
   app.add_option("--out", a.out, "file for this rank's JSON record (default: stdout)");
   CLI11_PARSE(app, argc, argv);

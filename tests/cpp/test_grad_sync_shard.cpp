@@ -76,6 +76,10 @@ const Case kCases[] = {
      sharded(Shard::Gradients, Overlap::NextForward, Opt::SgdNesterov, "bf16", Unused::Predict, 2)},
     {"Fp16GradientsExact",
      sharded(Shard::Gradients, Overlap::None, Opt::Adam, "fp16", Unused::Exact)},
+    // Unused::Off: stepped and gathered during backward without the
+    // per-bucket agreement on use (the Predict cases above have it).
+    {"GradientsUnusedOffAdam",
+     sharded(Shard::Gradients, Overlap::Optimizer, Opt::Adam, "none", Unused::Off)},
 };
 
 INSTANTIATE_TEST_SUITE_P(Modes, GradSyncShard, ::testing::ValuesIn(kCases),
@@ -258,6 +262,51 @@ TEST(GradSyncShardGloo, AllToAllInPiecesAsUnsharded) {
         EXPECT_LE((got[i] - want[i]).abs().max().item<double>(), 1e-6) << what << " " << i;
       }
     }
+  }
+}
+
+// Stepped during backward (Overlap None and Optimizer), an owner steps
+// whatever some rank used: under Unused::Predict the ranks' use of the
+// bucket's parameters is agreed in front of its reduction. At step 4 the
+// last rank skips the second layer, planned with the used ones until then
+// (a misprediction), whose last elements that rank owns: they must be
+// stepped with the others' average, as in the unsharded run.
+struct TwoLayersImpl : torch::nn::Module {
+  TwoLayersImpl()
+      : a(register_module("a", torch::nn::Linear(6, 5))),
+        b(register_module("b", torch::nn::Linear(5, 4))) {}
+  torch::nn::Linear a, b;
+};
+TORCH_MODULE(TwoLayers);
+
+std::vector<at::Tensor> train_skipping(Shard s, Overlap o) {
+  auto& pg = world();
+  const int rank = pg->getRank(), last = pg->getSize() - 1;
+  torch::manual_seed(9);
+  TwoLayers m;
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-2));
+  GradSync sync(m->named_parameters(), pg, GradSyncOptions().shard(s).overlap(o));
+  const bool by_sync = s != Shard::None;
+  if (by_sync) sync.set_optimizer(opt);
+  for (int step = 0; step < 6; ++step) {
+    auto g = at::make_generator<at::CPUGeneratorImpl>(70 + step);
+    const at::Tensor x = at::randn({4 * (last + 1), 6}, g).narrow(0, 4 * rank, 4);
+    if (!by_sync) opt.zero_grad();
+    at::Tensor y = m->a(x).tanh();
+    if (!(rank == last && step == 4)) y = m->b(y);
+    y.pow(2).mean().backward();
+    if (!by_sync) opt.step();
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& p : m->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+TEST(GradSyncShardEarlyStep, StepsWhatAnotherRankUsed) {
+  const auto want = train_skipping(Shard::None, Overlap::None);
+  for (Overlap o : {Overlap::None, Overlap::Optimizer}) {
+    expect_bitwise(train_skipping(Shard::Optimizer, o), want,
+                   o == Overlap::None ? "none" : "optimizer");
   }
 }
 

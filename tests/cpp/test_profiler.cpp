@@ -266,6 +266,9 @@ TEST(Profiler, CodecBytesAndCompressionInTheSummary) {
 
 // Sharded, a bucket's gather (after its step) is a span of its own on the
 // bucket's channel track, after its reduction's, each with its wire span.
+// Overlap::None: each bucket is stepped and gathered behind its reduction,
+// during backward, so every gather ends before the step-end agreement
+// (queued at the end of backward on the same channel) begins.
 TEST(Profiler, ShardedBucketsTraceTheirGatherApartFromTheirReduction) {
   const auto path = trace_path("shard");
   torch::manual_seed(4);
@@ -291,6 +294,8 @@ TEST(Profiler, ShardedBucketsTraceTheirGatherApartFromTheirReduction) {
         EXPECT_EQ(gather["tid"], run["tid"]) << tag;
         EXPECT_GE(gather["ts"].get<double>(), end_of(run) - kEps) << tag;
         EXPECT_LE(run["args"]["complete"].get<double>(), gather["ts"].get<double>() + kEps);
+        EXPECT_LE(end_of(gather), one(ev, "ddpx::step_agreement")["ts"].get<double>() + kEps)
+            << tag << ": gathered after the step-end agreement, not during backward";
       }
       EXPECT_EQ(ev.count("ddpx::wire"), static_cast<size_t>(2 * buckets));
     }
