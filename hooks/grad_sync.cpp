@@ -65,8 +65,10 @@ void GradSync::Impl::finish_step() {
       for (auto& f : futures) if (f.valid()) f.wait();
       for (auto& f : rest_futures)
         if (f.valid()) f.wait();
-      for (auto& f : gathers)  // (sharded steps queued during backward: steps_early)
+      for (auto& f : gathers)  // (sharded steps during backward: steps_early)
         if (f.valid()) f.wait();
+      if (early_pending && early_pending->stepped.valid()) early_pending->stepped.wait();
+      early_pending.reset();
       std::string list;
       for (size_t i = 0; i < missing.size() && i < 8; ++i) list += (i ? ", " : "") + missing[i];
       TORCH_CHECK(false, "GradSync: ", missing.size(), " parameter(s) received no gradient in "
@@ -75,6 +77,7 @@ void GradSync::Impl::finish_step() {
                   "Unused::Exact. The other ranks will time out waiting for this one.");
     }
     launch_held_locked();
+    queue_early_gather_locked();  // (the last early bucket's: before the agreement)
     // Read by mark_ready_locked above; the next no_sync backward may set
     // them again while this step completes on the worker.
     for (size_t p = 0; p < params.size(); ++p) {

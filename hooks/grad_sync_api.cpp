@@ -151,6 +151,10 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
       I.shard_views.push_back(lo < hi ? params[p].detach().view(-1).narrow(0, lo, hi - lo)
                                       : at::Tensor());
     }
+    // Steps buckets during backward (steps_early); NextForward steps after it.
+    if (options.overlap_ != Overlap::NextForward) {
+      I.stepper = std::make_unique<hooks::Channel>(pg);  // a thread; its group is not used
+    }
   }
   if (options.overlap_ == Overlap::NextForward) {
     std::vector<at::Tensor> gated = params;

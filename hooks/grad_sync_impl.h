@@ -240,21 +240,28 @@ struct GradSync::Impl {
   // Queues bucket b's gather (after its step) on its channel.
   void gather_sharded(int b);
   std::function<void(c10d::ProcessGroup&)> gather_body(int b);
-  // Whether this step's reliable buckets are stepped and gathered on their
-  // channel as soon as each is reduced, during backward, rather than after
-  // the step-end agreement. The same on every rank (the options, the
-  // agreed declarations), as the collectives' order must be.
+  // Whether this step's reliable buckets are stepped and gathered as soon
+  // as each is reduced, during backward, rather than after the step-end
+  // agreement. The same on every rank (the options, the agreed
+  // declarations), as the collectives' order must be.
   bool steps_early() const;
-  // What bucket b's reduction hands its early step: the ranks' used flags
-  // of its parameters, MAX-reduced in front of the reduction (undefined:
-  // Unused::Off, all used), and whether the reduction succeeded.
+  // Such a bucket's step runs on `stepper` once its reduction has landed,
+  // while its channel goes on with the next reduction; its gather is queued
+  // on its channel behind the next bucket's reduction (or at the end of
+  // backward, before the agreement): R0 R1 G0 R2 G1 ... on every rank.
   struct EarlyStep {
+    int bucket = -1;
+    // The ranks' used flags of its parameters, MAX-reduced in front of the
+    // reduction (undefined: Unused::Off, all used).
     at::Tensor flags;
-    bool reduced = false;  // (both run on b's channel thread, in order)
+    // Set by the reduction (on the bucket's channel thread, read by the
+    // gather on the same thread): it succeeded; the step it started.
+    bool reduced = false;
+    std::future<void> stepped;
   };
-  // Queues that step and gather behind bucket b's reduction; the future
-  // goes to gathers[b].
-  void launch_early_step_locked(int b, std::shared_ptr<EarlyStep> early);
+  std::unique_ptr<hooks::Channel> stepper;   // a thread; its group is not used
+  std::shared_ptr<EarlyStep> early_pending;  // the last one whose gather is not queued
+  void queue_early_gather_locked();
   void finish_sharded(int b);
   // ---- mixed precision (GradSyncOptions::mixed_precision, ddpx/amp.h) -------
   // The float32 masters of low-precision parameters (inactive: none).

@@ -15,7 +15,10 @@
 // reduce-scatter's bytes, in lock-step segments (100 MB of float32 on the
 // 1 Gbit/s link: 2.0 s at 2 ranks, 2.8 s at 3, against 0.87 s and 1.5 s for
 // the all-to-all and its sum; an all-reduce took 1.6 s and 3.2 s).
+#include <c10/core/StreamGuard.h>
+
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "hooks/grad_sync_impl.h"
@@ -246,9 +249,21 @@ void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywh
       }
     }
   }
+  if (early) early->bucket = b;
+  auto step = [this, b, flags = early ? early->flags : at::Tensor()] {
+    std::vector<int> agreed;
+    if (flags.defined()) {
+      agreed.assign(params.size(), 0);
+      const int* f = flags.const_data_ptr<int>();
+      for (size_t i = 0; i < plan[b].params.size(); ++i) agreed[plan[b].params[i]] = f[i];
+    }
+    hooks::Range range("ddpx::shard_step");
+    step_sharded(b, land_sharded(b, agreed.empty() ? nullptr : agreed.data(), true));
+  };
   submit_locked(
       b,
-      [body = std::move(body), early](c10d::ProcessGroup& pg) mutable {
+      [this, body = std::move(body), early, step = std::move(step),
+       device = plan[b].device](c10d::ProcessGroup& pg) mutable {
         if (early && early->flags.defined()) {
           std::vector<at::Tensor> v{early->flags};
           c10d::AllreduceOptions o;
@@ -256,10 +271,20 @@ void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywh
           comm::detail::wait_named(pg.allreduce(v, o));
         }
         body(pg);
-        if (early) early->reduced = true;
+        if (!early) return;
+        early->reduced = true;
+        // (A device: on this channel's stream, after the reduction.)
+        std::optional<c10::Stream> on;
+        if (hooks::has_streams(device)) on = hooks::current_stream(device);
+        early->stepped = stepper->submit([step = std::move(step), on](c10d::ProcessGroup&) {
+          std::optional<c10::StreamGuard> guard;
+          if (on) guard.emplace(*on);
+          step();
+        });
       },
       std::move(keep), nullptr, comm::detail::FrOp::kReduceScatter);
-  if (early) launch_early_step_locked(b, std::move(early));
+  queue_early_gather_locked();  // the last bucket's, behind this reduction
+  if (early) early_pending = std::move(early);
 }
 
 bool GradSync::Impl::steps_early() const {
@@ -267,28 +292,23 @@ bool GradSync::Impl::steps_early() const {
   // forward; Exact and declarations, whose agreement may yet fail the step
   // (no update may have run then); clipping, which needs every bucket's
   // average first. (Sharding refuses a GradScaler and staleness.)
-  return shard.active() && optimizer && !gates && opts.unused_ != Unused::Exact &&
+  return stepper && shard.active() && optimizer && !gates && opts.unused_ != Unused::Exact &&
          n_declared == 0 && opts.clip_grad_norm_ <= 0;
 }
 
-void GradSync::Impl::launch_early_step_locked(int b, std::shared_ptr<EarlyStep> early) {
-  auto body = [this, b, early = std::move(early),
-               gather = gather_body(b)](c10d::ProcessGroup& pg) mutable {
-    if (!early->reduced) return;  // (the reduction's failure is complete_step's to report)
-    std::vector<int> agreed;
-    if (early->flags.defined()) {
-      agreed.assign(params.size(), 0);
-      const int* f = early->flags.const_data_ptr<int>();
-      for (size_t i = 0; i < plan[b].params.size(); ++i) agreed[plan[b].params[i]] = f[i];
-    }
-    {
-      hooks::Range range("ddpx::shard_step");
-      step_sharded(b, land_sharded(b, agreed.empty() ? nullptr : agreed.data(), true));
-    }
-    gather(pg);
-  };
-  submit_locked(b, std::move(body), {}, &gathers[b], comm::detail::FrOp::kAllGather,
-                /*timed=*/false);
+void GradSync::Impl::queue_early_gather_locked() {
+  if (!early_pending) return;
+  auto early = std::move(early_pending);
+  early_pending.reset();
+  const int b = early->bucket;
+  submit_locked(
+      b,
+      [early, gather = gather_body(b)](c10d::ProcessGroup& pg) mutable {
+        if (!early->reduced) return;  // (the reduction's failure is complete_step's to report)
+        early->stepped.get();
+        gather(pg);
+      },
+      {}, &gathers[b], comm::detail::FrOp::kAllGather, /*timed=*/false);
 }
 
 at::Tensor GradSync::Impl::scatter_through_codec(int b, const at::Tensor& flat,
