@@ -97,6 +97,10 @@ struct GradSync::Impl {
   // the last re-plan, added to its slot when the slot is next sent.
   std::vector<at::Tensor> carry;
   int carries = 0;  // defined entries of carry
+  // Guards carry and carries during a step: a sharded bucket stepped during
+  // backward (steps_early) may owe on the stepper thread while backward's
+  // launches take carries.
+  std::mutex carry_mu;
   hooks::OrderPredictor predictor;
   int64_t replans = 0;
   // The link as the reductions saw it (rate and per-reduction cost), for

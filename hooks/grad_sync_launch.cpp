@@ -54,6 +54,7 @@ void GradSync::Impl::for_each_param_residual(
 }
 
 void GradSync::Impl::owe(int p, const at::Tensor& r) {
+  std::lock_guard<std::mutex> lock(carry_mu);
   if (carry[p].defined()) {
     carry[p].add_(r.reshape(-1));
   } else {
@@ -225,6 +226,7 @@ std::function<void(c10d::ProcessGroup&)> GradSync::Impl::recorded_locked(
 std::vector<std::pair<at::Tensor, at::Tensor>> GradSync::Impl::take_carries_locked(
     int b, const std::vector<Run>& runs) {
   std::vector<std::pair<at::Tensor, at::Tensor>> owed;
+  std::lock_guard<std::mutex> lock(carry_mu);
   if (carries == 0) return owed;
   for (int p : plan[b].params) {
     if (!carry[p].defined()) continue;
