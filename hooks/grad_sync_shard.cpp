@@ -8,6 +8,10 @@
 // bucket -- the gradients there are consumed -- and broadcasts them (the
 // all-gather), after which every rank copies the bucket into its parameters. Bytes on
 // the wire: a reduce and a broadcast of each part, an all-reduce's worth.
+// Under Overlap None and Optimizer a reliable bucket's step and gather run
+// during backward (steps_early): stepped on `stepper` once reduced, gathered
+// behind the next bucket's reduction; otherwise after the step-end
+// agreement (complete_step).
 //
 // Over Gloo the exact reduction is an all-to-all instead (reduce_by_alltoall):
 // Gloo's reduce is a ring reduce-scatter of the whole part followed by a

@@ -224,11 +224,12 @@ struct GradSyncOptions {
   // broadcasts its updated part of the bucket back into the parameters --
   // an all-reduce's bytes in all. The buckets go whole (a late or partly
   // declared bucket's unused slots too). Updates land as under the overlap
-  // mode: before backward returns (None, Optimizer: each bucket stepped and
-  // gathered on its channel right behind its reduction, during backward --
-  // under Unused::Predict the ranks' flags of which of its parameters they
-  // used are MAX-reduced in front of the reduction, so an owner steps what
-  // any rank used; late buckets, and every bucket under Unused::Exact,
+  // mode: before backward returns (None, Optimizer: during backward, each
+  // bucket stepped on a thread of GradSync's own once its reduction lands
+  // and gathered behind the next bucket's reduction -- under
+  // Unused::Predict the ranks' flags of which of its parameters they used
+  // are MAX-reduced in front of the reduction, so an owner steps what any
+  // rank used; late buckets, and every bucket under Unused::Exact,
   // declare_unused or clip_grad_norm, after the step-end agreement), or
   // behind the next forward (NextForward: each parameter's gate opens once
   // its gather has landed).
