@@ -45,9 +45,9 @@ class BucketOptimizer {
   void snapshot();
   // Steps parameters `ps` of bucket `b` (their .grad holds the average);
   // parameters the optimizer does not hold are skipped. Thread-safe: a
-  // sharded step runs on its bucket's channel thread (several channels:
-  // several threads), and every update moves entries of the trainer's
-  // optimizer's state map.
+  // sharded bucket stepped during backward runs on GradSync's stepper
+  // thread, maybe while the thread completing the step steps a late one,
+  // and every update moves entries of the trainer's optimizer's state map.
   void apply(int b, const std::vector<int>& ps) { step(b, ps, /*lookahead=*/false); }
   // The same step on copies of their state, never given back: the
   // parameters move, the trainer's optimizer keeps its state as it was

@@ -263,7 +263,7 @@ void GradSync::Impl::complete_step() {
     take(futures[b]);
     take(rest_futures[b]);
     if (!optimizer || error || step_stale) continue;
-    if (gathers[b].valid()) {  // stepped and gathered on its channel (steps_early)
+    if (gathers[b].valid()) {  // stepped and gathered during backward (steps_early)
       gather_seq.push_back(b);
       continue;
     }

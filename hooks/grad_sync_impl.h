@@ -238,7 +238,8 @@ struct GradSync::Impl {
   void launch_sharded_locked(int b, const std::vector<char>& anywhere);
   // (land_sharded: the owned averages become the parts' .grad; returns the
   // parameters to step, those some rank used; step_sharded steps them.
-  // `on_channel`: called on b's channel, after its reduction there.)
+  // `on_channel`: the early step, already on the channel's stream behind
+  // the reduction, so there is nothing to wait for.)
   std::vector<int> land_sharded(int b, const int* agreed, bool on_channel = false);
   void step_sharded(int b, const std::vector<int>& stepped);
   // Queues bucket b's gather (after its step) on its channel.
