@@ -76,7 +76,8 @@ void conv_path_tuning_clear() {
   c.map.clear();
 }
 
-double conv_time_candidate(c10::Device device, double beat, const std::function<void()>& fn) {
+double conv_time_candidate(c10::Device device, double beat, const std::function<void()>& fn,
+                           bool warm_up) {
   using clock = std::chrono::steady_clock;
   const auto timed = [&](int calls) {
     wait_for(device);
@@ -85,7 +86,7 @@ double conv_time_candidate(c10::Device device, double beat, const std::function<
     wait_for(device);
     return std::chrono::duration<double>(clock::now() - t0).count() / calls;
   };
-  timed(1);  // warm-up
+  if (warm_up) timed(1);
   const double one = timed(1);
   if (one > 4 * beat) return one;
   // About a millisecond of calls: a single short call's time is mostly the

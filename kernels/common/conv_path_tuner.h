@@ -14,9 +14,10 @@
 // DDPX_CONV_PATH is unset or `auto` and torch.backends.cudnn.benchmark is
 // set (the user's "measure the algorithms for my shapes", which then covers
 // the choice between cuDNN and our kernels too). The cost is the first call
-// per problem (each candidate runs a few times, with device syncs); the
-// paths round differently, so, as with cuDNN's benchmark mode, which one a
-// run takes, and its last bits, can differ between runs and machines.
+// per problem (each candidate runs a few times in each of kConvTuneRounds
+// rounds, with device syncs); the paths round differently, so, as with
+// cuDNN's benchmark mode, which one a run takes, and its last bits, can
+// differ between runs and machines.
 //
 // A choice is kept per device, dtype, geometry, pass and (on the CPU) thread
 // count, for the life of the process (conv_path_tuning_clear forgets them).
@@ -24,6 +25,7 @@
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <exception>
 #include <functional>
 #include <limits>
@@ -62,19 +64,29 @@ std::optional<int> conv_tuned_choice(const ConvTuneKey& key);
 void conv_path_tuning_clear();
 
 // Seconds per call of `fn` on `device`, device work included: one warm-up
-// call (a first call pays one-time costs: oneDNN's primitive, cuDNN's own
-// algorithm search), one timed call, then, unless that one is already more
-// than 4x `beat` (the best so far), as many back-to-back calls as fit in
-// about a millisecond (1 to 20), whose mean is the figure if lower. The
-// device's current stream is synchronized around each timing.
-double conv_time_candidate(c10::Device device, double beat, const std::function<void()>& fn);
+// call when `warm_up` (a first call pays one-time costs: oneDNN's primitive,
+// cuDNN's own algorithm search), one timed call, then, unless that one is
+// already more than 4x `beat` (the best so far), as many back-to-back calls
+// as fit in about a millisecond (1 to 20), whose mean is the figure if
+// lower. The device's current stream is synchronized around each timing.
+double conv_time_candidate(c10::Device device, double beat, const std::function<void()>& fn,
+                           bool warm_up = true);
 
 // Records the winner of `key`.
 void conv_remember_choice(const ConvTuneKey& key, int choice);
 
-// Measures candidates 0..count-1 with `run(i)` on `device`, remembers the
-// fastest for `key`, and returns its result (from its last timed call, so the
-// measured call still does the caller's work). A candidate that throws a
+// How many times conv_tune measures each candidate. One round can mislead: a
+// busy machine (another process on the core, an OpenMP barrier waiting for a
+// descheduled thread) slows whichever candidate is running then, by 5x and
+// more on a loaded 2-core CI runner, enough to make a path 5-28x slower win.
+// Rounds interleave the candidates and each keeps its best figure, so a
+// stall decides only if it hits every round of the faster candidates.
+inline constexpr int kConvTuneRounds = 3;
+
+// Measures candidates 0..count-1 with `run(i)` on `device` (kConvTuneRounds
+// rounds, each candidate once per round, its best figure counting), remembers
+// the fastest for `key`, and returns its result (from a timed call of it, so
+// the measured call still does the caller's work). A candidate that throws a
 // c10::Error (cuDNN without an algorithm for the problem, out of memory for
 // its workspace) is left out, as cuDNN's own benchmark mode leaves out an
 // algorithm that fails; when every one does, the first one's error is
@@ -82,27 +94,42 @@ void conv_remember_choice(const ConvTuneKey& key, int choice);
 template <class R>
 R conv_tune(const ConvTuneKey& key, c10::Device device, int count,
             const std::function<R(int)>& run) {
-  std::optional<R> best_result;
+  constexpr double kNone = std::numeric_limits<double>::infinity();
+  std::vector<double> best_of(count, kNone);  // (kNone: failed, or not run yet)
+  std::vector<bool> failed(count, false);
+  std::optional<R> best_result;  // (only the leader's: a conv's outputs can be large)
   int best = -1;
-  double best_s = std::numeric_limits<double>::infinity();
   std::exception_ptr first_error;
-  for (int c = 0; c < count; ++c) {
-    R result;
-    double s = 0;
-    try {
-      s = conv_time_candidate(device, best_s, [&] { result = run(c); });
-    } catch (const c10::Error&) {
-      if (!first_error) first_error = std::current_exception();
-      continue;
-    }
-    if (s < best_s) {
-      best_s = s;
-      best = c;
-      best_result = std::move(result);
+  for (int round = 0; round < kConvTuneRounds; ++round) {
+    for (int c = 0; c < count; ++c) {
+      if (failed[c]) continue;
+      R result;
+      double s = 0;
+      try {
+        s = conv_time_candidate(
+            device, best < 0 ? kNone : best_of[best], [&] { result = run(c); }, round == 0);
+      } catch (const c10::Error&) {
+        if (!first_error) first_error = std::current_exception();
+        failed[c] = true;
+        best_of[c] = kNone;
+        if (best == c) {  // (it failed after it led: the next best leads, result to come)
+          best_result.reset();
+          best =
+              static_cast<int>(std::min_element(best_of.begin(), best_of.end()) - best_of.begin());
+          if (best_of[best] == kNone) best = -1;
+        }
+        continue;
+      }
+      best_of[c] = std::min(best_of[c], s);
+      if (best < 0 || c == best || best_of[c] < best_of[best]) {
+        best = c;
+        best_result = std::move(result);
+      }
     }
   }
   if (best < 0) std::rethrow_exception(first_error);
   conv_remember_choice(key, best);
+  if (!best_result) best_result = run(best);
   return std::move(*best_result);
 }
 
