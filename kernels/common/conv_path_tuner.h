@@ -97,7 +97,8 @@ R conv_tune(const ConvTuneKey& key, c10::Device device, int count,
   constexpr double kNone = std::numeric_limits<double>::infinity();
   std::vector<double> best_of(count, kNone);  // (kNone: failed, or not run yet)
   std::vector<bool> failed(count, false);
-  std::optional<R> best_result;  // (only the leader's: a conv's outputs can be large)
+  R best_result{};  // (only the leader's: a conv's outputs can be large)
+  bool have_result = false;
   int best = -1;
   std::exception_ptr first_error;
   for (int round = 0; round < kConvTuneRounds; ++round) {
@@ -113,7 +114,8 @@ R conv_tune(const ConvTuneKey& key, c10::Device device, int count,
         failed[c] = true;
         best_of[c] = kNone;
         if (best == c) {  // (it failed after it led: the next best leads, result to come)
-          best_result.reset();
+          best_result = R{};
+          have_result = false;
           best =
               static_cast<int>(std::min_element(best_of.begin(), best_of.end()) - best_of.begin());
           if (best_of[best] == kNone) best = -1;
@@ -124,13 +126,13 @@ R conv_tune(const ConvTuneKey& key, c10::Device device, int count,
       if (best < 0 || c == best || best_of[c] < best_of[best]) {
         best = c;
         best_result = std::move(result);
+        have_result = true;
       }
     }
   }
   if (best < 0) std::rethrow_exception(first_error);
   conv_remember_choice(key, best);
-  if (!best_result) best_result = run(best);
-  return std::move(*best_result);
+  return have_result ? std::move(best_result) : run(best);
 }
 
 }  // namespace ddpx::detail
