@@ -1,7 +1,10 @@
 #pragma once
-// GradSync's state and its per-step protocol (private to hooks/): shared by
-// grad_sync.cpp (the step's end: agreement, write-back, re-plan) and
-// grad_sync_api.cpp (construction and the public methods).
+// GradSync's state and its per-step protocol (private to hooks/). Its methods
+// live one part per file: grad_sync_api.cpp (construction and the public
+// methods), grad_sync_hook.cpp (the hooks), grad_sync_launch.cpp (launching
+// buckets), grad_sync.cpp (the step's end: agreement, write-back), and
+// grad_sync_plan/overlap/shard/stale.cpp; the sharded and the stale state are
+// bases of their own (grad_sync_shard_state.h, grad_sync_stale_state.h).
 #include <ddpx/grad_sync.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -23,6 +26,8 @@
 #include "hooks/bucket_optimizer.h"
 #include "hooks/bucket_planner.h"
 #include "hooks/channel.h"
+#include "hooks/grad_sync_shard_state.h"
+#include "hooks/grad_sync_stale_state.h"
 #include "hooks/link_estimate.h"
 #include "hooks/order_predictor.h"
 #include "hooks/param_gate.h"
@@ -47,7 +52,7 @@ inline double us_since(Clock::time_point t0, Clock::time_point t) {
 
 }  // namespace hooks
 
-struct GradSync::Impl {
+struct GradSync::Impl : hooks::ShardedState, hooks::StaleState {
   using Clock = hooks::Clock;
   // ---- fixed at construction ------------------------------------------------
   std::vector<std::string> names;
@@ -151,9 +156,6 @@ struct GradSync::Impl {
   // nothing is copied; undefined: none here) and the average for .grad.
   std::vector<at::Tensor> sparse_in, sparse_out;
   int64_t sparse_bytes = 0;  // sent by sparse buckets so far (the codec counts the rest)
-  // Sent by sharded reductions so far (reduce_fn is not used), and their
-  // float32-equivalent (CodecStats::bytes_raw).
-  int64_t shard_bytes = 0, shard_raw = 0;
   std::vector<int> pending;  // per bucket: gradients still missing
   int next_launch = 0;
   std::vector<int> launch_seq;  // buckets in the order they launched this step
@@ -195,31 +197,9 @@ struct GradSync::Impl {
   std::vector<int> declared_surprises;  // declared, yet a gradient came
   // ---- across the step boundary (GradSyncOptions::overlap) ------------------
   std::unique_ptr<hooks::BucketOptimizer> optimizer;  // set_optimizer: stepped per bucket
-  // ---- sharded state (GradSyncOptions::shard; grad_sync_shard.cpp) -------------
-  // Who owns which elements (inactive: Shard::None); per bucket, its
-  // owners' parts; per parameter, a flat view of the elements this rank
-  // owns (undefined: none), which the optimizer steps; per bucket, its
-  // gather (the owners' updated parts broadcast) in flight this step.
-  hooks::ShardMap shard;
-  std::vector<std::vector<hooks::ShardPart>> shard_parts;
-  std::vector<at::Tensor> shard_views;
-  std::vector<std::future<void>> gathers;
-  // Shard::Gradients: bucket storage lives from a step's first use of the
-  // bucket to the end of its reduction, which keeps this rank's part of
-  // the average (owned_grads, per bucket) until the bucket is stepped; a
-  // gather makes its own buffer. Gradient memory held now, and the most
-  // this step (ProfileSummary::grad_buffer_bytes), kept by account().
-  std::vector<at::Tensor> owned_grads;
-  std::atomic<int64_t> storage_bytes{0};
-  std::atomic<int64_t> storage_peak{0};
-  int64_t last_storage_peak = 0;  // the last completed step's
+  // ---- sharded (GradSyncOptions::shard; state: grad_sync_shard_state.h) ------
   bool transient_storage() const { return opts.shard_ == Shard::Gradients; }
-  void account(int64_t bytes);
-  // Gradients: of storage_bytes, the buckets' (made, not yet freed by their
-  // reduction), and the most of them a backward runs ahead with: two of the
-  // plan's largest buckets (one filling, one on the wire; set by replan).
-  std::atomic<int64_t> bucket_bytes{0};
-  int64_t bucket_limit = 0;
+  void account(int64_t bytes);  // storage_bytes += bytes, and its peak
   // Gradients, before bucket b's storage is made: while the buckets would
   // pass bucket_limit, backward waits for the oldest reduction on the wire
   // (this rank launched it, so it completes without this rank's hooks).
@@ -247,25 +227,9 @@ struct GradSync::Impl {
   std::function<void(c10d::ProcessGroup&)> gather_body(int b);
   // Whether this step's reliable buckets are stepped and gathered as soon
   // as each is reduced, during backward, rather than after the step-end
-  // agreement. The same on every rank (the options, the agreed
+  // agreement (EarlyStep). The same on every rank (the options, the agreed
   // declarations), as the collectives' order must be.
   bool steps_early() const;
-  // Such a bucket's step runs on `stepper` once its reduction has landed,
-  // while its channel goes on with the next reduction; its gather is queued
-  // on its channel behind the next bucket's reduction (or at the end of
-  // backward, before the agreement): R0 R1 G0 R2 G1 ... on every rank.
-  struct EarlyStep {
-    int bucket = -1;
-    // The ranks' used flags of its parameters, MAX-reduced in front of the
-    // reduction (undefined: Unused::Off, all used).
-    at::Tensor flags;
-    // Set by the reduction (on the bucket's channel thread, read by the
-    // gather on the same thread): it succeeded; the step it started.
-    bool reduced = false;
-    std::future<void> stepped;
-  };
-  std::unique_ptr<hooks::Channel> stepper;   // a thread; its group is not used
-  std::shared_ptr<EarlyStep> early_pending;  // the last one whose gather is not queued
   void queue_early_gather_locked();
   void finish_sharded(int b);
   // ---- mixed precision (GradSyncOptions::mixed_precision, ddpx/amp.h) -------
@@ -295,34 +259,7 @@ struct GradSync::Impl {
   Clock::time_point end_f0;
   double end_cpu_us = 0;
   std::vector<char> used_here;  // per parameter: a gradient here this step (or no_sync's)
-  // ---- one step stale (GradSyncOptions::staleness) ---------------------------
-  // Two sets of bucket tensors: storage/views hold the step in flight (its
-  // reductions run during the next step), spare/spare_views the next one
-  // (.grad points there, so backward accumulates into it). A stale step's
-  // hooks only note arrivals; its final callback (finish_stale) waits for
-  // the last step, applies its update, swaps the sets and replays them.
-  std::vector<at::Tensor> spare_storage, spare_views;
-  std::atomic<int64_t> synced_steps{0};  // finish_step calls so far (the warm-up)
-  bool step_stale = false;  // the step being completed is stale (finish_step sets it)
-  std::mutex stale_mu;      // a stale step's arrivals, noted by the hooks
-  bool stale_open = false;
-  Clock::time_point stale_t0;
-  // A stale step's final callback began here (finish_step's end of
-  // backward: what follows, the wait for the last step included, is exposed).
-  std::optional<Clock::time_point> stale_f0;
-  std::vector<std::pair<int, Clock::time_point>> stale_arrivals;
-  bool stale_pending = false;    // the last step's update waits for apply_stale
-  std::vector<int> stale_used;   // its agreed used flags
-  struct Replan {
-    std::vector<int> order;
-    std::vector<char> late, cuts, held;
-  };
-  std::optional<Replan> deferred_replan;  // agreed by a stale step: after its update
-  // GradSyncOptions::stale_lookahead: the parameters a lookahead moved
-  // (forward runs on them) and their values without it, the committed
-  // ones every rank shares (the exact update applies to these).
-  std::vector<int> lookahead_params;
-  std::vector<at::Tensor> committed;
+  // ---- one step stale (GradSyncOptions::staleness; state: grad_sync_stale_state.h)
   bool stale_now() const {
     return opts.staleness_ > 0 && synced_steps.load() >= opts.stale_warmup_;
   }
