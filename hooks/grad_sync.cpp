@@ -407,6 +407,7 @@ void GradSync::Impl::complete_step() {
   stats.exposed_comm_us = gates || step_stale ? end_cpu_us : us_since(f0, f1);
   for (const auto& b : stats.buckets) {
     stats.comm_us += b.complete_us - b.launch_us;
+    if (b.gathered_us >= 0) stats.comm_us += b.gathered_us - b.gather_us;
     stats.bytes_reduced += b.bytes;
   }
   // Our CPU: the hooks, the final callback up to its wait, and the write-back.

@@ -403,11 +403,12 @@ struct GradSync::Impl : hooks::ShardedState, hooks::StaleState {
   // Queues `body` (bucket b's reduction) on b's channel; on a device, on the
   // channel's stream after the streams that wrote b, with `keep` (storages
   // made on other streams that body uses) marked in use there.
-  // `op`: the flight recorder's name for it; `timed`: its end is the
-  // bucket's complete_us (not a sharded bucket's gather).
+  // `op`: the flight recorder's name for it; its end is the bucket's
+  // complete_us, but a sharded bucket's gather's (kAllGather; gather_body
+  // times it).
   void submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
                      std::vector<c10::Storage> keep, std::future<void>* into = nullptr,
-                     comm::detail::FrOp op = comm::detail::FrOp::kAllReduce, bool timed = true);
+                     comm::detail::FrOp op = comm::detail::FrOp::kAllReduce);
 
   // (slot, residual) of the parameters in bucket b's `runs` that owe a
   // residual from before a re-plan; they owe nothing afterwards.

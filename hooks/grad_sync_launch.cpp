@@ -151,7 +151,7 @@ void GradSync::Impl::launch_sparse_locked(int b) {
 
 void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
                                    std::vector<c10::Storage> keep, std::future<void>* into,
-                                   comm::detail::FrOp op, bool timed) {
+                                   comm::detail::FrOp op) {
   if (fr_group >= 0) {
     // The flight recorder: this reduction, with the step, the bucket and its
     // parameters.
@@ -166,8 +166,8 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
     call.names = b < static_cast<int>(fr_names.size()) ? fr_names[b] : -1;
     body = recorded_locked(call, std::move(body));
   }
-  double* complete = timed ? &stats.buckets[b].complete_us : nullptr;
   const bool gather = op == comm::detail::FrOp::kAllGather;  // (traced apart from the reduction)
+  double* complete = gather ? nullptr : &stats.buckets[b].complete_us;
   const auto start = t0;
   const int c = b % static_cast<int>(channels.size());
   std::future<void>& future = into ? *into : futures[b];

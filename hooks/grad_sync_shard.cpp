@@ -312,7 +312,7 @@ void GradSync::Impl::queue_early_gather_locked() {
         early->stepped.get();
         gather(pg);
       },
-      {}, &gathers[b], comm::detail::FrOp::kAllGather, /*timed=*/false);
+      {}, &gathers[b], comm::detail::FrOp::kAllGather);
 }
 
 at::Tensor GradSync::Impl::scatter_through_codec(int b, const at::Tensor& flat,
@@ -387,8 +387,7 @@ void GradSync::Impl::step_sharded(int b, const std::vector<int>& stepped) {
 void GradSync::Impl::gather_sharded(int b) {
   auto body = gather_body(b);
   std::lock_guard<std::mutex> lock(mu);
-  submit_locked(b, std::move(body), {}, &gathers[b], comm::detail::FrOp::kAllGather,
-                /*timed=*/false);
+  submit_locked(b, std::move(body), {}, &gathers[b], comm::detail::FrOp::kAllGather);
 }
 
 std::function<void(c10d::ProcessGroup&)> GradSync::Impl::gather_body(int b) {
@@ -411,8 +410,10 @@ std::function<void(c10d::ProcessGroup&)> GradSync::Impl::gather_body(int b) {
   }
   return [this, buffer = storage[b], numel = plan[b].numel,
           options = at::TensorOptions().dtype(plan[b].dtype).device(device), parts = shard_parts[b],
-          slots = std::move(slots)](c10d::ProcessGroup& pg) mutable {
+          slots = std::move(slots), times = &stats.buckets[b],
+          start = t0](c10d::ProcessGroup& pg) mutable {
     at::NoGradGuard no_grad;
+    times->gather_us = hooks::us_since(start, Clock::now());
     const bool made = !buffer.defined();
     if (made) {
       buffer = at::empty({numel}, options);
@@ -429,6 +430,7 @@ std::function<void(c10d::ProcessGroup&)> GradSync::Impl::gather_body(int b) {
       return pg.broadcast(t, o);
     });
     for (const auto& s : slots) s.param.copy_(buffer.narrow(0, s.offset, s.param.numel()));
+    times->gathered_us = hooks::us_since(start, Clock::now());
     if (made) {
       account(-static_cast<int64_t>(buffer.nbytes()));
       bucket_bytes -= static_cast<int64_t>(buffer.nbytes());

@@ -41,7 +41,10 @@ int64_t parse_step(const std::string& text, const std::string& what, int64_t dfl
 
 double comm_wall_us(const std::vector<StepStats::Bucket>& buckets) {
   std::vector<std::pair<double, double>> iv;
-  for (const auto& b : buckets) iv.emplace_back(b.launch_us, b.complete_us);
+  for (const auto& b : buckets) {
+    iv.emplace_back(b.launch_us, b.complete_us);
+    if (b.gathered_us >= 0) iv.emplace_back(b.gather_us, b.gathered_us);
+  }
   std::sort(iv.begin(), iv.end());
   double total = 0, end = -1e300;
   for (const auto& [a, e] : iv) {

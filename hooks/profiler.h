@@ -194,9 +194,10 @@ class Profiler {
   int64_t replans_before_ = 0;
 };
 
-// Wall time with at least one bucket in flight (the union of launch ->
-// complete): the communication the step has to hide. StepStats::comm_us sums
-// the buckets instead, counting concurrent reductions twice.
+// Wall time with at least one bucket on the wire (the union of launch ->
+// complete and of a sharded bucket's gather): the communication the step has
+// to hide. StepStats::comm_us sums the buckets instead, counting concurrent
+// reductions twice.
 double comm_wall_us(const std::vector<StepStats::Bucket>& buckets);
 
 // Summary helpers (hooks/profile_summary.cpp).

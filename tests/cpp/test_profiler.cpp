@@ -281,6 +281,16 @@ TEST(Profiler, ShardedBucketsTraceTheirGatherApartFromTheirReduction) {
     m(at::randn({4, 16}) * (world()->getRank() + 1)).backward();
   }
   const int buckets = static_cast<int>(sync.bucket_plan().size());
+  // The step's stats time each gather too, after its reduction, and count
+  // it as communication.
+  const ddpx::StepStats& last = sync.last_step();
+  double on_wire = 0;
+  for (const auto& b : last.buckets) {
+    EXPECT_GE(b.gather_us, b.complete_us - kEps) << "bucket " << b.index;
+    EXPECT_GE(b.gathered_us, b.gather_us) << "bucket " << b.index;
+    on_wire += (b.complete_us - b.launch_us) + (b.gathered_us - b.gather_us);
+  }
+  EXPECT_NEAR(last.comm_us, on_wire, 1e-6);
   barrier();
   if (world()->getRank() == 0) {
     const json t = read_trace(path);

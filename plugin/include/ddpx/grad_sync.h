@@ -320,7 +320,7 @@ struct StepStats {
   int64_t step = 0;
   double backward_us = 0;      // first hook -> final callback entry
   double exposed_comm_us = 0;  // final callback entry -> all reductions written back
-  double comm_us = 0;          // sum over buckets of launch -> complete
+  double comm_us = 0;  // sum over buckets of launch -> complete, and of their gathers (sharded)
   double hook_cpu_us = 0;      // time spent inside our hooks and final callback
   double per_param_hooks_us = 0;  // of which the per-parameter work of the hooks (the rest,
                                   // the step's start and end, is paid once per step)
@@ -356,6 +356,9 @@ struct StepStats {
     // the end of backward sends its remainder after the held buckets, which
     // overtake it (complete_us is then the remainder's).
     int64_t held_bytes;
+    // GradSyncOptions::shard: its gather (the owners' updated parts sent to
+    // every rank), begun and done, after complete_us; -1: none this step.
+    double gather_us = -1, gathered_us = -1;
   };
   std::vector<Bucket> buckets;
 };
@@ -366,7 +369,7 @@ struct ProfileSummary {
   int64_t steps = 0;
   int64_t params = 0;                  // parameter tensors synced
   double backward_us = 0;              // compute: first hook -> final callback
-  double comm_us = 0;                  // wall time with a bucket in flight (launch -> complete)
+  double comm_us = 0;                  // wall time with a bucket on the wire (reduction, gather)
   double exposed_comm_us = 0;          // final callback -> gradients written back
   double overlap_efficiency = 0;       // 1 - exposed / comm, per step
   double hook_cpu_us = 0;              // hooks + final callback, CPU
