@@ -1,24 +1,16 @@
 // GradSync's sharded step (GradSyncOptions::shard, ZeRO-1/2; who owns what:
-// hooks/shard_map.h). Per bucket: the reduction goes to the owners (one
-// reduce per owner's part, all in flight at once: a reduce-scatter with
-// uneven parts over any c10d backend; a codec's encoded parts in one
-// all-to-all, Codec::reduce_scatter_mean_packed), the owned elements are
-// stepped by the trainer's optimizer (hooks/bucket_optimizer.h, on flat
-// views of the parameters), each owner writes its updated elements into the
-// bucket -- the gradients there are consumed -- and broadcasts them (the
-// all-gather), after which every rank copies the bucket into its parameters. Bytes on
-// the wire: a reduce and a broadcast of each part, an all-reduce's worth.
+// hooks/shard_map.h). Per bucket: the reduction goes to the owners (a
+// reduce-scatter with uneven parts, hooks/shard_reduce.h; a codec's encoded
+// parts in one all-to-all, Codec::reduce_scatter_mean_packed), the owned
+// elements are stepped by the trainer's optimizer (hooks/bucket_optimizer.h,
+// on flat views of the parameters), each owner writes its updated elements
+// into the bucket -- the gradients there are consumed -- and sends them to
+// every rank (the gather), after which every rank copies the bucket into its
+// parameters. Bytes on the wire: an all-reduce's worth.
 // Under Overlap None and Optimizer a reliable bucket's step and gather run
 // during backward (steps_early): stepped on `stepper` once reduced, gathered
 // behind the next bucket's reduction; otherwise after the step-end
 // agreement (complete_step).
-//
-// Over Gloo the exact reduction is an all-to-all instead (reduce_by_alltoall):
-// Gloo's reduce is a ring reduce-scatter of the whole part followed by a
-// gather to its root, so the parts' reduces moved about twice a
-// reduce-scatter's bytes, in lock-step segments (100 MB of float32 on the
-// 1 Gbit/s link: 2.0 s at 2 ranks, 2.8 s at 3, against 0.87 s and 1.5 s for
-// the all-to-all and its sum; an all-reduce took 1.6 s and 3.2 s).
 #include <c10/core/StreamGuard.h>
 
 #include <algorithm>
@@ -26,92 +18,10 @@
 #include <utility>
 
 #include "hooks/grad_sync_impl.h"
+#include "hooks/shard_reduce.h"
 #include "hooks/shard_state.h"
-#include "plugin/comm/wire_span.h"
 
 namespace ddpx {
-
-namespace {
-
-// Each part's collective (`issue(tensor, owner)`) on its slice of `flat`,
-// all issued before any is awaited.
-template <class Issue>
-void per_part(const at::Tensor& flat, const std::vector<hooks::ShardPart>& parts, Issue issue) {
-  std::vector<std::vector<at::Tensor>> ts;
-  ts.reserve(parts.size());  // (the collectives take the vectors by reference)
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  comm::detail::WireScope wire;
-  for (const auto& part : parts) {
-    ts.push_back({flat.narrow(0, part.offset, part.numel)});
-    works.push_back(issue(ts.back(), part.rank));
-  }
-  for (auto& w : works) comm::detail::wait_named(w);
-}
-
-// Elements of each part per all-to-all of reduce_by_alltoall: a few MiB of
-// send and receive buffers per rank at a time, whatever the bucket's size.
-constexpr int64_t kAlltoallPieceBytes = int64_t{2} << 20;
-
-// The parts' sums, each into its owner's slice of `flat` (the others' slices
-// are left as they were): an all-to-all per piece of kAlltoallPieceBytes of
-// each part (every rank sends each owner its piece, pieces in flight while
-// the previous one is added), the owner adding the world's rows in rank order.
-// Two ranks: the bits of any all-reduce of flat (x0 + x1 == x1 + x0).
-void reduce_by_alltoall(const at::Tensor& flat, const std::vector<hooks::ShardPart>& parts,
-                        c10d::ProcessGroup& pg) {
-  const int world = pg.getSize(), rank = pg.getRank();
-  std::vector<int64_t> offset(world, 0), numel(world, 0);
-  for (const auto& part : parts) {
-    offset[part.rank] = part.offset;
-    numel[part.rank] = part.numel;
-  }
-  const int64_t piece = std::max<int64_t>(1, kAlltoallPieceBytes / flat.element_size());
-  const int64_t longest = *std::max_element(numel.begin(), numel.end());
-  struct InFlight {
-    at::Tensor send, recv;
-    int64_t begin = 0, len = 0;  // this rank's slice of the piece
-    c10::intrusive_ptr<c10d::Work> work;
-  };
-  std::optional<InFlight> prev;
-  auto add_rows = [&](InFlight& f) {
-    comm::detail::wait_named(f.work);
-    if (f.len == 0) return;
-    at::Tensor rows = f.recv.view({world, f.len});
-    at::Tensor dst = flat.narrow(0, offset[rank] + f.begin, f.len);
-    dst.copy_(rows[0]);
-    for (int r = 1; r < world; ++r) dst.add_(rows[r]);
-  };
-  comm::detail::WireScope wire;
-  for (int64_t k = 0; k < longest; k += piece) {
-    InFlight cur;
-    std::vector<int64_t> send_splits(world), recv_splits(world);
-    std::vector<at::Tensor> slices;
-    for (int r = 0; r < world; ++r) {
-      send_splits[r] = std::clamp<int64_t>(numel[r] - k, 0, piece);
-      if (send_splits[r] > 0) slices.push_back(flat.narrow(0, offset[r] + k, send_splits[r]));
-    }
-    cur.begin = k;
-    cur.len = std::clamp<int64_t>(numel[rank] - k, 0, piece);
-    std::fill(recv_splits.begin(), recv_splits.end(), cur.len);
-    cur.send = at::cat(slices);  // (k < longest: some part still has elements)
-    // (One element more: an empty receive still gets a buffer to point at.)
-    cur.recv = flat.new_empty({world * cur.len + 1}).narrow(0, 0, world * cur.len);
-    cur.work =
-        pg.alltoall_base(cur.recv, cur.send, recv_splits, send_splits, c10d::AllToAllOptions{});
-    if (prev) add_rows(*prev);
-    prev.emplace(std::move(cur));
-  }
-  if (prev) add_rows(*prev);
-}
-
-// Whether `flat`'s reduction to the owners goes through reduce_by_alltoall
-// (Gloo) rather than a reduce per part (MPI's and NCCL's reduce send each
-// part to its owner once).
-bool reduces_by_alltoall(const at::Tensor& flat, c10d::ProcessGroup& pg) {
-  return pg.getBackend(flat.device().type())->getBackendName() == "gloo";
-}
-
-}  // namespace
 
 void GradSync::Impl::account(int64_t bytes) {
   const int64_t now = storage_bytes += bytes;
@@ -211,16 +121,9 @@ void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywh
     } else {
       // Divided before the sum, as the unsharded "none" does (reduce_fn.cpp):
       // the same averages, bit for bit where MPI sums in the same order.
-      if (world > 1) flat.div_(world);
-      if (world > 1 && reduces_by_alltoall(flat, pg)) {
-        reduce_by_alltoall(flat, parts, pg);
-      } else {
-        per_part(flat, parts, [&pg](std::vector<at::Tensor>& t, int owner) {
-          c10d::ReduceOptions o;
-          o.rootRank = owner;
-          o.reduceOp = c10d::ReduceOp::SUM;
-          return pg.reduce(t, o);
-        });
+      if (world > 1) {
+        flat.div_(world);
+        hooks::reduce_to_owners(flat, parts, pg);
       }
     }
     if (!owned) return;
@@ -424,11 +327,7 @@ std::function<void(c10d::ProcessGroup&)> GradSync::Impl::gather_body(int b) {
       if (s.owned.defined())
         buffer.narrow(0, s.offset + s.owned_at, s.owned.numel()).copy_(s.owned);
     }
-    per_part(buffer, parts, [&pg](std::vector<at::Tensor>& t, int owner) {
-      c10d::BroadcastOptions o;
-      o.rootRank = owner;
-      return pg.broadcast(t, o);
-    });
+    hooks::gather_from_owners(buffer, parts, pg);
     for (const auto& s : slots) s.param.copy_(buffer.narrow(0, s.offset, s.param.numel()));
     times->gathered_us = hooks::us_since(start, Clock::now());
     if (made) {

@@ -1,0 +1,28 @@
+#pragma once
+// The sharded path's collectives (GradSyncOptions::shard; its protocol in
+// grad_sync_shard.cpp) over any c10d backend: a bucket's exact reduction to
+// the owners of its parts (a reduce-scatter with uneven parts, some possibly
+// empty) and the gather of the owners' parts back to every rank. Bytes on
+// the wire: together an all-reduce's worth. A codec's reduce-scatter is its
+// own (Codec::reduce_scatter_mean_packed).
+#include <ATen/core/Tensor.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <vector>
+
+#include "hooks/shard_map.h"
+
+namespace ddpx::hooks {
+
+// Each part's sum over pg's ranks into its owner's slice of `flat` (the
+// other slices are left as they were, partly overwritten). A collective:
+// every rank passes the same parts.
+void reduce_to_owners(const at::Tensor& flat, const std::vector<ShardPart>& parts,
+                      c10d::ProcessGroup& pg);
+
+// Each owner's slice of `flat` into every rank's `flat` (a broadcast per
+// part, all in flight at once). A collective, as above.
+void gather_from_owners(const at::Tensor& flat, const std::vector<ShardPart>& parts,
+                        c10d::ProcessGroup& pg);
+
+}  // namespace ddpx::hooks
