@@ -499,8 +499,11 @@ struct GradSync::Impl : hooks::ShardedState, hooks::StaleState {
   // its start and end; `record_step`: in the flight recorder, as the step's.
   std::future<void> agree_max(at::Tensor flags, const char* range, Clock::time_point* t0 = nullptr,
                               Clock::time_point* t1 = nullptr, bool record_step = false);
-  // `body` in the flight recorder's record of `call` (group and sequence
-  // number set here), stamped as a channel runs it (recorder off: body).
+  // The flight recorder's record of bucket b's collective `op` (its bytes,
+  // the step, the bucket and its parameters), and `body` in the record of
+  // `call` (group and sequence number set here), stamped as a channel runs
+  // it (recorder off: body).
+  comm::detail::FlightRecorder::Call fr_call(int b, comm::detail::FrOp op) const;
   std::function<void(c10d::ProcessGroup&)> recorded_locked(
       comm::detail::FlightRecorder::Call call, std::function<void(c10d::ProcessGroup&)> body);
 

@@ -152,20 +152,7 @@ void GradSync::Impl::launch_sparse_locked(int b) {
 void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
                                    std::vector<c10::Storage> keep, std::future<void>* into,
                                    comm::detail::FrOp op) {
-  if (fr_group >= 0) {
-    // The flight recorder: this reduction, with the step, the bucket and its
-    // parameters.
-    comm::detail::FlightRecorder::Call call;
-    call.op = op;
-    call.dtype = plan[b].dtype;
-    const int64_t bytes = stats.buckets[b].bytes;  // a partial launch's runs (sparse: 0)
-    call.numel = bytes > 0 ? bytes / static_cast<int64_t>(c10::elementSize(plan[b].dtype))
-                           : plan[b].numel;
-    call.step = stats.step;
-    call.bucket = b;
-    call.names = b < static_cast<int>(fr_names.size()) ? fr_names[b] : -1;
-    body = recorded_locked(call, std::move(body));
-  }
+  if (fr_group >= 0) body = recorded_locked(fr_call(b, op), std::move(body));
   const bool gather = op == comm::detail::FrOp::kAllGather;  // (traced apart from the reduction)
   double* complete = gather ? nullptr : &stats.buckets[b].complete_us;
   const auto start = t0;
@@ -202,6 +189,19 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
         }
         if (complete) *complete = hooks::us_since(start, Clock::now());
       });
+}
+
+comm::detail::FlightRecorder::Call GradSync::Impl::fr_call(int b, comm::detail::FrOp op) const {
+  comm::detail::FlightRecorder::Call call;
+  call.op = op;
+  call.dtype = plan[b].dtype;
+  const int64_t bytes = stats.buckets[b].bytes;  // a partial launch's runs (sparse: 0)
+  call.numel = bytes > 0 ? bytes / static_cast<int64_t>(c10::elementSize(plan[b].dtype))
+                         : plan[b].numel;
+  call.step = stats.step;
+  call.bucket = b;
+  call.names = b < static_cast<int>(fr_names.size()) ? fr_names[b] : -1;
+  return call;
 }
 
 std::function<void(c10d::ProcessGroup&)> GradSync::Impl::recorded_locked(

@@ -156,7 +156,23 @@ void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywh
       }
     }
   }
-  if (early) early->bucket = b;
+  // The flags' all-reduce runs in the reduction's job, but is a
+  // flight-recorder record of its own, just before the reduction's.
+  std::function<void(c10d::ProcessGroup&)> agree_flags;
+  if (early) {
+    early->bucket = b;
+    if (early->flags.defined()) {
+      auto call = fr_call(b, comm::detail::FrOp::kAllReduce);
+      call.numel = early->flags.numel();
+      call.dtype = at::kInt;
+      agree_flags = recorded_locked(call, [flags = early->flags](c10d::ProcessGroup& pg) {
+        std::vector<at::Tensor> v{flags};
+        c10d::AllreduceOptions o;
+        o.reduceOp = c10d::ReduceOp::MAX;
+        comm::detail::wait_named(pg.allreduce(v, o));
+      });
+    }
+  }
   auto step = [this, b, flags = early ? early->flags : at::Tensor()] {
     std::vector<int> agreed;
     if (flags.defined()) {
@@ -170,13 +186,9 @@ void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywh
   submit_locked(
       b,
       [this, body = std::move(body), early, step = std::move(step),
+       agree_flags = std::move(agree_flags),
        device = plan[b].device](c10d::ProcessGroup& pg) mutable {
-        if (early && early->flags.defined()) {
-          std::vector<at::Tensor> v{early->flags};
-          c10d::AllreduceOptions o;
-          o.reduceOp = c10d::ReduceOp::MAX;
-          comm::detail::wait_named(pg.allreduce(v, o));
-        }
+        if (agree_flags) agree_flags(pg);
         body(pg);
         if (!early) return;
         early->reduced = true;

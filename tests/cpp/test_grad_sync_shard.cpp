@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <sstream>
@@ -24,6 +25,7 @@
 
 #include "grad_sync_train_harness.h"
 #include "hooks/shard_map.h"
+#include "plugin/comm/flight_recorder.h"
 
 namespace {
 
@@ -308,6 +310,83 @@ TEST(GradSyncShardEarlyStep, StepsWhatAnotherRankUsed) {
     expect_bitwise(train_skipping(Shard::Optimizer, o), want,
                    o == Overlap::None ? "none" : "optimizer");
   }
+}
+
+// The flight recorder's view of the early step (on by default, 2000
+// records): each bucket's used-flags all-reduce is a record of its own just
+// before the bucket's reduce-scatter, and each gather follows the next
+// bucket's reduction (R0 R1 G0 R2 G1 ...), all before the step-end
+// agreement; the same sequence, numbered alike, on every rank.
+std::vector<std::string> all_bytes(c10d::ProcessGroup& pg, const std::string& mine);  // (below)
+
+TEST(GradSyncShardEarlyStep, FlightRecorderHasOneSequenceOnEveryRank) {
+  using ddpx::comm::detail::FlightRecorder;
+  using ddpx::comm::detail::FrOp;
+  using ddpx::comm::detail::FrRecord;
+  auto& fr = FlightRecorder::get();
+  ASSERT_TRUE(fr.enabled()) << "needs the flight recorder (TORCH_FR_BUFFER_SIZE unset or > 0)";
+  uint64_t before = 0;
+  for (const auto& r : fr.snapshot().records) before = std::max(before, r.id);
+  torch::manual_seed(9);
+  TwoLayers m;
+  torch::optim::Adam opt(m->parameters(), torch::optim::AdamOptions(1e-2));
+  GradSync sync(m->named_parameters(), world(),
+                GradSyncOptions()
+                    .shard(Shard::Optimizer)
+                    .overlap(Overlap::Optimizer)
+                    .bucket_cap_mb(1e-4)
+                    .first_bucket_mb(1e-4));
+  sync.set_optimizer(opt);
+  for (int step = 0; step < 3; ++step) m->b(m->a(at::randn({4, 6})).tanh()).pow(2).sum().backward();
+  const auto plan = sync.bucket_plan();
+  ASSERT_GE(plan.size(), 3u);
+  const auto snap = fr.snapshot();
+  std::vector<FrRecord> recs;
+  for (const auto& r : snap.records) {
+    if (r.id > before && snap.groups[r.group].lib == "gradsync") recs.push_back(r);
+  }
+  std::ostringstream all;
+  for (size_t i = 0; i < recs.size(); ++i) {
+    const auto& r = recs[i];
+    EXPECT_EQ(r.collective_seq, recs[0].collective_seq + i) << "record " << i;
+    all << r.step << ' ' << static_cast<int>(r.op) << ' ' << r.bucket << ' '
+        << r.input_sizes.at(0).at(0) << ' ' << r.collective_seq << '\n';
+  }
+  for (int64_t step = 1; step <= 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    std::vector<const FrRecord*> s;
+    for (const auto& r : recs) {
+      if (r.step == step) s.push_back(&r);
+    }
+    ASSERT_EQ(s.size(), 3 * plan.size() + 1);
+    // F R for the first bucket, then per bucket F R G(previous), a last G,
+    // the agreement (bucket -1).
+    std::vector<int> order;  // the buckets in their reductions' order
+    for (const auto* r : s) {
+      if (r->op == FrOp::kReduceScatter) order.push_back(r->bucket);
+    }
+    ASSERT_EQ(order.size(), plan.size());
+    size_t at = 0;
+    for (size_t i = 0; i <= order.size(); ++i) {
+      if (i < order.size()) {
+        const int b = order[i];
+        EXPECT_EQ(s[at]->op, FrOp::kAllReduce);
+        EXPECT_EQ(s[at]->bucket, b);
+        EXPECT_EQ(s[at]->input_sizes.at(0).at(0), static_cast<int64_t>(plan[b].size()));
+        EXPECT_EQ(s[at]->input_dtypes.at(0), at::kInt);
+        EXPECT_EQ(s[at + 1]->bucket, b);  // (its reduce-scatter)
+        at += 2;
+      }
+      if (i > 0) {
+        EXPECT_EQ(s[at]->op, FrOp::kAllGather);
+        EXPECT_EQ(s[at]->bucket, order[i - 1]);
+        ++at;
+      }
+    }
+    EXPECT_EQ(s[at]->op, FrOp::kAllReduce);
+    EXPECT_EQ(s[at]->bucket, -1);
+  }
+  for (const auto& other : all_bytes(*world(), all.str())) EXPECT_EQ(other, all.str());
 }
 
 // ---- who owns what ------------------------------------------------------------
