@@ -413,6 +413,8 @@ void GradSync::Impl::complete_step() {
   // Our CPU: the hooks, the final callback up to its wait, and the write-back.
   stats.hook_cpu_us = hook_cpu_us + cpu_before_wait + us_since(w0, f1) - buffers_us;
   stats.per_param_hooks_us = hook_cpu_us - begin_us;
+  stats.memory_wait_us = static_cast<double>(memory_wait_ns.exchange(0)) / 1e3;
+  stats.memory_waits = memory_waits.exchange(0);
   stats.replans = replans;
   last = stats;
   last_storage_peak = storage_peak.load();

@@ -51,7 +51,10 @@ void GradSync::Impl::make_room(int b) {
     }
     if (!oldest) return;  // nothing on the wire: what fills must be made
     hooks::Range r("ddpx::gradient_memory_wait");
+    const auto w0 = Clock::now();
     oldest->wait();  // (its failure is complete_step's to report)
+    memory_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - w0).count();
+    ++memory_waits;
   }
 }
 

@@ -45,6 +45,9 @@ struct ShardedState {
   // plan's largest buckets (one filling, one on the wire; set by replan).
   std::atomic<int64_t> bucket_bytes{0};
   int64_t bucket_limit = 0;
+  // Backward's waits for that room this step (StepStats::memory_wait_us):
+  // nanoseconds and count, from the hooks' threads.
+  std::atomic<int64_t> memory_wait_ns{0}, memory_waits{0};
 
   // A bucket stepped during backward (Impl::steps_early): its step runs on
   // `stepper` once its reduction has landed, while its channel goes on with

@@ -38,6 +38,7 @@ ProfileSummary summarize(const std::deque<StepRecord>& rs, int64_t params) {
       [](const StepRecord& r) { return r.comm_us > 0; });
   s.hook_cpu_us = median(rs, [](const StepRecord& r) { return r.hook_cpu_us; });
   s.gate_wait_us = median(rs, [](const StepRecord& r) { return r.gate_wait_us; });
+  s.memory_wait_us = median(rs, [](const StepRecord& r) { return r.memory_wait_us; });
   s.held_buckets =
       median(rs, [](const StepRecord& r) { return static_cast<double>(r.held_buckets); });
   s.overtaken_bytes =
@@ -82,6 +83,7 @@ std::string format_summary(const ProfileSummary& s) {
   row("exposed communication", s.exposed_comm_us / 1e3, "ms");
   row("overlap efficiency", 100.0 * s.overlap_efficiency, "%");
   if (s.gate_wait_us > 0) row("forward waiting at gates", s.gate_wait_us / 1e3, "ms");
+  if (s.memory_wait_us > 0) row("backward waiting for memory", s.memory_wait_us / 1e3, "ms");
   if (s.held_buckets > 0) row("held for priority (pieces)", s.held_buckets, "buckets");
   if (s.overtaken_bytes > 0) row("overtaken by them", s.overtaken_bytes / 1e6, "MB");
   row("hook CPU, total", s.hook_cpu_us / 1e3, "ms");

@@ -183,6 +183,7 @@ void Profiler::end_step(const StepStats& s, const FinalTimes& t, double hooks_on
   // NextForward: what the step exposes is the end of backward plus the
   // forward's waits at gates (recorded with the step after them).
   r.gate_wait_us = s.gate_wait_us;
+  r.memory_wait_us = s.memory_wait_us;
   for (const auto& b : s.buckets) {
     r.held_buckets += b.held ? 1 : 0;
     r.overtaken_bytes += b.held_bytes;

@@ -88,6 +88,7 @@ struct StepRecord {
   int64_t step = 0;
   double backward_us = 0, comm_us = 0, exposed_us = 0, hook_cpu_us = 0, hooks_only_us = 0;
   double gate_wait_us = 0;  // NextForward: the forward's waits at gates (in exposed_us too)
+  double memory_wait_us = 0;  // Shard::Gradients: backward's waits for bucket memory
   int64_t held_buckets = 0, overtaken_bytes = 0;  // priority (ProfileSummary)
   int64_t hook_calls = 0, bytes_sent = 0, bytes_raw = 0, replans = 0, mispredictions = 0;
 };

@@ -154,6 +154,8 @@ nlohmann::json run(const Args& a) {
           // GradSync's own count, for the sharded cases (0 without an optimizer)
           {"sync_state_bytes", prof.optimizer_state_bytes},
           {"grad_bytes", prof.grad_buffer_bytes},
+          // gs_zero2: backward's median wait for bucket memory a step
+          {"memory_wait_ms", prof.memory_wait_us / 1e3},
           {"base_rss", base_rss},
           {"peak_rss", status_bytes("VmHWM")}};
 }

@@ -16,10 +16,12 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
@@ -484,7 +486,7 @@ TEST(GradSyncShardState, EachRankKeepsStateForItsOwnElements) {
 // after the step; buckets are freed as they are reduced, and a backward
 // that runs ahead of the wire waits for it (make_room), so the gradient
 // memory at its peak is this rank's part plus two buckets, not the model,
-// however fast backward is.
+// however fast backward is: backward waits for room, and says so.
 TEST(GradSyncShardState, GradientsHoldsItsPartAndTwoBuckets) {
   auto& pg = world();
   torch::manual_seed(5);
@@ -497,8 +499,16 @@ TEST(GradSyncShardState, GradientsHoldsItsPartAndTwoBuckets) {
       GradSyncOptions().shard(Shard::Gradients).bucket_cap_mb(0.07).first_bucket_mb(0.07));
   sync.set_optimizer(sgd);
   for (int step = 0; step < 3; ++step) {
-    seq->forward(at::randn({2, kWidth})).pow(2).mean().backward();
+    const at::Tensor loss = seq->forward(at::randn({2, kWidth})).pow(2).mean();
+    // The other ranks start backward late: rank 0's first reductions cannot
+    // end before they do, so its third bucket must wait for room (counted).
+    if (pg->getRank() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    loss.backward();
     for (const auto& p : seq->parameters()) EXPECT_FALSE(p.grad().defined());
+    if (pg->getRank() == 0) {
+      EXPECT_GE(sync.last_step().memory_waits, 1) << "step " << step;
+      EXPECT_GT(sync.last_step().memory_wait_us, 0) << "step " << step;
+    }
   }
   ASSERT_EQ(sync.bucket_plan().size(), static_cast<size_t>(kLayers));
   const double bucket = 4.0 * kWidth * (kWidth + 1), model = kLayers * bucket;
@@ -506,6 +516,10 @@ TEST(GradSyncShardState, GradientsHoldsItsPartAndTwoBuckets) {
   EXPECT_LE(prof.grad_buffer_bytes, model / pg->getSize() + 2 * bucket + 64)
       << "of a model of " << model << " bytes";
   EXPECT_GT(prof.grad_buffer_bytes, 0);
+  if (pg->getRank() == 0) {
+    EXPECT_GT(prof.memory_wait_us, 0);
+    EXPECT_NE(sync.profile_summary().find("backward waiting for memory"), std::string::npos);
+  }
 }
 
 // ---- checkpoints at any world size ---------------------------------------------

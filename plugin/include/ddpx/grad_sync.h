@@ -332,6 +332,11 @@ struct StepStats {
   // at parameter gates for the previous step's updates, and how often.
   double gate_wait_us = 0;
   int64_t gate_waits = 0;
+  // Shard::Gradients: how long backward waited for bucket memory (a bucket
+  // on the wire to be freed: its reduction, or a gather's buffer), and how
+  // often; in backward_us too.
+  double memory_wait_us = 0;
+  int64_t memory_waits = 0;
   // GradSyncOptions::staleness: this step's update is applied at the end of
   // the next backward (exposed_comm_us is then the end of this backward:
   // the wait for the last step's reductions, its update, the launches).
@@ -379,6 +384,7 @@ struct ProfileSummary {
   int64_t replans = 0;                 // re-planning events in these steps
   int64_t unused_mispredictions = 0;   // summed over these steps
   double gate_wait_us = 0;             // Overlap::NextForward: forward waiting at gates
+  double memory_wait_us = 0;           // Shard::Gradients: backward waiting for bucket memory
   // Priority (NextForward): buckets held and launched first layer first (the
   // held part is cut into pieces), and the bytes of a bucket cut at the end
   // of backward that they overtook (StepStats::Bucket::held_bytes).
