@@ -127,6 +127,7 @@ void GradSync::Impl::begin_step_locked(const Clock::time_point* replay_start) {
   gathers.clear();
   gathers.resize(plan.size());
   owned_grads.assign(plan.size(), at::Tensor());
+  owned_in_bucket.assign(plan.size(), 0);
   storage_peak = storage_bytes.load();
   rest_futures.clear();
   rest_futures.resize(plan.size());

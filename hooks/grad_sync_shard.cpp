@@ -37,16 +37,13 @@ void GradSync::Impl::make_room(int b) {
     std::future<void>* oldest = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu);
-      // (A bucket's reduction, then its gather if that runs during backward
-      // (steps_early), which holds a bucket-sized buffer until it lands.)
+      // (A gather holds no bucket: gather_body's pieces.)
       for (int j : launch_seq) {
-        for (std::future<void>* f : {&futures[j], &gathers[j]}) {
-          if (!oldest && f->valid() &&
-              f->wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-            oldest = f;
-          }
+        std::future<void>& f = futures[j];
+        if (f.valid() && f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+          oldest = &f;
+          break;
         }
-        if (oldest) break;
       }
     }
     if (!oldest) return;  // nothing on the wire: what fills must be made
@@ -112,8 +109,11 @@ void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywh
     drop_storage(b);
     owned = &owned_grads[b];
   }
+  // Stepped during backward (steps_early, below): the part can stay where
+  // it is, in the bucket, which then goes with the step.
+  const bool early_step = steps_early() && !plan[b].late;
   auto body = [this, b, flat, parts = shard_parts[b], owned, owed = std::move(owed),
-               idle = std::move(idle),
+               idle = std::move(idle), early_step,
                mine = mine ? std::optional<hooks::ShardPart>(*mine)
                            : std::nullopt](c10d::ProcessGroup& pg) mutable {
     at::Tensor mean;  // a codec's: this rank's part of the average
@@ -130,6 +130,16 @@ void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywh
       }
     }
     if (!owned) return;
+    if (mine && early_step && !mean.defined()) {
+      // (A copy of the part beside the whole bucket, then the bucket freed,
+      // peaked at both: on mlp25m at 2 ranks, whose largest bucket is 2/3
+      // of the model, above the unsharded run's memory. step_sharded frees
+      // the bucket and counts it off.)
+      *owned = flat.narrow(0, mine->offset, mine->numel);
+      owned_in_bucket[b] = 1;
+      flat = at::Tensor();
+      return;
+    }
     if (mine) {
       *owned = mean.defined() ? mean : flat.narrow(0, mine->offset, mine->numel).clone();
       account(static_cast<int64_t>(owned->nbytes()));
@@ -147,7 +157,7 @@ void GradSync::Impl::launch_sharded_locked(int b, const std::vector<char>& anywh
   // link is quiet and the ranks meet anyway: behind the reduction, the
   // round trip queued behind its last bytes and cost more than it saves).
   std::shared_ptr<EarlyStep> early;
-  if (steps_early() && !plan[b].late) {  // (a late one is stepped after the agreement)
+  if (early_step) {  // (a late one is stepped after the agreement)
     early = std::make_shared<EarlyStep>();
     if (opts.unused_ != Unused::Off) {
       const auto& ps = plan[b].params;
@@ -297,8 +307,13 @@ void GradSync::Impl::step_sharded(int b, const std::vector<int>& stepped) {
   optimizer->apply(b, stepped);
   for (int p : stepped) shard_views[p].mutable_grad() = at::Tensor();
   if (owned_grads[b].defined()) {
-    account(-static_cast<int64_t>(owned_grads[b].nbytes()));
+    // (A part kept in its bucket: the bucket's bytes.)
+    const auto bytes = static_cast<int64_t>(owned_in_bucket[b] ? owned_grads[b].storage().nbytes()
+                                                               : owned_grads[b].nbytes());
     owned_grads[b] = at::Tensor();
+    account(-bytes);
+    if (owned_in_bucket[b]) bucket_bytes -= bytes;
+    owned_in_bucket[b] = 0;
   }
 }
 
@@ -311,10 +326,13 @@ void GradSync::Impl::gather_sharded(int b) {
 std::function<void(c10d::ProcessGroup&)> GradSync::Impl::gather_body(int b) {
   const c10::Device device = plan[b].device;
   // The gather: each owner's elements of every parameter of the bucket
-  // (stepped or not) broadcast in a bucket-sized buffer -- the bucket
-  // itself (its gradients are consumed), or, Gradients, one made and freed
-  // by the gather, so one at a time per channel -- then copied into every
-  // rank's parameters.
+  // (stepped or not) broadcast in the bucket itself (its gradients are
+  // consumed), then copied into every rank's parameters; or, Gradients,
+  // whose bucket went with its reduction, in pieces of a few MiB, each
+  // filled from the owner's elements and copied into the others'
+  // parameters (a bucket-sized buffer made per gather, as first built, took
+  // ZeRO-2's gradient memory past the unsharded run's on mlp25m at 2 ranks:
+  // 117 MB against 101).
   struct Slot {
     at::Tensor param;  // flat
     int64_t offset;    // in the bucket
@@ -326,30 +344,45 @@ std::function<void(c10d::ProcessGroup&)> GradSync::Impl::gather_body(int b) {
     slots.push_back(
         {params[p].detach().view(-1), offset_of[p], shard_views[p], shard.mine(p).first});
   }
-  return [this, buffer = storage[b], numel = plan[b].numel,
+  return [this, buffer = storage[b],
           options = at::TensorOptions().dtype(plan[b].dtype).device(device), parts = shard_parts[b],
           slots = std::move(slots), times = &stats.buckets[b],
           start = t0](c10d::ProcessGroup& pg) mutable {
     at::NoGradGuard no_grad;
     times->gather_us = hooks::us_since(start, Clock::now());
-    const bool made = !buffer.defined();
-    if (made) {
-      buffer = at::empty({numel}, options);
-      account(static_cast<int64_t>(buffer.nbytes()));
-      bucket_bytes += static_cast<int64_t>(buffer.nbytes());  // (make_room's, during backward)
+    if (buffer.defined()) {
+      for (const auto& s : slots) {
+        if (s.owned.defined())
+          buffer.narrow(0, s.offset + s.owned_at, s.owned.numel()).copy_(s.owned);
+      }
+      hooks::gather_from_owners(buffer, parts, pg);
+      for (const auto& s : slots) s.param.copy_(buffer.narrow(0, s.offset, s.param.numel()));
+    } else {
+      // Bucket coordinates: a slot's elements are [offset, offset + numel),
+      // its owned ones [offset + owned_at, ... + owned.numel()).
+      auto overlap = [](int64_t a, int64_t an, int64_t b, int64_t bn) {
+        const int64_t lo = std::max(a, b), hi = std::min(a + an, b + bn);
+        return std::pair<int64_t, int64_t>(lo, std::max<int64_t>(hi - lo, 0));
+      };
+      auto fill = [&slots, &overlap](int64_t at, const at::Tensor& piece) {
+        for (const auto& s : slots) {
+          if (!s.owned.defined()) continue;
+          const auto [lo, n] = overlap(s.offset + s.owned_at, s.owned.numel(), at, piece.numel());
+          if (n > 0) {
+            piece.narrow(0, lo - at, n).copy_(s.owned.narrow(0, lo - s.offset - s.owned_at, n));
+          }
+        }
+      };
+      auto take = [&slots, &overlap](int64_t at, const at::Tensor& piece) {
+        for (const auto& s : slots) {
+          const auto [lo, n] = overlap(s.offset, s.param.numel(), at, piece.numel());
+          if (n > 0) s.param.narrow(0, lo - s.offset, n).copy_(piece.narrow(0, lo - at, n));
+        }
+      };
+      hooks::gather_from_owners_in_pieces(parts, options, pg, fill, take,
+                                          [this](int64_t bytes) { account(bytes); });
     }
-    for (const auto& s : slots) {
-      if (s.owned.defined())
-        buffer.narrow(0, s.offset + s.owned_at, s.owned.numel()).copy_(s.owned);
-    }
-    hooks::gather_from_owners(buffer, parts, pg);
-    for (const auto& s : slots) s.param.copy_(buffer.narrow(0, s.offset, s.param.numel()));
     times->gathered_us = hooks::us_since(start, Clock::now());
-    if (made) {
-      account(-static_cast<int64_t>(buffer.nbytes()));
-      bucket_bytes -= static_cast<int64_t>(buffer.nbytes());
-      buffer = at::Tensor();
-    }
   };
 }
 

@@ -34,9 +34,13 @@ struct ShardedState {
   // Shard::Gradients: bucket storage lives from a step's first use of the
   // bucket to the end of its reduction, which keeps this rank's part of
   // the average (owned_grads, per bucket) until the bucket is stepped; a
-  // gather makes its own buffer. Gradient memory held now, and the most
+  // gather sends in pieces (shard_reduce.h). Gradient memory held now, and the most
   // this step (ProfileSummary::grad_buffer_bytes), kept by Impl::account().
   std::vector<at::Tensor> owned_grads;
+  // Per bucket: its owned_grads entry is a view of the bucket itself (a
+  // bucket stepped during backward), which lives, and counts in
+  // bucket_bytes, until the step.
+  std::vector<char> owned_in_bucket;
   std::atomic<int64_t> storage_bytes{0};
   std::atomic<int64_t> storage_peak{0};
   int64_t last_storage_peak = 0;  // the last completed step's

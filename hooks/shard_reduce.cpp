@@ -9,6 +9,7 @@
 #include "hooks/shard_reduce.h"
 
 #include <algorithm>
+#include <array>
 #include <optional>
 
 #include "plugin/comm/wire_span.h"
@@ -119,6 +120,62 @@ void gather_from_owners(const at::Tensor& flat, const std::vector<ShardPart>& pa
     o.rootRank = owner;
     return pg.broadcast(t, o);
   });
+}
+
+void gather_from_owners_in_pieces(const std::vector<ShardPart>& parts,
+                                  const at::TensorOptions& options, c10d::ProcessGroup& pg,
+                                  const PieceFn& fill, const PieceFn& take,
+                                  const std::function<void(int64_t bytes)>& held) {
+  const int rank = pg.getRank();
+  const int64_t piece = std::max<int64_t>(
+      1,
+      kGatherPieceBytes / static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType())));
+  int64_t longest = 0;
+  for (const auto& part : parts) longest = std::max(longest, part.numel);
+  const int64_t len = std::min(piece, longest);
+  if (len == 0) return;
+  // Two slots, used in turn and never moved: a backend may hold on to the
+  // tensor vector it was given until the broadcast completes.
+  struct Slot {
+    at::Tensor buffer;
+    std::vector<at::Tensor> tensors;
+    int64_t offset = 0;
+    bool mine = false;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  std::array<Slot, 2> slots;
+  for (auto& s : slots) s.buffer = at::empty({len}, options);
+  const int64_t bytes = 2 * len * static_cast<int64_t>(slots[0].buffer.element_size());
+  held(bytes);
+  struct Release {  // (also when a broadcast fails)
+    const std::function<void(int64_t)>& held;
+    int64_t bytes;
+    ~Release() { held(-bytes); }
+  } release{held, bytes};
+  auto land = [&](Slot& s) {
+    if (!s.work) return;
+    comm::detail::wait_named(s.work);
+    s.work.reset();
+    if (!s.mine) take(s.offset, s.tensors[0]);
+  };
+  comm::detail::WireScope wire;
+  int next = 0;
+  for (const auto& part : parts) {
+    for (int64_t k = 0; k < part.numel; k += piece) {
+      Slot& s = slots[next];
+      next ^= 1;
+      land(s);  // (the piece before last: its buffer is this one's)
+      s.offset = part.offset + k;
+      s.mine = part.rank == rank;
+      s.tensors = {s.buffer.narrow(0, 0, std::min(piece, part.numel - k))};
+      if (s.mine) fill(s.offset, s.tensors[0]);
+      c10d::BroadcastOptions o;
+      o.rootRank = part.rank;
+      s.work = pg.broadcast(s.tensors, o);
+    }
+  }
+  land(slots[next]);  // (the older of the two in flight first)
+  land(slots[next ^ 1]);
 }
 
 }  // namespace ddpx::hooks

@@ -7,6 +7,7 @@
 // own (Codec::reduce_scatter_mean_packed).
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
@@ -24,5 +25,20 @@ void reduce_to_owners(const at::Tensor& flat, const std::vector<ShardPart>& part
 // part, all in flight at once). A collective, as above.
 void gather_from_owners(const at::Tensor& flat, const std::vector<ShardPart>& parts,
                         c10d::ProcessGroup& pg);
+
+// The same gather without a bucket-sized buffer (Shard::Gradients, whose
+// bucket is gone once reduced): each owner's part goes to the other ranks
+// in pieces of at most kGatherPieceBytes, two in flight, so the gather holds
+// two pieces whatever the bucket's size. On the owner, `fill(offset,
+// piece)` writes the bucket's elements [offset, offset + piece.numel())
+// into `piece`; on every other rank `take(offset, piece)` reads them. A
+// collective, as above. `held(bytes)` is told of the pieces' memory as it is
+// made (bytes > 0) and freed (< 0).
+using PieceFn = std::function<void(int64_t offset, const at::Tensor& piece)>;
+inline constexpr int64_t kGatherPieceBytes = int64_t{2} << 20;
+void gather_from_owners_in_pieces(const std::vector<ShardPart>& parts,
+                                  const at::TensorOptions& options, c10d::ProcessGroup& pg,
+                                  const PieceFn& fill, const PieceFn& take,
+                                  const std::function<void(int64_t bytes)>& held);
 
 }  // namespace ddpx::hooks

@@ -239,7 +239,9 @@ struct GradSyncOptions {
   // (GradSync::shard_range says which elements), and a job resumed at the
   // same world size loads it back as usual.
   // Gradients: bucket storage exists only while a bucket is in use in a
-  // step (from its first gradient to the end of its gather); .grad is
+  // step (from its first gradient to the end of its reduction; this rank's
+  // part of the average then until its step; the gather goes in pieces of
+  // a few MiB); .grad is
   // released as soon as it is copied into its bucket (under no_sync it
   // accumulates, whole, as usual) and undefined after the step.
   // Optimizer: buckets persist and .grad is a view of its (zeroed) slot
@@ -333,8 +335,8 @@ struct StepStats {
   double gate_wait_us = 0;
   int64_t gate_waits = 0;
   // Shard::Gradients: how long backward waited for bucket memory (a bucket
-  // on the wire to be freed: its reduction, or a gather's buffer), and how
-  // often; in backward_us too.
+  // on the wire to be freed by its reduction), and how often; in
+  // backward_us too.
   double memory_wait_us = 0;
   int64_t memory_waits = 0;
   // GradSyncOptions::staleness: this step's update is applied at the end of
