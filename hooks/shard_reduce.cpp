@@ -34,12 +34,8 @@ void per_part(const at::Tensor& flat, const std::vector<ShardPart>& parts, Issue
   for (auto& w : works) comm::detail::wait_named(w);
 }
 
-// Elements of each part per all-to-all of reduce_by_alltoall: a few MiB of
-// send and receive buffers per rank at a time, whatever the bucket's size.
-constexpr int64_t kAlltoallPieceBytes = int64_t{2} << 20;
-
 // The parts' sums, each into its owner's slice of `flat` (the others' slices
-// are left as they were): an all-to-all per piece of kAlltoallPieceBytes of
+// are left as they were): an all-to-all per piece of kPieceBytes of
 // each part (every rank sends each owner its piece, pieces in flight while
 // the previous one is added), the owner adding the world's rows in rank order.
 // Two ranks: the bits of any all-reduce of flat (x0 + x1 == x1 + x0).
@@ -51,7 +47,7 @@ void reduce_by_alltoall(const at::Tensor& flat, const std::vector<ShardPart>& pa
     offset[part.rank] = part.offset;
     numel[part.rank] = part.numel;
   }
-  const int64_t piece = std::max<int64_t>(1, kAlltoallPieceBytes / flat.element_size());
+  const int64_t piece = std::max<int64_t>(1, kPieceBytes / flat.element_size());
   const int64_t longest = *std::max_element(numel.begin(), numel.end());
   struct InFlight {
     at::Tensor send, recv;
@@ -128,8 +124,7 @@ void gather_from_owners_in_pieces(const std::vector<ShardPart>& parts,
                                   const std::function<void(int64_t bytes)>& held) {
   const int rank = pg.getRank();
   const int64_t piece = std::max<int64_t>(
-      1,
-      kGatherPieceBytes / static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType())));
+      1, kPieceBytes / static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType())));
   int64_t longest = 0;
   for (const auto& part : parts) longest = std::max(longest, part.numel);
   const int64_t len = std::min(piece, longest);

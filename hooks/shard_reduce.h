@@ -15,6 +15,11 @@
 
 namespace ddpx::hooks {
 
+// Of each part, what the Gloo all-to-all reduction and the gather in pieces
+// move per collective: a few MiB of buffers per rank at a time, whatever
+// the bucket's size.
+inline constexpr int64_t kPieceBytes = int64_t{2} << 20;
+
 // Each part's sum over pg's ranks into its owner's slice of `flat` (the
 // other slices are left as they were, partly overwritten). A collective:
 // every rank passes the same parts.
@@ -28,14 +33,13 @@ void gather_from_owners(const at::Tensor& flat, const std::vector<ShardPart>& pa
 
 // The same gather without a bucket-sized buffer (Shard::Gradients, whose
 // bucket is gone once reduced): each owner's part goes to the other ranks
-// in pieces of at most kGatherPieceBytes, two in flight, so the gather holds
+// in pieces of at most kPieceBytes, two in flight, so the gather holds
 // two pieces whatever the bucket's size. On the owner, `fill(offset,
 // piece)` writes the bucket's elements [offset, offset + piece.numel())
 // into `piece`; on every other rank `take(offset, piece)` reads them. A
 // collective, as above. `held(bytes)` is told of the pieces' memory as it is
 // made (bytes > 0) and freed (< 0).
 using PieceFn = std::function<void(int64_t offset, const at::Tensor& piece)>;
-inline constexpr int64_t kGatherPieceBytes = int64_t{2} << 20;
 void gather_from_owners_in_pieces(const std::vector<ShardPart>& parts,
                                   const at::TensorOptions& options, c10d::ProcessGroup& pg,
                                   const PieceFn& fill, const PieceFn& take,
