@@ -35,6 +35,7 @@ import itertools
 import queue
 import signal
 import threading
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -50,12 +51,24 @@ _serial = itertools.count()
 class _Worker:
     """One thread that runs the state's codec calls in the order they came:
     every rank issues the same collectives in the same order on the state's
-    own group."""
+    own group.
+
+    The thread ends when the worker is collected or, at the latest, at exit,
+    after the calls already queued: a daemon thread still inside a torch call
+    when the interpreter finalizes is ended by a forced unwind through that
+    call's GIL guard, which aborts the process (the quick start's exit code
+    134 when its last bucket's future was set just before the exit)."""
+
+    _STOP = object()
+    _EXIT_JOIN_S = 60.0  # bounds an exit behind a call stuck on a lost peer
 
     def __init__(self):
         self._queue: "queue.Queue" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="ddpx-comm-hook", daemon=True)
-        self._thread.start()
+        # The thread holds the queue, not the worker: the worker stays collectable.
+        thread = threading.Thread(target=_Worker._serve, args=(self._queue,),
+                                  name="ddpx-comm-hook", daemon=True)
+        thread.start()
+        weakref.finalize(self, _Worker._stop, self._queue, thread)
 
     def submit(self, fn, stream=None) -> torch.futures.Future[torch.Tensor]:
         """fn() on the worker; with `stream` (a CUDA stream), under it: the
@@ -66,9 +79,20 @@ class _Worker:
         self._queue.put((fn, fut, stream))
         return fut
 
-    def _run(self):
+    @staticmethod
+    def _stop(q: "queue.Queue", thread: threading.Thread) -> None:
+        q.put(_Worker._STOP)
+        if thread is not threading.current_thread():
+            thread.join(_Worker._EXIT_JOIN_S)
+
+    @staticmethod
+    def _serve(q: "queue.Queue") -> None:
         while True:
-            fn, fut, stream = self._queue.get()
+            item = q.get()
+            if item is _Worker._STOP:
+                return
+            fn, fut, stream = item
+            del item
             on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with on:
                 try:
@@ -76,6 +100,7 @@ class _Worker:
                     fut.set_result(fn())
                 except BaseException as e:  # noqa: BLE001  (handed to DDP's wait)
                     fut.set_exception(e)
+            del fn, fut, stream
 
 
 class CodecState:
