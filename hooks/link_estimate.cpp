@@ -33,6 +33,18 @@ void LinkEstimate::add_step(const std::vector<std::pair<double, double>>& sample
   busy_ = kDecay * busy_ + busy;
 }
 
+std::vector<double> link_busy_us(std::vector<LinkSpan> spans, size_t buckets) {
+  std::stable_sort(spans.begin(), spans.end(),
+                   [](const LinkSpan& x, const LinkSpan& y) { return x.end_us < y.end_us; });
+  std::vector<double> busy(buckets, -1);
+  double free_at = 0;
+  for (const auto& s : spans) {
+    busy[s.bucket] = std::max(busy[s.bucket], 0.0) + s.end_us - std::max(s.begin_us, free_at);
+    free_at = std::max(free_at, s.end_us);
+  }
+  return busy;
+}
+
 void UseRate::observe(const std::vector<char>& used_anywhere) {
   const double a = std::max(alpha_, 1.0 / ++steps_);
   for (size_t p = 0; p < rate_.size(); ++p) {

@@ -40,6 +40,23 @@ class LinkEstimate {
   std::deque<double> trips_;  // the last 8 round trips
 };
 
+// One use of the link by a bucket: its reduction (from its launch) or, sharded,
+// its gather (from its start), until it ended.
+struct LinkSpan {
+  double begin_us, end_us;
+  size_t bucket;
+};
+
+// Per bucket, the time the link was busy with it (-1: no span): its spans
+// in the order they ended (a channel runs its jobs in the order queued; a
+// reduction's begin is when it was queued, which may be before a gather
+// queued ahead of it began), each from when the link was free.
+// A sharded bucket's reduction and gather both count (each half an
+// all-reduce's bytes), so add_step learns an all-reduce's rate either way;
+// its gather runs behind the next bucket's reduction, which is then timed
+// from the gather's end.
+std::vector<double> link_busy_us(std::vector<LinkSpan> spans, size_t buckets);
+
 // Per parameter, the share of recent steps in which some rank used it: what
 // its slot in a late bucket puts on the link on average (PlanTiming). A
 // plain mean over the first 1/alpha steps, then an average that forgets

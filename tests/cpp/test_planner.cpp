@@ -459,6 +459,24 @@ TEST(LinkEstimate, LaunchCostIsTheLeastRecentRoundTripAndRateExcludesIt) {
   EXPECT_DOUBLE_EQ(fit.launch_us(), 500);
 }
 
+// A sharded step on one channel, R0 R1 G0 R2: each span counts from when the
+// link was free, a bucket's gather with its reduction.
+TEST(LinkEstimate, BusyTimeCountsGathersWithTheirBucket) {
+  using ddpx::hooks::LinkSpan;
+  const std::vector<LinkSpan> spans = {
+      {200, 400, 2},  // R2, launched while R1 was on the link, G0 queued before it
+      {0, 100, 0},    // R0
+      {250, 300, 0},  // G0, behind R1
+      {50, 250, 1},   // R1, launched while R0 was on the link
+  };
+  const auto busy = ddpx::hooks::link_busy_us(spans, 4);
+  ASSERT_EQ(busy.size(), 4u);
+  EXPECT_DOUBLE_EQ(busy[0], 100 + 50);
+  EXPECT_DOUBLE_EQ(busy[1], 150);
+  EXPECT_DOUBLE_EQ(busy[2], 100);  // from G0's end
+  EXPECT_DOUBLE_EQ(busy[3], -1);   // no span: no sample
+}
+
 // Later steps outweigh old ones: a link that halves its rate is learnt.
 TEST(UseRate, AveragesPlainlyFirstThenForgets) {
   ddpx::hooks::UseRate rate(3, 0.25);
