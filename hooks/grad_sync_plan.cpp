@@ -142,7 +142,8 @@ void GradSync::Impl::learn_link_rate(double trip_us) {
   // counting the reductions alone made the link look twice as fast, and
   // the timing plans then cut the transformer's backward into fewer
   // buckets, one of 3 MB gathered after 60% of backward, the link idle
-  // meanwhile (ZeRO-1 1.07x unsharded's step at 2 ranks; 1.00x since).
+  // meanwhile (ZeRO-1 and ZeRO-2 1.08x unsharded's step at 2 ranks, 10
+  // rounds of scripts/bench/zero; 1.03x since).
   std::vector<hooks::LinkSpan> spans;
   for (size_t i = 0; i < stats.buckets.size(); ++i) {
     const auto& b = stats.buckets[i];
