@@ -94,15 +94,19 @@ std::optional<hooks::PlanTiming> GradSync::Impl::timing_of(const hooks::OrderPre
   const auto& t = p.predicted_arrival_us();
   if (!opts.timed_plans_ || t.empty() || p.timed_steps() < 2) return std::nullopt;
   const double backward = *std::max_element(t.begin(), t.end());
-  const double gap = std::max({1000.0, 0.02 * backward, 2 * link.launch_us()});
+  // A bucket stepped during backward is three collectives: its ranks' used
+  // flags (under Unused::Predict), its reduction and its gather.
+  const double per_bucket = shard.active() && steps_early() ? 3 : 1;
+  const double launch = per_bucket * link.launch_us();
+  const double gap = std::max({1000.0, 0.02 * backward, 2 * launch});
   std::vector<double> late_bytes(params.size());
   for (size_t q = 0; q < params.size(); ++q) {
     late_bytes[q] = static_cast<double>(info[q].numel) *
                     static_cast<double>(c10::elementSize(info[q].dtype)) *
                     used_anywhere[static_cast<int>(q)];
   }
-  return hooks::PlanTiming{
-      t, gap, link.bytes_per_us(), link.launch_us(), late_at_end(), std::move(late_bytes)};
+  return hooks::PlanTiming{t,      gap,           link.bytes_per_us(),
+                           launch, late_at_end(), std::move(late_bytes)};
 }
 
 bool GradSync::Impl::should_replan() {
