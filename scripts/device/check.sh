@@ -126,12 +126,11 @@ configure() {
     -DCMAKE_CUDA_COMPILER="$cudacxx" -DDDPX_WITH_CUDA=ON -DDDPX_CUDA_ARCH_LIST=9.0 \
     ${DDPX_CHECK_CMAKE_ARGS:-}
 }
-# What the checks need: the library and its CUDA kernels, the Python glue
-# (where the image has Python's headers), the trainer and its models, the
-# gpu-labelled C++ test, the DDP benchmark's driver.
+# What the checks need (build_targets.txt; the Python glue where the image
+# has Python's headers).
 build_targets() {
   local t targets=()
-  for t in ddpx ddpx_cuda ddpx_python ddpx-train ddpx_models test_grad_sync_cuda ddpx-bench-ddp; do
+  for t in $(grep -v '^#' "$here/scripts/device/build_targets.txt"); do
     grep -q "^build $t:" "$build/build.ninja" && targets+=("$t")
   done
   echo "targets: ${targets[*]}"
