@@ -96,7 +96,8 @@ std::optional<hooks::PlanTiming> GradSync::Impl::timing_of(const hooks::OrderPre
   const double backward = *std::max_element(t.begin(), t.end());
   // A bucket stepped during backward is three collectives: its ranks' used
   // flags (under Unused::Predict), its reduction and its gather.
-  const double per_bucket = shard.active() && steps_early() ? 3 : 1;
+  double per_bucket = 1;
+  if (shard.active() && steps_early()) per_bucket = opts.unused_ == Unused::Predict ? 3 : 2;
   const double launch = per_bucket * link.launch_us();
   const double gap = std::max({1000.0, 0.02 * backward, 2 * launch});
   std::vector<double> late_bytes(params.size());
@@ -105,8 +106,8 @@ std::optional<hooks::PlanTiming> GradSync::Impl::timing_of(const hooks::OrderPre
                     static_cast<double>(c10::elementSize(info[q].dtype)) *
                     used_anywhere[static_cast<int>(q)];
   }
-  return hooks::PlanTiming{t,      gap,           link.bytes_per_us(),
-                           launch, late_at_end(), std::move(late_bytes)};
+  const double rate = link.bytes_per_us();
+  return hooks::PlanTiming{t, gap, rate, launch, late_at_end(), std::move(late_bytes)};
 }
 
 bool GradSync::Impl::should_replan() {

@@ -52,9 +52,9 @@ struct LinkSpan {
 // reduction's begin is when it was queued, which may be before a gather
 // queued ahead of it began), each from when the link was free.
 // A sharded bucket's reduction and gather both count (each half an
-// all-reduce's bytes), so add_step learns an all-reduce's rate either way;
-// its gather runs behind the next bucket's reduction, which is then timed
-// from the gather's end.
+// all-reduce's bytes), so add_step learns an all-reduce's rate either way.
+// (Its gather runs behind the next bucket's reduction; the reduction after
+// that counts from the gather's end.)
 std::vector<double> link_busy_us(std::vector<LinkSpan> spans, size_t buckets);
 
 // Per parameter, the share of recent steps in which some rank used it: what
