@@ -46,11 +46,8 @@ std::vector<Runs> layouts(int world) {
   return out;
 }
 
-class CodecScatter : public ::testing::TestWithParam<std::string> {
+class CodecScatter : public OverBackend {
  protected:
-  c10d::ProcessGroup& pg() { return *group(GetParam()); }
-  int rank() { return pg().getRank(); }
-  int world() { return pg().getSize(); }
   const Codec::Run* mine(const Runs& runs) {
     for (const auto& r : runs) {
       if (r.rank == rank()) return &r;

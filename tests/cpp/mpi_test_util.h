@@ -7,8 +7,10 @@
 #include <torch/cuda.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
+#include <vector>
 
 // In a test body: skips without a visible GPU, or fails under
 // DDPX_REQUIRE_GPU=1 (scripts/device/check.sh: there nothing may pass by
@@ -55,6 +57,24 @@ inline std::string error_of(const std::function<void()>& fn) {
     return e.what_without_backtrace();
   }
   return "";
+}
+
+// Every rank's bytes, on every rank.
+inline std::vector<std::string> all_bytes(c10d::ProcessGroup& pg, const std::string& mine) {
+  std::vector<at::Tensor> size{at::full({pg.getSize()}, 0, at::kLong)};
+  size[0][pg.getRank()] = static_cast<int64_t>(mine.size());
+  pg.allreduce(size)->wait();
+  const int64_t most = size[0].max().item<int64_t>();
+  std::vector<at::Tensor> in{at::zeros({most}, at::kByte)};
+  std::memcpy(in[0].data_ptr(), mine.data(), mine.size());
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < pg.getSize(); ++r) out[0].push_back(at::empty({most}, at::kByte));
+  pg.allgather(out, in)->wait();
+  std::vector<std::string> all;
+  for (int r = 0; r < pg.getSize(); ++r) {
+    all.emplace_back(static_cast<const char*>(out[0][r].data_ptr()), size[0][r].item<int64_t>());
+  }
+  return all;
 }
 
 }  // namespace ddpx::test

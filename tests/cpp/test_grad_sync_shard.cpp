@@ -5,35 +5,28 @@
 // for bit: the reductions divide and then sum the same values, and a sum of
 // two (2 ranks) or three (Open MPI's reduce and all-reduce add in rank
 // order on a few ranks) comes out the same -- in every overlap mode, with
-// Unused::Exact, no_sync accumulation and a checkpoint resumed midway;
-// each rank keeps optimizer state for its own elements only; Gradients
-// keeps no .grad and frees buckets as they are reduced; the misuses fail
-// with errors that name both options.
+// Unused::Exact, no_sync accumulation and a checkpoint resumed midway; the
+// codecs, clipping, mixed dtypes, Gloo's all-to-all, and the step during
+// backward. Who owns what and the memory it keeps, and the misuses:
+// test_grad_sync_shard_state.cpp; checkpoints: test_grad_sync_shard_checkpoint.cpp.
 #include <ATen/CPUGeneratorImpl.h>
-#include <ddpx/comm.h>
 #include <ddpx/grad_sync.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cstring>
-#include <numeric>
 #include <sstream>
 #include <string>
-#include <thread>
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <vector>
 
 #include "grad_sync_train_harness.h"
-#include "hooks/shard_map.h"
 #include "plugin/comm/flight_recorder.h"
 
 namespace {
 
 using namespace ddpx_overlap_test;
 using ddpx::Shard;
-using ddpx::test::error_of;
+using ddpx::test::all_bytes;
 
 TrainRun sharded(Shard s, Overlap o, Opt opt, Unused u = Unused::Predict, int micro = 1,
                  int resume_at = -1) {
@@ -319,7 +312,6 @@ TEST(GradSyncShardEarlyStep, StepsWhatAnotherRankUsed) {
 // before the bucket's reduce-scatter, and each gather follows the next
 // bucket's reduction (R0 R1 G0 R2 G1 ...), all before the step-end
 // agreement; the same sequence, numbered alike, on every rank.
-std::vector<std::string> all_bytes(c10d::ProcessGroup& pg, const std::string& mine);  // (below)
 
 TEST(GradSyncShardEarlyStep, FlightRecorderHasOneSequenceOnEveryRank) {
   using ddpx::comm::detail::FlightRecorder;
@@ -389,347 +381,6 @@ TEST(GradSyncShardEarlyStep, FlightRecorderHasOneSequenceOnEveryRank) {
     EXPECT_EQ(s[at]->bucket, -1);
   }
   for (const auto& other : all_bytes(*world(), all.str())) EXPECT_EQ(other, all.str());
-}
-
-// ---- who owns what ------------------------------------------------------------
-
-TEST(ShardMap, CutsTheBytesIntoContiguousRangesAcrossTensorsAndDtypes) {
-  using ddpx::hooks::ParamInfo;
-  const c10::Device cpu(c10::kCPU);
-  // 10 float32 + 7 float64 + 1 float16 + 33 float32 + 0 elements + 5 float64.
-  const std::vector<ParamInfo> info{{10, at::kFloat, cpu}, {7, at::kDouble, cpu},
-                                    {1, at::kHalf, cpu},   {33, at::kFloat, cpu},
-                                    {0, at::kFloat, cpu},  {5, at::kDouble, cpu}};
-  const int64_t total = 10 * 4 + 7 * 8 + 2 + 33 * 4 + 5 * 8;
-  for (int world : {1, 2, 3, 5, 64}) {
-    int64_t bytes_seen = 0;
-    for (int r = 0; r < world; ++r) {
-      ddpx::hooks::ShardMap m(info, world, r);
-      EXPECT_EQ(m.total_bytes(), total);
-      bytes_seen += m.owned_bytes();
-      // Within one element (8 bytes at most) of an equal share.
-      EXPECT_LE(std::abs(m.owned_bytes() * world - total), 8 * world) << world << " " << r;
-    }
-    EXPECT_EQ(bytes_seen, total) << world;
-    ddpx::hooks::ShardMap m(info, world, 0);
-    for (int p = 0; p < static_cast<int>(info.size()); ++p) {
-      int64_t next = 0;  // the ranks' ranges tile the tensor, in rank order
-      for (int r = 0; r < world; ++r) {
-        const auto [lo, hi] = m.range(p, r);
-        EXPECT_LE(lo, hi);
-        if (lo == hi) continue;
-        EXPECT_EQ(lo, next) << "world " << world << " param " << p << " rank " << r;
-        next = hi;
-      }
-      EXPECT_EQ(next, info[p].numel) << "world " << world << " param " << p;
-    }
-    // A bucket of parameters 5, 1, 3 (as planned), laid out ascending:
-    // each owner's elements are one run, the runs tile the bucket.
-    std::vector<int> offset_of(info.size(), 0);
-    offset_of[1] = 0, offset_of[3] = 7, offset_of[5] = 40;
-    const auto parts = m.parts({5, 1, 3}, offset_of);
-    int64_t at = 0;
-    for (const auto& part : parts) {
-      EXPECT_EQ(part.offset, at);
-      EXPECT_GT(part.numel, 0);
-      at += part.numel;
-    }
-    EXPECT_EQ(at, 45) << world;
-  }
-}
-
-// Each rank keeps the optimizer's state for its own elements only: a flat
-// slice per parameter, the size shard_range says, summing over the ranks
-// to the whole model once; some tensor is cut between two ranks.
-TEST(GradSyncShardState, EachRankKeepsStateForItsOwnElements) {
-  auto& pg = world();
-  torch::manual_seed(7);
-  Gated m;
-  torch::optim::Adam adam(m->parameters(), torch::optim::AdamOptions(0.01));
-  GradSync sync(
-      m->named_parameters(), pg,
-      GradSyncOptions().shard(Shard::Optimizer).bucket_cap_mb(0.001).first_bucket_mb(0.0005));
-  sync.set_optimizer(adam);
-  for (int step = 0; step < 4; ++step) {
-    m->forward(shard(global_batch(6, step), pg->getRank()), step).backward();
-  }
-  int64_t mine = 0, all = 0;
-  bool cut = false;
-  for (const auto& p : m->parameters()) {
-    const auto [lo, hi] = sync.shard_range(p);
-    all += p.numel();
-    mine += hi - lo;
-    cut = cut || (lo > 0 && lo < p.numel()) || (hi > 0 && hi < p.numel());
-    auto it = adam.state().find(p.unsafeGetTensorImpl());
-    if (lo == hi) {
-      EXPECT_TRUE(it == adam.state().end()) << "state for a parameter this rank owns none of";
-      continue;
-    }
-    ASSERT_TRUE(it != adam.state().end());
-    const auto& st = static_cast<torch::optim::AdamParamState&>(*it->second);
-    EXPECT_EQ(st.exp_avg().sizes(), at::IntArrayRef({hi - lo}));
-    EXPECT_EQ(st.exp_avg_sq().numel(), hi - lo);
-    EXPECT_TRUE(p.grad().defined()) << "Shard::Optimizer keeps .grad, its zeroed slot";
-  }
-  EXPECT_TRUE(cut) << "no tensor cut between ranks: the test model no longer tests that";
-  std::vector<at::Tensor> t{at::full({1}, mine, at::kLong)};
-  pg->allreduce(t)->wait();
-  EXPECT_EQ(t[0].item<int64_t>(), all);
-  const auto prof = sync.profile();
-  EXPECT_EQ(prof.optimizer_state_bytes, 2.0 * 8 * static_cast<double>(mine));  // two moments
-  EXPECT_EQ(prof.param_bytes, 8.0 * static_cast<double>(all));
-  EXPECT_EQ(prof.grad_buffer_bytes, 8.0 * static_cast<double>(all));  // persistent buckets
-  EXPECT_NE(sync.profile_summary().find("memory: optimizer state"), std::string::npos);
-}
-
-// Shard::Gradients: .grad is released once in its bucket and undefined
-// after the step; buckets are freed as they are reduced, and a backward
-// that runs ahead of the wire waits for it (make_room), so the gradient
-// memory at its peak is this rank's part plus two buckets, not the model,
-// however fast backward is: backward waits for room, and says so.
-TEST(GradSyncShardState, GradientsHoldsItsPartAndTwoBuckets) {
-  auto& pg = world();
-  torch::manual_seed(5);
-  constexpr int kLayers = 8, kWidth = 128;  // a bucket per layer: 64.5 KiB of float32
-  torch::nn::Sequential seq;
-  for (int i = 0; i < kLayers; ++i) seq->push_back(torch::nn::Linear(kWidth, kWidth));
-  torch::optim::SGD sgd(seq->parameters(), torch::optim::SGDOptions(0.1));
-  GradSync sync(
-      seq->named_parameters(), pg,
-      GradSyncOptions().shard(Shard::Gradients).bucket_cap_mb(0.07).first_bucket_mb(0.07));
-  sync.set_optimizer(sgd);
-  for (int step = 0; step < 3; ++step) {
-    const at::Tensor loss = seq->forward(at::randn({2, kWidth})).pow(2).mean();
-    // The other ranks start backward late: rank 0's first reductions cannot
-    // end before they do, so its third bucket must wait for room (counted).
-    if (pg->getRank() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(30));
-    loss.backward();
-    for (const auto& p : seq->parameters()) EXPECT_FALSE(p.grad().defined());
-    if (pg->getRank() == 0) {
-      EXPECT_GE(sync.last_step().memory_waits, 1) << "step " << step;
-      EXPECT_GT(sync.last_step().memory_wait_us, 0) << "step " << step;
-    }
-  }
-  ASSERT_EQ(sync.bucket_plan().size(), static_cast<size_t>(kLayers));
-  const double bucket = 4.0 * kWidth * (kWidth + 1), model = kLayers * bucket;
-  const auto prof = sync.profile();
-  EXPECT_LE(prof.grad_buffer_bytes, model / pg->getSize() + 2 * bucket + 64)
-      << "of a model of " << model << " bytes";
-  EXPECT_GT(prof.grad_buffer_bytes, 0);
-  if (pg->getRank() == 0) {
-    EXPECT_GT(prof.memory_wait_us, 0);
-    EXPECT_NE(sync.profile_summary().find("backward waiting for memory"), std::string::npos);
-  }
-}
-
-// ---- checkpoints at any world size ---------------------------------------------
-
-// A ddpx_mpi group of world ranks 0..n-1 (collective over them).
-ddpx::comm::ProcessGroupPtr first_ranks(int n) {
-  std::vector<int> ranks(n);
-  std::iota(ranks.begin(), ranks.end(), 0);
-  auto backend = ddpx::comm::make_mpi_backend(ranks);
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(c10::make_intrusive<c10d::HashStore>(),
-                                                    world()->getRank(), n);
-  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, backend);
-  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
-  return pg;
-}
-
-// Every rank's bytes, on every rank.
-std::vector<std::string> all_bytes(c10d::ProcessGroup& pg, const std::string& mine) {
-  std::vector<at::Tensor> size{at::full({pg.getSize()}, 0, at::kLong)};
-  size[0][pg.getRank()] = static_cast<int64_t>(mine.size());
-  pg.allreduce(size)->wait();
-  const int64_t most = size[0].max().item<int64_t>();
-  std::vector<at::Tensor> in{at::zeros({most}, at::kByte)};
-  std::memcpy(in[0].data_ptr(), mine.data(), mine.size());
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int r = 0; r < pg.getSize(); ++r) out[0].push_back(at::empty({most}, at::kByte));
-  pg.allgather(out, in)->wait();
-  std::vector<std::string> all;
-  for (int r = 0; r < pg.getSize(); ++r) {
-    all.emplace_back(static_cast<const char*>(out[0][r].data_ptr()), size[0][r].item<int64_t>());
-  }
-  return all;
-}
-
-// Trains `m` from step `from` to `to` on `pg`, 12 rows a step split over its
-// ranks (the same global batch at any world size), Adam stepped by GradSync
-// (sharded by `how`; Shard::None: by the trainer after backward), first
-// loading `shards` if given.
-void train_span(Gated& m, torch::optim::Adam& adam, const ddpx::comm::ProcessGroupPtr& pg, int from,
-                int to, const std::vector<std::string>* shards = nullptr,
-                std::string* shard_out = nullptr, Shard how = Shard::Gradients) {
-  GradSync sync(m->named_parameters(), pg,
-                GradSyncOptions().shard(how).bucket_cap_mb(0.001).first_bucket_mb(0.0005));
-  if (how != Shard::None) sync.set_optimizer(adam);
-  if (shards) {
-    sync.load_optimizer_shards(adam, static_cast<int>(shards->size()),
-                               [shards](int k) { return (*shards)[k]; });
-  }
-  const int w = pg->getSize(), r = pg->getRank();
-  for (int step = from; step < to; ++step) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + step);
-    const auto rows = at::randn({12, 6}, gen, at::kDouble);
-    if (how == Shard::None) adam.zero_grad();
-    m->forward(rows.narrow(0, r * 12 / w, 12 / w), step).backward();
-    if (how == Shard::None) adam.step();
-  }
-  if (shard_out) *shard_out = sync.optimizer_shard(adam);
-}
-
-std::vector<at::Tensor> values(Gated& m) {
-  std::vector<at::Tensor> out;
-  for (const auto& p : m->parameters()) out.push_back(p.detach().clone());
-  return out;
-}
-
-// A run saved midway (each rank's optimizer shard) and resumed on all the
-// ranks, and on one fewer (the state re-split by bytes), ends where the
-// straight run does: bit for bit at the same world size, within rounding at
-// another (its averages sum the 12 rows in other groups).
-TEST(GradSyncShardCheckpoint, ResumesAtTheSameAndAnotherWorldSize) {
-  auto& pg = world();
-  const int w = pg->getSize(), rank = pg->getRank();
-  auto fresh = [] {
-    torch::manual_seed(7);
-    return Gated();
-  };
-  Gated straight = fresh();
-  torch::optim::Adam straight_adam(straight->parameters(), torch::optim::AdamOptions(0.01));
-  train_span(straight, straight_adam, pg, 0, 24);
-  const auto want = values(straight);
-
-  Gated first = fresh();
-  torch::optim::Adam first_adam(first->parameters(), torch::optim::AdamOptions(0.01));
-  std::string mine;
-  train_span(first, first_adam, pg, 0, 12, nullptr, &mine);
-  const auto shards = all_bytes(*pg, mine);
-  const auto midway = values(first);
-  for (int n : {w, w - 1}) {
-    if (rank >= n) continue;
-    const auto group = n == w ? pg : first_ranks(n);  // (collective over its members)
-    Gated again = fresh();
-    {
-      at::NoGradGuard no_grad;
-      const auto ps = again->parameters();
-      for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(midway[i]);
-    }
-    torch::optim::Adam adam(again->parameters(), torch::optim::AdamOptions(0.01));
-    train_span(again, adam, group, 12, 24, &shards);
-    const auto got = values(again);
-    for (size_t i = 0; i < got.size(); ++i) {
-      if (n == w) {
-        EXPECT_TRUE(at::equal(got[i], want[i])) << "parameter " << i << ", resumed on " << n;
-      } else {
-        EXPECT_TRUE(at::allclose(got[i], want[i], 1e-9, 1e-12))
-            << "parameter " << i << ", resumed on " << n << ": differs by up to "
-            << (got[i] - want[i]).abs().max().item<double>();
-      }
-    }
-  }
-  pg->barrier()->wait();
-}
-
-// Between sharded and unsharded runs: a whole state (torch::save of an
-// unsharded run's optimizer) loads into a sharded run, cut to each rank's
-// part at its first step, and a sharded checkpoint's shards load into an
-// unsharded run as the whole state; both end where the straight run does.
-TEST(GradSyncShardCheckpoint, MovesBetweenShardedAndUnshardedRuns) {
-  auto& pg = world();
-  auto fresh = [] {
-    torch::manual_seed(7);
-    return Gated();
-  };
-  Gated straight = fresh();
-  torch::optim::Adam straight_adam(straight->parameters(), torch::optim::AdamOptions(0.01));
-  train_span(straight, straight_adam, pg, 0, 24, nullptr, nullptr, Shard::None);
-  const auto want = values(straight);
-  for (Shard first_how : {Shard::None, Shard::Optimizer}) {
-    Gated first = fresh();
-    torch::optim::Adam first_adam(first->parameters(), torch::optim::AdamOptions(0.01));
-    std::string mine;
-    train_span(first, first_adam, pg, 0, 12, nullptr, &mine, first_how);
-    std::stringstream saved;
-    torch::save(first_adam, saved);
-    const auto shards = all_bytes(*pg, mine);
-    Gated again = fresh();
-    {
-      at::NoGradGuard no_grad;
-      const auto ps = again->parameters();
-      const auto midway = values(first);
-      for (size_t i = 0; i < ps.size(); ++i) ps[i].copy_(midway[i]);
-    }
-    torch::optim::Adam adam(again->parameters(), torch::optim::AdamOptions(0.01));
-    if (first_how == Shard::None) {
-      torch::load(adam, saved);  // the whole state, into a sharded run
-      train_span(again, adam, pg, 12, 24, nullptr, nullptr, Shard::Gradients);
-    } else {
-      train_span(again, adam, pg, 12, 24, &shards, nullptr, Shard::None);
-    }
-    const auto got = values(again);
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_TRUE(at::equal(got[i], want[i]))
-          << "parameter " << i
-          << (first_how == Shard::None ? ": whole into sharded" : ": shards into unsharded");
-    }
-  }
-}
-
-TEST(GradSyncShardCheckpoint, AMissingOrRepeatedShardIsAnError) {
-  auto& pg = world();
-  torch::manual_seed(7);
-  Gated m;
-  torch::optim::Adam adam(m->parameters(), torch::optim::AdamOptions(0.01));
-  std::string mine;
-  train_span(m, adam, pg, 0, 2, nullptr, &mine);
-  const auto shards = all_bytes(*pg, mine);
-  GradSync sync(m->named_parameters(), pg, GradSyncOptions().shard(Shard::Optimizer));
-  sync.set_optimizer(adam);
-  auto e = error_of([&] { sync.load_optimizer_shards(adam, 1, [&](int) { return shards[0]; }); });
-  EXPECT_NE(e.find("give every rank's shard of it"), std::string::npos) << e;
-  const int w = pg->getSize();
-  e = error_of([&] { sync.load_optimizer_shards(adam, w, [&](int) { return shards[0]; }); });
-  EXPECT_NE(e.find("give every rank's shard once"), std::string::npos) << e;
-  torch::optim::SGD sgd(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  e = error_of([&] { sync.load_optimizer_shards(sgd, w, [&](int k) { return shards[k]; }); });
-  EXPECT_NE(e.find("holds the state of Adam, the optimizer is SGD"), std::string::npos) << e;
-}
-
-// ---- misuse ------------------------------------------------------------------
-
-TEST(GradSyncShardErrors, UnsupportedCombinationsNameBothOptions) {
-  auto& pg = world();
-  torch::manual_seed(3);
-  Gated m;
-  auto make = [&](GradSyncOptions o) {
-    GradSync s(m->named_parameters(), pg, o.shard(Shard::Gradients));
-  };
-  for (const char* codec : {"topk:0.1", "powersgd:2"}) {
-    auto e = error_of([&] { make(GradSyncOptions().codec(codec)); });
-    EXPECT_NE(e.find("shard(Shard::Gradients) with codec('" + std::string(codec) +
-                     "'): the codec has no sharded form"),
-              std::string::npos)
-        << e;
-  }
-  std::string e;
-  e = error_of([&] { make(GradSyncOptions().overlap(Overlap::Optimizer).staleness(1)); });
-  EXPECT_NE(e.find("with staleness(1)"), std::string::npos) << e;
-  e = error_of([&] { make(GradSyncOptions().mixed_precision(at::kBFloat16, at::kFloat)); });
-  EXPECT_NE(e.find("with mixed_precision"), std::string::npos) << e;
-  e = error_of([&] { make(GradSyncOptions().sparse_params({"trunk.weight"})); });
-  EXPECT_NE(e.find("sparse_params names 'trunk.weight'"), std::string::npos) << e;
-  // The optimizer: required (also under Overlap::None), holding every parameter.
-  GradSync sync(m->named_parameters(), pg, GradSyncOptions().shard(Shard::Optimizer));
-  auto x = shard(global_batch(6, 5), pg->getRank());
-  e = error_of([&] { m->forward(x, 0).backward(); });
-  EXPECT_NE(e.find("shard"), std::string::npos) << e;
-  EXPECT_NE(e.find("set_optimizer"), std::string::npos) << e;
-  torch::optim::SGD part(m->trunk->parameters(), torch::optim::SGDOptions(0.1));
-  e = error_of([&] { sync.set_optimizer(part); });
-  EXPECT_NE(e.find("with GradSyncOptions::shard it must hold every parameter"), std::string::npos)
-      << e;
 }
 
 }  // namespace
