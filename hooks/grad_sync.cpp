@@ -69,6 +69,7 @@ void GradSync::Impl::finish_step() {
         if (f.valid()) f.wait();
       if (early_pending && early_pending->stepped.valid()) early_pending->stepped.wait();
       early_pending.reset();
+      block_on_reductions();
       std::string list;
       for (size_t i = 0; i < missing.size() && i < 8; ++i) list += (i ? ", " : "") + missing[i];
       TORCH_CHECK(false, "GradSync: ", missing.size(), " parameter(s) received no gradient in "
@@ -153,6 +154,21 @@ void GradSync::Impl::finish_step() {
           if (gates) gates->fail(completion_error);
         }
       });
+}
+
+void GradSync::Impl::block_on_reductions() {
+  // Device buckets: what runs after backward on this thread's streams (the
+  // caller's, as autograd sets them for final callbacks), the optimizer
+  // among it, runs after the reductions. A failed step's too: a trainer
+  // that catches the error and goes on writes the slots in its next
+  // backward, which the reductions' copies back may still be writing.
+  for (size_t b = 0; b < reduced.size(); ++b) {
+    if (!reduced[b]) continue;
+    const auto here = hooks::current_stream(plan[b].device);
+    reduced[b]->block(here);
+    // A sparse average, made on the channel's stream, becomes .grad here.
+    if (plan[b].sparse) hooks::mark_in_use(sparse_out[plan[b].params.front()], here);
+  }
 }
 
 std::exception_ptr GradSync::Impl::surprise_error() {
@@ -348,17 +364,8 @@ void GradSync::Impl::complete_step() {
     detail::ScalerAccess::finish_step(scaler, at::Tensor());  // no verdict: the scale stays
   }
   scaler_inv = at::Tensor();
+  block_on_reductions();
   if (error) fail_step(error);
-  // Device buckets: what runs after backward on this thread's streams (the
-  // caller's, as autograd sets them for final callbacks), the optimizer
-  // among it, runs after the reductions.
-  for (size_t b = 0; b < reduced.size(); ++b) {
-    if (!reduced[b]) continue;
-    const auto here = hooks::current_stream(plan[b].device);
-    reduced[b]->block(here);
-    // A sparse average, made on the channel's stream, becomes .grad here.
-    if (plan[b].sparse) hooks::mark_in_use(sparse_out[plan[b].params.front()], here);
-  }
   const auto w0 = Clock::now();
   std::vector<char> used(n);
   const int* fl = flags.const_data_ptr<int>();

@@ -285,6 +285,10 @@ GradSync::~GradSync() {
     TORCH_WARN("GradSync: the last step failed after its backward returned: ", e.what());
   }
   if (impl_->scaler) detail::ScalerAccess::detach(impl_->scaler);
+  // (The last step's write-back and optimizer may still be queued on the
+  // caller's streams, reading the buckets freed with impl_.)
+  hooks::mark_in_use_here(impl_->storage);
+  hooks::mark_in_use_here(impl_->spare_storage);
   impl_->alive->store(nullptr, std::memory_order_release);
   // (As DDP's Reducer does: no backward over these parameters may run
   // concurrently with the destruction.)

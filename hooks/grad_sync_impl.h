@@ -519,6 +519,9 @@ struct GradSync::Impl : hooks::ShardedState, hooks::StaleState {
   // each bucket's update as it lands), write-back, learning, re-planning,
   // rank 0's buffers, the step's record.
   void complete_step();
+  // This thread's current streams wait for every bucket's reduction (a
+  // sparse average marked in use on them).
+  void block_on_reductions();
   // NextForward: waits for the worker's step; rethrows its failure once.
   void join();
   // Does bucket b's update wait for the step-end agreement (a parameter not

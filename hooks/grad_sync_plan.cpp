@@ -51,6 +51,11 @@ void GradSync::Impl::replan(const std::vector<int>& order, std::vector<char> lat
   if (shard.active()) {
     for (const auto& bucket : plan) shard_parts.push_back(shard.parts(bucket.params, offset_of));
   }
+  // The old buckets go now; this thread's queued work may still read them
+  // (the write-back, the optimizer), and they were made on the stream the
+  // constructor or the last re-plan ran on.
+  hooks::mark_in_use_here(storage);
+  hooks::mark_in_use_here(spare_storage);
   if (transient_storage()) {
     // Made as each bucket is first used in a step (ensure_storage); the
     // old plan's are released by now (finish_sharded).

@@ -270,7 +270,14 @@ std::vector<int> GradSync::Impl::land_sharded(int b, const int* agreed, bool on_
   // (on the channel: its stream, which ran the reduction).
   const c10::Device device = plan[b].device;
   if (!on_channel && hooks::has_streams(device) && reduced[b]) {
-    reduced[b]->block(hooks::current_stream(device));
+    const auto here = hooks::current_stream(device);
+    reduced[b]->block(here);
+    // The owned average (Gradients), made on the channel's stream, is read
+    // here by the optimizer and freed right after it is queued
+    // (step_sharded): unmarked, its block would go back to the channel's
+    // stream at once, for a later bucket's reduction to overwrite before the
+    // optimizer has read it.
+    hooks::mark_in_use(owned_grads[b], here);
   }
   const hooks::ShardPart* mine = my_part(b);
   std::vector<int> stepped;

@@ -4,6 +4,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <exception>
 
 namespace ddpx::hooks {
 
@@ -70,17 +71,29 @@ void mark_in_use(const at::Tensor& t, const c10::Stream& s) {
   for (const auto& st : storages_of(t)) impl.recordDataPtrOnStream(st.data_ptr(), s);
 }
 
+void mark_in_use_here(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) {
+    if (t.defined() && has_streams(t.device())) mark_in_use(t, current_stream(t.device()));
+  }
+}
+
 void run_on_stream(const c10::Stream& comm, const StreamFence& before,
                    const std::vector<c10::Storage>& keep, const std::function<void()>& fn,
                    StreamFence* done) {
   before.block(comm);
+  std::exception_ptr error;
   {
     c10::StreamGuard guard(comm);
-    fn();
+    try {
+      fn();
+    } catch (...) {
+      error = std::current_exception();
+    }
   }
   c10::impl::VirtualGuardImpl impl(comm.device_type());
   for (const auto& s : keep) impl.recordDataPtrOnStream(s.data_ptr(), comm);
   done->add(comm);
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace ddpx::hooks

@@ -64,11 +64,6 @@ std::vector<c10::Stream> current_streams(const std::vector<c10::Device>& devices
 // now must make its reader wait for); null when no device has streams.
 std::shared_ptr<const StreamFence> fence_current(const std::vector<c10::Device>& devices);
 
-// Runs `fn` with `comm` as its device's current stream, after the work in
-// `before`, and records in `*done` the work fn queued on `comm`. `keep`:
-// storages allocated on other streams that fn's work uses, marked in use on
-// `comm` so the caching allocator does not hand them out again before that
-// work is done.
 // The storages holding `t`'s data: a sparse tensor's indices and values, a
 // strided tensor's one; none for an undefined tensor.
 std::vector<c10::Storage> storages_of(const at::Tensor& t);
@@ -78,6 +73,19 @@ std::vector<c10::Storage> storages_of(const at::Tensor& t);
 // one without streams.
 void mark_in_use(const at::Tensor& t, const c10::Stream& s);
 
+// Each tensor's memory in use on the calling thread's current stream of its
+// device: for memory made on another stream that this thread's queued work
+// still reads, about to be freed (a re-plan's old buckets, GradSync's at its
+// end). Without it the block would go back to the stream it was made on at
+// once, and work there could overwrite it before this stream's reads ran.
+void mark_in_use_here(const std::vector<at::Tensor>& ts);
+
+// Runs `fn` with `comm` as its device's current stream, after the work in
+// `before`, and records in `*done` the work fn queued on `comm`. `keep`:
+// storages allocated on other streams that fn's work uses, marked in use on
+// `comm` so the caching allocator does not hand them out again before that
+// work is done. Both also when fn throws (then rethrown): what it queued
+// before failing still runs, and the failed step's consumer must wait for it.
 void run_on_stream(const c10::Stream& comm, const StreamFence& before,
                    const std::vector<c10::Storage>& keep, const std::function<void()>& fn,
                    StreamFence* done);

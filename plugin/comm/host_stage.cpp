@@ -4,6 +4,7 @@
 #include <c10/core/Event.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -43,10 +44,21 @@ void staged_reduce(const c10::Stream& stream, const at::Tensor& dev, const at::T
   }
 }
 
-at::Tensor thread_host_buffer(const at::Tensor& like) {
-  thread_local std::unordered_map<c10::Device, at::Tensor> buffers;  // bytes, pinned
+at::Tensor thread_host_buffer(const at::Tensor& like, const c10::Stream& stream) {
+  struct Buffer {
+    at::Tensor bytes;  // pinned
+    std::optional<c10::Stream> last;
+  };
+  thread_local std::unordered_map<c10::Device, Buffer> buffers;
   const int64_t bytes = like.numel() * static_cast<int64_t>(like.element_size());
-  at::Tensor& buf = buffers[like.device()];
+  Buffer& entry = buffers[like.device()];
+  if (entry.last && *entry.last != stream) {
+    c10::Event last_use(stream.device_type());
+    last_use.record(*entry.last);
+    last_use.block(stream);
+  }
+  entry.last = stream;
+  at::Tensor& buf = entry.bytes;
   if (!buf.defined() || buf.numel() < bytes) {
     // The old buffer goes back to the caching host allocator, which hands it
     // out again only once the copies recorded on it are done.

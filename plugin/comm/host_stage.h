@@ -62,7 +62,10 @@ void staged_reduce(const c10::Stream& stream, const at::Tensor& dev, const at::T
 
 // The calling thread's pinned host buffer for `like`'s device, grown to hold
 // like.numel() elements of its dtype (a view of it); one per thread and
-// device, kept for the thread's life.
-at::Tensor thread_host_buffer(const at::Tensor& like);
+// device, kept for the thread's life. `stream`: where the caller's copies
+// into and out of it go (staged_reduce's). Used last on another stream,
+// whose copies back out of it staged_reduce did not wait for, the buffer is
+// handed out only after them: `stream` waits for that one's work so far.
+at::Tensor thread_host_buffer(const at::Tensor& like, const c10::Stream& stream);
 
 }  // namespace ddpx::comm::detail

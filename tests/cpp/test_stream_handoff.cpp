@@ -12,10 +12,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <deque>
 #include <functional>
 #include <map>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "hooks/channel.h"
@@ -80,12 +82,16 @@ struct Sim {
       ASSERT_TRUE(run_one(order)) << "the simulated streams deadlocked";
     }
   }
-  // A host thread waiting for `stream` to have run `position` ops: the other
-  // streams run first where they can (host_wait_priority), one op at a time,
-  // so the wait stops as soon as it is satisfied.
+  // A host thread waiting for `stream` to have run `position` ops: the
+  // streams of host_wait_priority run first where they can, then `stream`,
+  // then the others (what `stream` waits for), one op at a time, so the
+  // wait stops as soon as it is satisfied.
   void drain_until(c10::StreamId stream, int64_t position) {
     std::vector<c10::StreamId> order = host_wait_priority;
     order.push_back(stream);
+    for (const auto& [s, q] : queues) {
+      if (std::find(order.begin(), order.end(), s) == order.end()) order.push_back(s);
+    }
     while (ran[stream] < position) {
       ASSERT_TRUE(run_one(order)) << "a host wait deadlocked";
     }
@@ -247,6 +253,32 @@ TEST_F(StreamHandoff, StorageUsedByTheReductionIsRecordedOnItsStream) {
   EXPECT_EQ(sim().recorded_ptrs[0].second, comm.id());
 }
 
+// A reduction that fails midway (a peer gone, a codec's check): what it
+// queued before failing still runs, so the storage it uses stays marked in
+// use on the channel's stream and the fence covers that work, for a trainer
+// that catches the error and goes on; the error reaches the caller.
+TEST_F(StreamHandoff, AFailedReductionStillMarksItsStorageAndFencesItsWork) {
+  const c10::Stream comm = ddpx::hooks::pool_stream(kDev);
+  const c10::Stream consumer = ddpx::hooks::current_stream(kDev);
+  auto bucket = torch::ones({4});
+  int slot = 0, seen = -1;
+  ddpx::hooks::StreamFence before, done;
+  EXPECT_THROW(ddpx::hooks::run_on_stream(
+                   comm, before, {bucket.storage()},
+                   [&] {
+                     enqueue([&] { slot = 7; });  // a copy back, queued
+                     TORCH_CHECK(false, "connection reset");
+                   },
+                   &done),
+               c10::Error);
+  ASSERT_EQ(sim().recorded_ptrs.size(), 1u);
+  EXPECT_EQ(sim().recorded_ptrs[0].second, comm.id());
+  done.block(consumer);
+  enqueue([&] { seen = slot; });  // the next backward's write to the slot
+  sim().drain({consumer.id(), comm.id()});
+  EXPECT_EQ(seen, 7) << "the consumer ran before the failed reduction's queued work";
+}
+
 // Overlap modes on a device: the update of a parameter is queued (on the
 // stream the worker completes the step on) when its gate opens, not run. A
 // forward reading the parameter on another stream must be ordered after it:
@@ -403,6 +435,34 @@ TEST_F(StreamHandoff, StagedChunksArePipelinedAndOrderedByTheirEvents) {
       }
     }
   }
+}
+
+// The thread's staging buffer used on one stream, then on another (a user
+// thread calling compressed_allreduce under two streams): the host never
+// waited for the first stream's copies back out of it, so the second
+// stream's copies into it must wait for them. Host waits run the second
+// stream first, as a GPU may.
+TEST_F(StreamHandoff, AHostBufferUsedOnAnotherStreamWaitsForItsLastUse) {
+  std::thread fresh([] {  // (a thread of its own: a fresh thread_host_buffer)
+    const c10::Stream a = ddpx::hooks::pool_stream(kDev);
+    const c10::Stream b = ddpx::hooks::pool_stream(kDev);
+    sim().host_wait_priority = {b.id()};
+    const ddpx::comm::detail::CopyFn copy = [](const at::Tensor& dst, const at::Tensor& src) {
+      enqueue([dst, src]() mutable { dst.copy_(src); });
+    };
+    const at::Tensor want_a = torch::arange(6.0) * 2, want_b = (torch::arange(6.0) + 100) * 2;
+    at::Tensor dev_a = torch::arange(6.0), dev_b = torch::arange(6.0) + 100;
+    for (const auto& [stream, dev] : {std::pair{a, dev_a}, std::pair{b, dev_b}}) {
+      c10::StreamGuard g(stream);
+      ddpx::comm::detail::staged_reduce(stream, dev,
+                                        ddpx::comm::detail::thread_host_buffer(dev, stream), 4,
+                                        copy, [](at::Tensor& h) { h.mul_(2); });
+    }
+    sim().drain({b.id(), a.id()});
+    EXPECT_TRUE(torch::equal(dev_a, want_a)) << dev_a;
+    EXPECT_TRUE(torch::equal(dev_b, want_b)) << dev_b;
+  });
+  fresh.join();
 }
 
 }  // namespace
