@@ -6,6 +6,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
 
 #include <map>
@@ -126,6 +127,9 @@ persist::Plan plan_for(const void* kernel, int device, int64_t hidden, int64_t b
                               static_cast<int64_t>(props->sharedMemPerBlockOptin), backward);
   }
   if (plan.blocks > 0) {
+    // (The attribute and the occupancy are the current device's: `device`'s,
+    // which the plan is cached under, whichever device the caller was on.)
+    const c10::cuda::CUDAGuard on_device(static_cast<c10::DeviceIndex>(device));
     // The same value for every plan of this kernel: a launch of another
     // problem on another thread never sees a smaller one.
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -224,7 +224,14 @@ void launch_forward(const ConvGeom& g, const at::Tensor& x, const at::Tensor& wt
     const auto grid = tile::direct_grid(g, kTileH, kTileW);
     const dim3 blocks(grid.tiles_x, grid.tiles_y, std::min(grid.planes, kMaxGridZ));
     const dim3 threads(kTileW, kTileH);
-    if (tile::filter_fits_constant(wt.numel(), sizeof(Acc))) {
+    // Under graph capture the slot's event cannot order the copy (a capture
+    // may not wait on an event recorded outside it, nor later work on one
+    // recorded inside): the filter goes through shared memory there
+    // (direct_can_implement counts it in).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture == cudaStreamCaptureStatusNone &&
+        tile::filter_fits_constant(wt.numel(), sizeof(Acc))) {
       const at::Tensor filt = wt.to(c10::CppTypeToScalarType<Acc>::value).contiguous();
       const size_t smem = tile::direct_smem_bytes(g, kTileH, kTileW, sizeof(Acc), true);
       auto& slot = const_filter_slot(x.get_device());

@@ -6,9 +6,12 @@
 // bfloat16 input with a float32 weight and failed (`ddpx-train --amp bf16`
 // on the H200, 2026-11-28).
 //
-// The policy follows ATen's for conv2d and gru, as far as our kernels go:
+// The policy follows ATen's for conv2d, as far as our kernels go:
 //  - CUDA: floating inputs are cast to autocast's dtype (float16 or
-//    bfloat16; both are computed there), as F.conv2d and nn.GRU are.
+//    bfloat16; both are computed there), as F.conv2d's are. (nn.GRU's are
+//    not: ATen's cuDNN RNN autocast casts to float16 whatever the dtype,
+//    aten/src/ATen/cudnn/AutocastRNN.cpp; fused_gru keeps the one asked for,
+//    whose range is what a bfloat16 run chose.)
 //  - CPU: our kernels compute float32 and float64 only, so floating inputs
 //    run in float32 (an op on autocast's fp32 list); float64 stays float64.
 // In both, autocast is off inside the op, so its ATen calls keep that dtype.

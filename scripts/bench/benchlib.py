@@ -17,8 +17,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def exit_if_dry():
+    """DDPX_BENCH_DRY=1: the arguments were parsed and checked; run nothing (a
+    rehearsal of scripts/device/check.sh on a machine without the device)."""
+    if os.environ.get("DDPX_BENCH_DRY") == "1":
+        print(f"{Path(sys.argv[0]).name}: arguments ok (DDPX_BENCH_DRY=1: not run)")
+        sys.exit(0)
+
+
+class _Parser(argparse.ArgumentParser):
+    def parse_args(self, *args, **kwargs):
+        parsed = super().parse_args(*args, **kwargs)
+        exit_if_dry()
+        return parsed
+
+
 def parser(description):
-    p = argparse.ArgumentParser(description=description)
+    p = _Parser(description=description)
     p.add_argument("--quick", action="store_true", help="a smaller suite that ends within a minute")
     p.add_argument("--repeat", type=int, default=None, help="timed repetitions per case")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for both sides")
@@ -145,6 +160,16 @@ def cuda_copy_bandwidth(nbytes=1 << 30):
         end.synchronize()
         t.append(start.elapsed_time(end) / 1e3)
     return 2 * nbytes / statistics.median(t)
+
+
+class Rows(list):
+    """A benchmark's rows, each printed as it is measured ("# row" and its
+    JSON): a run cut short by a time limit (scripts/device/check.sh's steps,
+    which bring back the log) still shows the cases it finished."""
+
+    def append(self, row):
+        super().append(row)
+        print("# row " + json.dumps(row, default=str), flush=True)
 
 
 def geomean(values):

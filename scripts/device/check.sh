@@ -8,15 +8,18 @@
 # benchmark and OUT_DIR/check.json (each step: status, seconds; the card,
 # torch, CUDA). Fails loudly when no GPU is visible: nothing passes by skipping.
 #   scripts/device/check.sh OUT_DIR              on the GPU machine
-#   scripts/device/check.sh OUT_DIR --rehearse   here: same steps, GPU steps
-#                                                report "no GPU", deps not unpacked
+#   scripts/device/check.sh OUT_DIR --rehearse   here: the build, then each GPU
+#                                                step's command dry (dry() below),
+#                                                deps not unpacked
 # DDPX_CHECK_BUDGET_S (default 540): a step that cannot start with its
 # minimum time left is recorded as "not run: out of time" instead of being cut.
 # DDPX_CHECK_GROUPS (default build,tests,bench,sanitize,ddp,pip,ncu; also
 # benchmode, the conv suite with measured paths, ddpfull, the whole DDP
 # suite, and grufull, the whole GRU suite and its TF32 and bfloat16 runs):
-# which groups run. At most 8 files come back from a device call: at the end
-# every file in OUT_DIR but the log and check.json goes into results.tar.gz.
+# which groups run. DDPX_CHECK_RESUME=1: a second call on the warm machine,
+# which runs only what the first had no time for. At most 8 files come back
+# from a device call: at the end every file in OUT_DIR but the log and
+# check.json goes into results.tar.gz.
 set -uo pipefail
 out=${1:?usage: check.sh OUT_DIR [--rehearse]}
 rehearse=0; [ "${2:-}" = --rehearse ] && rehearse=1
@@ -29,7 +32,14 @@ build=${DDPX_CHECK_BUILD:-$here/build-gpu}
 export here build out  # (read by the functions step() runs in a child bash)
 # (At most 8 files come back from the device call: the log, check.json and
 # the benchmarks' JSON go to OUT_DIR, the rest stays in /tmp.)
-steps=/tmp/ddpx-check-steps.tsv; : >"$steps"
+steps=/tmp/ddpx-check-steps.tsv
+# DDPX_CHECK_RESUME=1 (the second call, on the warm machine): the steps the
+# last call ran (passed, failed or cut by their limit) are not run again;
+# those it had no time left for run now, in the same order. On a fresh
+# machine (no record of a last call) it is a first call.
+prev=/tmp/ddpx-check-steps.prev.tsv; : >"$prev"
+if [ "${DDPX_CHECK_RESUME:-0}" = 1 ] && [ -f "$steps" ]; then cp "$steps" "$prev"; fi
+: >"$steps"
 export PYTHONUNBUFFERED=1 DDPX_BENCH_OUT="$out"
 
 left() { echo $((budget - (SECONDS - start))); }
@@ -37,6 +47,13 @@ left() { echo $((budget - (SECONDS - start))); }
 # never past the budget), logs it, records status and seconds.
 step() {
   local name=$1 min=$2 max=$3; shift 3
+  local before
+  before=$(awk -F'\t' -v n="$name" '$1 == n && $2 !~ /^not run/ {s = $2} END {print s}' "$prev")
+  if [ -n "$before" ]; then
+    before=${before#last call: }
+    echo "=== $name: ran in the last call ($before): not run again"
+    printf '%s\tlast call: %s\t0\n' "$name" "$before" >>"$steps"; return 0
+  fi
   local l; l=$(left)
   if [ "$l" -lt "$min" ]; then
     echo "=== $name: not run: out of time (${l} s left, needs ${min})"
@@ -44,9 +61,12 @@ step() {
   fi
   [ "$max" -gt "$l" ] && max=$l
   echo "=== $name (at $((SECONDS - start)) s, limit ${max} s): $*"
+  # (When the step's limit comes: a command that can end by itself first,
+  # with what it has, reads this; the limit then kills the rest.)
+  export DDPX_STEP_DEADLINE=$(($(date +%s) + max - 15))
   local t0=$SECONDS rc=0
   if declare -F "$1" >/dev/null; then  # a function of this script: `timeout` runs programs
-    timeout --kill-after=10 "$max" bash -c "$(declare -f "$1"); $1" || rc=$?
+    timeout --kill-after=10 "$max" bash -c "$(declare -f "$1"); \"\$@\"" bash "$@" || rc=$?
   else
     timeout --kill-after=10 "$max" "$@" || rc=$?
   fi
@@ -57,12 +77,45 @@ step() {
   printf '%s\t%s\t%s\n' "$name" "$st" "$((SECONDS - t0))" >>"$steps"
   return $rc
 }
-# A GPU step in a rehearsal: says so, runs nothing.
+# A GPU step; in a rehearsal, its command dry (below) instead.
 gpu_step() {
   if [ "$has_gpu" = 1 ]; then step "$@"; return; fi
-  echo "=== $1: no GPU (rehearsal): not run"
-  printf '%s\tno GPU (rehearsal)\t0\n' "$1" >>"$steps"
+  local name=$1; shift 3
+  echo "=== $name: no GPU (rehearsal): dry: $*"
+  local rc=0
+  dry "$@" || rc=$?
+  local st="no GPU (rehearsal): arguments ok"
+  [ $rc -eq 3 ] && st="no GPU (rehearsal): not rehearsed"
+  [ $rc -ne 0 ] && [ $rc -ne 3 ] && st="dry run failed (exit $rc)"
+  echo "=== $name: $st"
+  printf '%s\t%s\t0\n' "$name" "$st" >>"$steps"
 }
+# What a rehearsal runs of a GPU step's command, without the device: the
+# benchmarks parse and check their arguments (DDPX_BENCH_DRY=1), the tests
+# are listed and collected, the ncu workloads compiled.
+dry() {
+  case "$1" in
+    python3) DDPX_BENCH_DRY=1 "$@" ;;
+    gpu_tests) ctest --test-dir "$build" -N -L gpu | tail -1 ;;
+    sanitizer_run) python3 -m pytest -q -p no:cacheprovider --collect-only -m sanitizer \
+                     "${sanitizer_tests[@]/#/$here/}" | tail -1 ;;
+    ncu) python3 -m py_compile "${@: -1}" && echo "${@: -1}: compiles" ;;
+    *) echo "(not rehearsed: $1 needs the device)"; return 3 ;;
+  esac
+}
+
+# At most 8 files come back from a device call: everything in OUT_DIR but
+# the log and check.json goes into one archive.
+pack_results() {
+  local f files=()
+  for f in "$out"/*; do
+    case $(basename "$f") in check.log | check.json | results.tar.gz) ;; *) files+=("$(basename "$f")") ;; esac
+  done
+  [ ${#files[@]} -gt 0 ] || return 0
+  tar -czf "$out/results.tar.gz" -C "$out" "${files[@]}" && (cd "$out" && rm -rf -- "${files[@]}")
+  echo "results.tar.gz: ${files[*]}"
+}
+bail() { python3 "$here/scripts/device/summarize.py" "$out" "$steps"; pack_results; exit 1; }
 
 # --- the machine ----------------------------------------------------------------
 {
@@ -100,7 +153,7 @@ unpack_deps() {
 }
 # (DDPX_CHECK_DEPS=0: a machine that has them; scripts/gpu_check.sh.)
 if [ "$rehearse" = 0 ] && [ "${DDPX_CHECK_DEPS:-1}" = 1 ]; then
-  step deps 10 60 unpack_deps
+  step deps 10 60 unpack_deps || bail
   export PYTHONPATH=/tmp/ddpx-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # No ssh there: Open MPI's launcher must not look for it (one host only).
@@ -143,23 +196,17 @@ build_targets() {
     echo "$(basename "$lib"): $(nm -DC --defined-only "$lib" | grep -c 'ostream::_M_insert') ostream::_M_insert symbols exported (0 expected); $(readelf -d "$lib" | grep -c NEEDED) needed"
   done
 }
-# At most 8 files come back from a device call: everything in OUT_DIR but
-# the log and check.json goes into one archive.
-pack_results() {
-  local f files=()
-  for f in "$out"/*; do
-    case $(basename "$f") in check.log | check.json | results.tar.gz) ;; *) files+=("$(basename "$f")") ;; esac
-  done
-  [ ${#files[@]} -gt 0 ] || return 0
-  tar -czf "$out/results.tar.gz" -C "$out" "${files[@]}" && (cd "$out" && rm -rf -- "${files[@]}")
-  echo "results.tar.gz: ${files[*]}"
-}
-bail() { python3 "$here/scripts/device/summarize.py" "$out" "$steps"; pack_results; exit 1; }
-# DDPX_CHECK_GROUPS: which groups run (a rerun on the warm machine names the
-# ones the first call did not reach; the build is still there).
+# DDPX_CHECK_GROUPS: which groups run (default build,tests,bench,sanitize,
+# ddp,pip,ncu). The steps run in the order of what they are worth to the
+# open issues, whatever their group, so that the budget cuts the least
+# valuable: the tests, the ops' quick benchmarks, GradSync's DDP bench, the
+# wheel, memcheck, the training runs, the graph replays, racecheck, the hooks
+# bench, ncu.
 groups=",${DDPX_CHECK_GROUPS:-build,tests,bench,sanitize,ddp,pip,ncu},"
 want() { [[ "$groups" == *",$1,"* ]]; }
-if want build; then
+# (A machine without the build -- a second call that found a fresh one --
+# builds whatever the groups.)
+if want build || [ ! -f "$build/libddpx.so" ]; then
   [ -f "$build/build.ninja" ] || step configure 30 120 configure || bail
   step build 60 420 build_targets || bail
 fi
@@ -185,72 +232,103 @@ pip_check() {
   (cd /tmp && env -u DDPX_LIB PYTHONPATH="/tmp/ddpx-pkg:${PYTHONPATH:-}" \
      python3 "$here/scripts/device/pip_cuda_check.py")
 }
-rm -f /tmp/ddpx-pip.rc
-if want pip && [ "$has_gpu" = 1 ]; then
+# (A resumed call reuses the last call's wheel, built or still building.)
+if want pip && [ "$has_gpu" = 1 ] && [ ! -f /tmp/ddpx-pip.rc ] && ! pgrep -f ddpx-pip-build >/dev/null; then
   (pip_build >/tmp/ddpx-pip.log 2>&1; echo $? >/tmp/ddpx-pip.rc) &
 fi
 
-# --- correctness: the tests labelled gpu, four at a time (the trainer's, the
-# longest, among them) ---------------------------------------------------------------------
+# The tests labelled gpu, four at a time, the trainer's (the longest; COST)
+# first; each ends by the step's deadline (reported as a timeout, with its
+# output) rather than the step's kill taking ctest's report with it.
+gpu_tests() {
+  ctest --test-dir "$build" -L gpu -j 4 --output-on-failure \
+    --stop-time "$(date -d "@$DDPX_STEP_DEADLINE" +%H:%M:%S)"
+}
+# compute-sanitizer over the op kernels' tests (the cases marked `sanitizer`:
+# every launch is instrumented). memcheck without the caching allocator,
+# whose blocks would hide an overrun into a neighbouring tensor.
+sanitizer_tests=(tests/python/test_tiled_conv2d_cuda.py tests/python/test_fused_gru_cuda.py
+                 tests/python/test_int8_codec_cuda.py)
+export SANITIZER_TESTS="${sanitizer_tests[*]/#/$here/}"  # (step's child shell: no arrays)
+sanitizer_run() {
+  local tool=$1
+  # (Its presence turns the caching off, whatever its value: set for memcheck only.)
+  if [ "$tool" = memcheck ]; then export PYTORCH_NO_CUDA_MEMORY_CACHING=1; fi
+  # shellcheck disable=SC2086  # (the paths have no spaces: the checkout's)
+  compute-sanitizer --tool "$tool" \
+    --error-exitcode 99 --report-api-errors no python3 -m pytest -q -x -p no:cacheprovider \
+    -m sanitizer $SANITIZER_TESTS
+}
+# ddpx-train runs in the benchmarks: one that fails or hangs fails its case
+# after this many seconds, and the next runs.
+run_timeout=100
+
+# --- correctness --------------------------------------------------------------------------
 if want tests; then
-  gpu_step "ctest -L gpu" 30 240 ctest --test-dir "$build" -L gpu -j 4 --output-on-failure
+  gpu_step "ctest -L gpu" 200 330 gpu_tests
 fi
-# --- speed: ours vs cuDNN on the same card, ratios per case -------------------------------
+# --- speed, ops: ours vs cuDNN on the same card, ratios per case (issue 59) ----------------
 if want bench; then
   # The quick suite as users call the op (host overhead included): the
   # rule's ratios and our kernels' own where the rule hands a pass to cuDNN
-  gpu_step "bench conv2d --device cuda --quick" 30 120 python3 "$here/scripts/bench/conv2d" \
+  gpu_step "bench conv2d --device cuda --quick" 40 120 python3 "$here/scripts/bench/conv2d" \
     --device cuda --quick
-  # The seed's and the depthwise cases as CUDA graph replays: the kernels
-  # without the host's share (issue 59's figures against the copy floor and
-  # cuDNN / ATen's conv_depthwise2d); --aa: the peer against itself, the
-  # noise a ratio carries on the card
-  gpu_step "bench conv2d --device cuda --graphs --aa" 30 150 python3 "$here/scripts/bench/conv2d" \
-    --device cuda --graphs --aa --only "seed 3x3 512" "seed 5x5 512" "seed 3x3 1024" \
-    "seed 5x5 1024" "seed 3x3 2048" "seed 5x5 2048" "depthwise 3x3 c32" "depthwise 3x3 c64" \
-    "depthwise 5x5 c32" "depthwise 7x7 c96" "depthwise 7x7 c96 cl" "depthwise 3x3 c64 cl" \
-    "depthwise 3x3 s2 c96" "depthwise 3x3 s2 c96 cl" "depthwise 5x5 s2 c144 cl"
   # the persistent kernels (persist_ratio) and the per-step ones (step_ratio)
   # beside the rule's choice, 16 cases of issue 59's grid
-  gpu_step "bench gru --cuda --quick" 30 120 python3 "$here/scripts/bench/gru" --cuda --quick
-  # ddpx-train with --amp fp16 / bf16 and bf16 parameters against float32 on
-  # the card: samples/s and test accuracy (LeNet, HAN; issue 63)
-  gpu_step "bench train --amp-only --device cuda --quick" 30 180 \
-    python3 "$here/scripts/bench/train" --amp-only --device cuda --quick
+  gpu_step "bench gru --cuda --quick" 60 150 python3 "$here/scripts/bench/gru" --cuda --quick
+fi
+# --- speed, GradSync on CUDA buckets against DDP (issue 60) ---------------------------------
+if want ddp; then
+  # --trace: GradSync's own trace of gradsync_gloo per model (2 files, 25 KB
+  # for the cnn on the CPU), for the cnn's 2.12x over DDP on the H200 that
+  # nothing on the CPU explains.
+  gpu_step "bench ddp --device cuda --quick" 60 200 python3 "$here/scripts/bench/ddp" --quick \
+    --device cuda --trace "$out"
 fi
 if want pip; then
   gpu_step "pip wheel (CUDA) + import" 20 200 pip_check
 fi
-# --- compute-sanitizer over the op kernels' tests (the cases marked `sanitizer`:
-# under the sanitizer every launch is instrumented) -------------------------------------------
 if want sanitize; then
-  py_tests=(tests/python/test_tiled_conv2d_cuda.py tests/python/test_fused_gru_cuda.py
-            tests/python/test_int8_codec_cuda.py)
-  for tool in memcheck racecheck; do
-    gpu_step "compute-sanitizer $tool" 30 120 compute-sanitizer --tool "$tool" --error-exitcode 99 --report-api-errors no \
-      python3 -m pytest -q -x -p no:cacheprovider -m sanitizer "${py_tests[@]/#/$here/}"
-  done
+  gpu_step "compute-sanitizer memcheck" 30 120 sanitizer_run memcheck
+fi
+if want bench; then
+  # ddpx-train with --amp fp16 / bf16 and bf16 parameters against float32 on
+  # the card: samples/s and test accuracy (LeNet, HAN; issue 63)
+  gpu_step "bench train --amp-only --device cuda --quick" 90 200 \
+    python3 "$here/scripts/bench/train" --amp-only --device cuda --quick --run-timeout $run_timeout
 fi
 if want ddp; then
-  # --trace: GradSync's own trace of gradsync_gloo per model (2 files, 25 KB
-  # for the cnn on the CPU; OUT_DIR then holds 7 of the 8 files a call brings
-  # back), for the cnn's 2.12x over DDP on the H200 that nothing on the CPU
-  # explains.
-  gpu_step "bench ddp --device cuda --quick" 60 200 python3 "$here/scripts/bench/ddp" --quick \
-    --device cuda --trace "$out"
+  # ddpx-train against the DDP script on the GPU, float32 and --amp bf16
+  # (issue 60's training row)
+  gpu_step "bench train --cuda-ddp --quick" 90 200 python3 "$here/scripts/bench/train" \
+    --cuda-ddp --quick --run-timeout $run_timeout
+fi
+if want bench; then
+  # The seed's and the depthwise cases as CUDA graph replays: the kernels
+  # without the host's share (issue 59's figures against the copy floor and
+  # cuDNN / ATen's conv_depthwise2d); --aa: the peer against itself, the
+  # noise a ratio carries on the card
+  gpu_step "bench conv2d --device cuda --graphs --aa" 60 150 python3 "$here/scripts/bench/conv2d" \
+    --device cuda --graphs --aa --only "seed 3x3 512" "seed 5x5 512" "seed 3x3 1024" \
+    "seed 5x5 1024" "seed 3x3 2048" "seed 5x5 2048" "depthwise 3x3 c32" "depthwise 3x3 c64" \
+    "depthwise 5x5 c32" "depthwise 7x7 c96" "depthwise 7x7 c96 cl" "depthwise 3x3 c64 cl" \
+    "depthwise 3x3 s2 c96" "depthwise 3x3 s2 c96 cl" "depthwise 5x5 s2 c144 cl"
+fi
+if want sanitize; then
+  gpu_step "compute-sanitizer racecheck" 60 120 sanitizer_run racecheck
+fi
+if want ddp; then
   # PyTorch's DDP with our comm hooks on CUDA buckets (the worker's stream,
   # "none" staged in chunks) against DDP's own allreduce and its fp16 hook,
   # over Gloo
   gpu_step "bench ddp_hooks --device cuda --backend gloo --quick" 40 120 \
     python3 "$here/scripts/bench/ddp_hooks" --device cuda --backend gloo --quick
-  # ddpx-train against the DDP script on the GPU, float32 and --amp bf16
-  # (issue 60's training row)
-  gpu_step "bench train --cuda-ddp --quick" 40 150 python3 "$here/scripts/bench/train" --cuda-ddp --quick
 fi
-# Not in the default groups, for a second call on the warm machine when the
-# first left time (DDPX_CHECK_GROUPS=benchmode,ddpfull): the conv suite with
+# Not in the default groups, for a call on the warm machine when the others
+# left time (DDPX_CHECK_GROUPS=benchmode,ddpfull,grufull): the conv suite with
 # the path measured per case (DDPX_CONV_PATH=benchmark, cuDNN's benchmark mode
-# on for F.conv2d too), and the whole DDP suite on CUDA.
+# on for F.conv2d too), the whole DDP suite on CUDA, the whole GRU suite and
+# its TF32 and bfloat16 runs.
 if want benchmode; then
   gpu_step "bench conv2d --device cuda --path benchmark" 30 150 \
     python3 "$here/scripts/bench/conv2d" --device cuda --path benchmark
@@ -263,18 +341,20 @@ if want grufull; then
   gpu_step "bench gru --cuda --quick --dtype bfloat16" 30 120 python3 "$here/scripts/bench/gru" --cuda --quick --dtype bfloat16
   gpu_step "bench gru --cuda" 60 420 python3 "$here/scripts/bench/gru" --cuda
 fi
-# --- Nsight Compute on the persistent GRU kernels (last: it runs only when
-# the steps before left it time): speed of light, occupancy, warp stalls,
-# memory, in the log -------------------------------------------------------------------------
+# --- Nsight Compute (last: it runs only when the steps before left it time):
+# speed of light, occupancy, warp stalls, memory, in the log; the clocks left
+# as they are (the card is shared: METHOD.md); the second call of each case,
+# which the workloads bracket with cudaProfilerStart/Stop ---------------------------------------
 if want ncu; then
-  gpu_step "ncu persistent GRU" 30 120 ncu --target-processes all -k regex:persistent \
-    --launch-count 4 --section SpeedOfLight --section Occupancy --section LaunchStats \
-    --section WarpStateStats --section MemoryWorkloadAnalysis \
+  # the persistent GRU kernels at H256 and H1024
+  gpu_step "ncu persistent GRU" 60 120 ncu --clock-control none --profile-from-start off \
+    --target-processes all -k regex:persistent --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     python3 "$here/scripts/device/ncu_gru.py"
   # the small-filter conv kernels: the seed's 3x3 2048^2 and a channels_last
   # depthwise 7x7, forward + backward (achieved bandwidth, stalls)
-  gpu_step "ncu conv small kernels" 30 120 ncu --target-processes all \
-    -k "regex:small_|nhwc_|sum_partials" --launch-count 8 --section SpeedOfLight \
+  gpu_step "ncu conv small kernels" 60 120 ncu --clock-control none --profile-from-start off \
+    --target-processes all -k "regex:small_|nhwc_|sum_partials" --section SpeedOfLight \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
     python3 "$here/scripts/device/ncu_conv.py"
 fi

@@ -2,7 +2,9 @@
 step): ddpx::tiled_conv2d forward + backward through our small-filter kernels
 (DDPX_CONV_PATH=tiled) on the seed's 3x3 2048x2048 image and a channels_last
 depthwise 7x7 (ConvNeXt-T's first stage), float32, one call each after a
-warm-up; ncu picks the kernels by name (small_*, nhwc_*, sum_partials)."""
+warm-up; ncu (--profile-from-start off) profiles the second call of each
+case, between cudaProfilerStart and Stop, and picks the kernels by name
+(small_*, nhwc_*, sum_partials)."""
 import os
 
 import torch
@@ -21,9 +23,13 @@ for n, c, hw, k, s, g, cl in CASES:
         x = x.contiguous(memory_format=torch.channels_last)
     x.requires_grad_()
     w = torch.randn(c, c // g, k, k, device="cuda", requires_grad=True)
-    for _ in range(2):
+    for it in range(2):
+        if it == 1:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
         y = op(x, w, None, [s, s], [k // 2, k // 2], [1, 1], g)
         torch.autograd.grad(y, (x, w), torch.ones_like(y))
     torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
     print(f"n{n} c{c} {hw}x{hw} k{k} s{s} g{g}{' cl' if cl else ''}:",
           torch.ops.ddpx.tiled_conv2d_path(x, w, [s, s], [k // 2, k // 2], [1, 1], g))

@@ -3,7 +3,8 @@
 recorded (steps.tsv: name, status, seconds) and the benchmarks' JSON files
 beside it, plus the card, torch and CUDA versions; prints a short table last
 (the device call returns the end of the output). Exit status 1 when a step
-did not pass (a rehearsal's "no GPU" steps excepted).
+did not pass (a rehearsal's dry steps, and the steps a resumed call left to
+the last one, excepted).
 
     scripts/device/summarize.py OUT_DIR STEPS_TSV
 """
@@ -34,10 +35,14 @@ def main():
         steps.append({"name": name, "status": status, "seconds": int(seconds)})
     benches = {}
     for f in sorted(out.glob("*.json")):
-        if f.name == "check.json":
+        if f.name == "check.json" or f.name.endswith(".trace.json"):
             continue
-        b = json.loads(f.read_text())
-        if "rows" in b:
+        try:  # (a step cut by its time limit may leave a file half written)
+            b = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            benches[f.stem] = {"error": f"unreadable: {e}", "file": f.name}
+            continue
+        if isinstance(b, dict) and "rows" in b:
             benches[b.get("name", f.stem)] = {"geomean_ratio": b.get("geomean_ratio"),
                                               "worst_ratio": b.get("worst_ratio"),
                                               "cases": len(b["rows"]), "file": f.name}
@@ -49,10 +54,18 @@ def main():
           f"CUDA {summary.get('cuda')}")
     for s in steps:
         print(f"{s['name']:<32} {s['status']:<34} {s['seconds']:>5} s")
+    def ratio(x):
+        return "-" if x is None else f"{x:.3f}"
     for name, b in benches.items():
-        print(f"bench {name:<26} geomean {b['geomean_ratio']:.3f}  worst {b['worst_ratio']:.3f}"
-              f"  ({b['cases']} cases)")
-    bad = [s for s in steps if s["status"] != "ok" and "rehearsal" not in s["status"]]
+        if "error" in b:
+            print(f"bench {name:<26} {b['error']}")
+            continue
+        print(f"bench {name:<26} geomean {ratio(b['geomean_ratio'])}  "
+              f"worst {ratio(b['worst_ratio'])}  ({b['cases']} cases)")
+    # (A rehearsal's dry steps, and the steps a resumed call left to the last
+    # one, whose check.json has their status.)
+    bad = [s for s in steps if s["status"] != "ok" and "rehearsal" not in s["status"]
+           and not s["status"].startswith("last call:")]
     return 1 if bad else 0
 
 

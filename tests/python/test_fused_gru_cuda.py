@@ -110,7 +110,9 @@ def test_cuda_persistent_large_matches_cudnn_gru(cfg):
 def test_cuda_persistent_plan_limits():
     x16 = torch.randn(3, 4, 8, device="cuda", dtype=torch.bfloat16)
     path = torch.ops.ddpx.fused_gru_path
-    assert path(x16, 2048, False) == "persistent"
+    props = torch.cuda.get_device_properties(0)
+    if props.multi_processor_count >= 128:  # (H100/H200: 16 units a block fit)
+        assert path(x16, 2048, False) == "persistent"
     assert path(x16.float(), 2048, False) == "step"  # 384 KiB of weights per block
     torch.manual_seed(0)
     gru = make_gru(8, 2048, 1, dtype=torch.float32).cuda()

@@ -208,8 +208,11 @@ def test_cuda_channels_last_and_unbatched():
 def test_cuda_direct_entry_equals_torch_ops(path, monkeypatch):
     """ddpx.ops.tiled_conv2d and ddpx.nn.TiledConv2d in eager mode reach the op
     through ddpx._C (plugin/python/fast_ops.cpp): the same outputs and
-    gradients as torch.ops, on the path rule's choice and on our kernels."""
+    gradients as torch.ops, on the path rule's choice and on our kernels.
+    (Bit for bit: cuDNN's deterministic algorithms, where the rule hands it
+    the call; some of its backward ones add with atomics otherwise.)"""
     monkeypatch.setenv("DDPX_CONV_PATH", path)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     import ddpx
     assert ddpx.ops._C is not None
     torch.manual_seed(0)
@@ -359,3 +362,23 @@ def test_cuda_benchmark_mode_under_graph_capture(monkeypatch):
     torch.cuda.synchronize()
     _close(y, F.conv2d(x, w, padding=2), torch.float32, "captured")
     assert torch.ops.ddpx.tiled_conv2d_path(x, w, [1, 1], [2, 2]) == "measure"
+
+
+def test_cuda_constant_filter_under_graph_capture():
+    # A filter the small kernels do not serve (7x5, one channel) takes the
+    # direct path with its filter in __constant__ memory, whose copies an
+    # event recorded outside captures orders; captured, the filter goes
+    # through shared memory instead, and the calls before and after the
+    # capture still run.
+    x = torch.randn(2, 1, 33, 30, device="cuda")
+    w = torch.randn(1, 1, 7, 5, device="cuda")
+    want = F.conv2d(x, w, padding=(3, 2))
+    _close(op(x, w, None, [1, 1], [3, 2]), want, torch.float32, "before the capture")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = op(x, w, None, [1, 1], [3, 2])
+    graph.replay()
+    _close(op(x, w, None, [1, 1], [3, 2]), want, torch.float32, "after the capture")
+    torch.cuda.synchronize()
+    _close(y, want, torch.float32, "captured")
