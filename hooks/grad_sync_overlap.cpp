@@ -8,8 +8,9 @@
 
 #include <algorithm>
 #include <cmath>
-
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "hooks/grad_sync_impl.h"
 
@@ -104,8 +105,12 @@ void GradSync::Impl::clip_landed(const std::vector<std::vector<int>>& landed) {
   // LibTorch's formula over the parts of every rank: the norm of the norms
   // (each rank's sum of its parts' squared norms, summed by one all-reduce
   // of a double), coefficient max_norm / (norm + 1e-6) clamped to 1.
+  // (Read back once per device, not per parameter: each read waits for the
+  // device.)
+  std::unordered_map<c10::Device, std::vector<at::Tensor>> norms;
+  for (const auto& t : stepped) norms[t.grad().device()].push_back(t.grad().norm().to(at::kDouble));
   at::Tensor sum = at::zeros({1}, at::kDouble);
-  for (const auto& t : stepped) sum += t.grad().norm().to(at::kDouble).cpu().pow(2);
+  for (const auto& [device, ns] : norms) sum += at::stack(ns).pow(2).sum().cpu();
   channels[0]
       ->submit([&sum](c10d::ProcessGroup& pg) {
         std::vector<at::Tensor> v{sum};

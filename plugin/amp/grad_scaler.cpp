@@ -19,6 +19,17 @@
 namespace ddpx {
 
 namespace amp {
+namespace {
+
+// `t` on `device`, without waiting where that is safe: to a device the copy
+// is queued on the stream its readers use; to the CPU it would land in
+// pinned memory after the call returned, and the CPU op reading it next
+// would not wait for it (a scale on the CPU, gradients on a GPU).
+at::Tensor moved_to(const at::Tensor& t, c10::Device device) {
+  return t.to(device, /*non_blocking=*/!device.is_cpu());
+}
+
+}  // namespace
 
 void unscale_grads(const std::vector<at::Tensor>& params, const at::Tensor& inv_scale,
                    FoundInf& found, bool allow_fp16, const char* who) {
@@ -61,7 +72,7 @@ void unscale_grads(const std::vector<at::Tensor>& params, const at::Tensor& inv_
       f = found.end() - 1;
     }
     const at::Tensor inv =
-        grp.device == inv_scale.device() ? inv_scale : inv_scale.to(grp.device, true, true);
+        grp.device == inv_scale.device() ? inv_scale : moved_to(inv_scale, grp.device);
     at::_amp_foreach_non_finite_check_and_unscale_(grp.grads, f->second, inv);
   }
 }
@@ -69,7 +80,7 @@ void unscale_grads(const std::vector<at::Tensor>& params, const at::Tensor& inv_
 at::Tensor combined(const FoundInf& found, c10::Device device) {
   at::Tensor sum;
   for (const auto& [d, t] : found) {
-    const at::Tensor here = t.to(device, /*non_blocking=*/true);
+    const at::Tensor here = moved_to(t, device);
     sum = sum.defined() ? sum.add_(here) : here.clone();
   }
   return sum.defined() ? sum : at::zeros({}, at::dtype(at::kFloat).device(device));
@@ -112,7 +123,7 @@ struct GradScaler::Impl {
   at::Tensor inv_scale() const { return scale.to(at::kDouble).reciprocal().to(at::kFloat); }
   // _amp_update_scale_ on the sum of `found` (torch's found_inf_combined).
   void update_scale(const at::Tensor& found) {
-    at::Tensor f = found.to(scale.device(), /*non_blocking=*/true);
+    at::Tensor f = amp::moved_to(found, scale.device());
     at::_amp_update_scale_(scale, growth_tracker, f, o.growth_factor_, o.backoff_factor_,
                            o.growth_interval_);
   }
@@ -144,7 +155,7 @@ at::Tensor GradScaler::scale(const at::Tensor& outputs) {
     I.growth_tracker =
         at::full({}, I.init_growth_tracker, at::dtype(at::kInt).device(outputs.device()));
   }
-  return outputs * I.scale.to(outputs.device(), /*non_blocking=*/true);
+  return outputs * amp::moved_to(I.scale, outputs.device());
 }
 
 std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {

@@ -215,8 +215,18 @@ void restore(torch::serialize::InputArchive& ar, TrainObjects& t, Position& pos)
   pos = {where[0].item<int64_t>(), where[1].item<int64_t>(), where[2].item<int64_t>()};
   ar.read("rng", rng);
   at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(rng);
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng);
+  }
+  // A run on a GPU: its generator too (dropout's masks), where the file has
+  // one (a checkpoint written on the CPU leaves it as seeded).
+  at::Tensor device_rng;
+  if (t.device.is_cuda() && ar.try_read("rng.cuda", device_rng)) {
+    at::Generator g = at::globalContext().defaultGenerator(t.device);
+    std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_state(device_rng);
+  }
 }
 
 }  // namespace
@@ -346,6 +356,9 @@ std::string serialize(TrainObjects& t, const Position& pos, const GradSync::Stat
   ar.write("gradsync.steps", c10::IValue(s.steps));
   ar.write("position", int64_tensor({pos.step, pos.epoch, pos.batch}));
   ar.write("rng", at::detail::getDefaultCPUGenerator().get_state());
+  if (t.device.is_cuda()) {
+    ar.write("rng.cuda", at::globalContext().defaultGenerator(t.device).get_state());
+  }
   std::string bytes;
   ar.save_to([&bytes](const void* data, size_t n) {
     bytes.append(static_cast<const char*>(data), n);

@@ -56,6 +56,11 @@ at::Device select_device(const Options& o) {
   return dev;
 }
 
+at::Tensor to_device(const at::Tensor& batch, const at::Device& device) {
+  if (!device.is_cuda()) return batch.to(device);
+  return batch.pin_memory().to(device, /*non_blocking=*/true);
+}
+
 DataSplit load_data(const Options& o, const ScriptedModel& m) {
   if (!o.data.empty()) return load_data_path(o.data, m.spec);
   if (m.spec.kind == "tokens") {

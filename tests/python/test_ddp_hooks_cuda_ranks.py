@@ -74,10 +74,16 @@ def test_none_staged_equals_the_cpu(group):
     # of 10 MiB: two chunks and a half.
     name = (group if group is not None else dist.group.WORLD).group_name
     g = torch.Generator().manual_seed(7 + dist.get_rank())
-    for x in [torch.randn(1_048_577 + 5, generator=g),
-              torch.randn(1_310_720, generator=g, dtype=torch.float64),
-              torch.randn(300, 7, generator=g)[:, ::2]]:  # non-contiguous, one chunk
+    flat = [torch.randn(1_048_577 + 5, generator=g),
+            torch.randn(1_310_720, generator=g, dtype=torch.float64)]
+    rows = torch.randn(300, 7, generator=g)
+    pairs = [(x, x.to(DEVICE)) for x in flat]
+    # Non-contiguous on the device, one chunk (sliced after the move: .to()
+    # of a non-dense tensor makes it contiguous).
+    pairs.append((rows[:, ::2], rows.to(DEVICE)[:, ::2]))
+    for x, on_device in pairs:
+        assert on_device.is_contiguous() == x.is_contiguous()
         want = torch.ops.ddpx.compressed_allreduce(x, "none", "", name)
-        got = torch.ops.ddpx.compressed_allreduce(x.to(DEVICE), "none", "", name)
+        got = torch.ops.ddpx.compressed_allreduce(on_device, "none", "", name)
         assert got.device.type == DEVICE and got.shape == x.shape
         assert torch.equal(got.cpu(), want)

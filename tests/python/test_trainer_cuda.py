@@ -4,8 +4,8 @@ ranks sharing the one GPU: ddpx_mpi stages CUDA tensors through host memory)
 and torchrun (one rank: NCCL, since one GPU cannot hold two NCCL ranks), with
 --amp bf16 and --cudnn-benchmark too; a checkpoint written on the GPU resumes
 on the CPU. Mixed precision (issue 63): --amp fp16 (CUDA autocast to float16
-and loss scaling) within 1 point of the same float32 run on the GPU, and
---param-dtype bf16 --reduce-dtype fp32 within 3.
+and loss scaling) within 1 point of the same float32 run on the GPU (HAN: 3),
+and --param-dtype bf16 --reduce-dtype fp32 within 3.
 
 Tolerance: test accuracy within 3 points of the CPU run's (the GPU sums in
 other orders, so the runs are not bitwise alike; seen on the CPU: LeNet 9x%).
@@ -32,10 +32,23 @@ def train(tmp_path, tag, cmd):
     return r.stdout, [m for m in lines if "event" not in m], lines[-1]
 
 
+_CPU_RUNS = {}
+
+
+def on_cpu(tmp_path, args):
+    """The end metrics of the 2-rank CPU run a GPU run is held to: trained
+    once per argument list in this module (three tests hold LeNet to the same
+    run; the device's minutes are few)."""
+    key = tuple(map(str, args))
+    if key not in _CPU_RUNS:
+        _CPU_RUNS[key] = train(tmp_path, "cpu", mpirun_cmd(2, *args))[2]
+    return _CPU_RUNS[key]
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_cuda_matches_cpu_accuracy_under_mpirun(tmp_path, data_cache, name):
     args = ["--model", model(name), "--data-cache", data_cache, *CASES[name]]
-    _, _, cpu = train(tmp_path, "cpu", mpirun_cmd(2, *args))
+    cpu = on_cpu(tmp_path, args)
     out, steps, gpu = train(tmp_path, "gpu", mpirun_cmd(2, *args, "--device", "cuda"))
     assert "over ddpx_mpi on cuda" in out, out
     assert steps[-1]["loss"] < steps[0]["loss"], steps
@@ -43,8 +56,11 @@ def test_cuda_matches_cpu_accuracy_under_mpirun(tmp_path, data_cache, name):
 
 
 def test_cuda_bf16_autocast_trains(tmp_path, data_cache):
-    args = ["--model", model("lenet"), "--data-cache", data_cache, *CASES["lenet"]]
-    _, _, cpu = train(tmp_path, "cpu", mpirun_cmd(2, *args))
+    # (The rate decaying to 0, as the CPU tests of --amp: at a constant rate
+    # LeNet's accuracy moves by 1-2 points between runs, bfloat16 aside.)
+    args = ["--model", model("lenet"), "--data-cache", data_cache, *CASES["lenet"],
+            "--lr-schedule", "cosine"]
+    cpu = on_cpu(tmp_path, args)
     out, _, amp = train(tmp_path, "amp", mpirun_cmd(2, *args, "--device", "cuda", "--amp", "bf16"))
     assert "on cuda (autocast bf16)" in out, out
     assert abs(amp["test_accuracy"] - cpu["test_accuracy"]) <= 0.03, (amp, cpu)
@@ -54,7 +70,7 @@ def test_cuda_cudnn_benchmark_trains(tmp_path, data_cache):
     # cuDNN's algorithms and tiled_conv2d's path (cuDNN or ours) measured per
     # shape on the first steps (LeNet's convolutions are ddpx::tiled_conv2d).
     args = ["--model", model("lenet"), "--data-cache", data_cache, *CASES["lenet"]]
-    _, _, cpu = train(tmp_path, "cpu", mpirun_cmd(2, *args))
+    cpu = on_cpu(tmp_path, args)
     out, _, gpu = train(tmp_path, "bench", mpirun_cmd(2, *args, "--device", "cuda",
                                                       "--cudnn-benchmark"))
     assert "on cuda (cudnn benchmark)" in out, out
@@ -97,7 +113,11 @@ def test_cuda_fp16_amp_and_bf16_parameters_train(tmp_path, data_cache, name):
     out, steps, fp16 = train(tmp_path, "fp16", mpirun_cmd(2, *args, "--amp", "fp16"))
     assert "on cuda (autocast fp16, loss scaling)" in out, out
     assert all("amp_scale" in m for m in steps), steps
-    assert abs(fp16["test_accuracy"] - fp32["test_accuracy"]) <= 0.01, (fp16, fp32)
+    # (LeNet within 1 point; HAN within 3: its test set is 400 documents, 4 a
+    # point, and on the GPU its whole recurrence runs in float16, where the
+    # CPU test's kept float32.)
+    close = 0.01 if name == "lenet" else 0.03
+    assert abs(fp16["test_accuracy"] - fp32["test_accuracy"]) <= close, (fp16, fp32)
     out, _, bf16 = train(tmp_path, "bf16", mpirun_cmd(2, *args, "--param-dtype", "bf16",
                                                       "--reduce-dtype", "fp32"))
     assert "bf16 parameters, fp32 masters, reduced in fp32" in out, out
