@@ -12,6 +12,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <vector>
 
 namespace ddpx::trainer {
 namespace {
@@ -56,9 +57,13 @@ at::Device select_device(const Options& o) {
   return dev;
 }
 
-at::Tensor to_device(const at::Tensor& batch, const at::Device& device) {
-  if (!device.is_cuda()) return batch.to(device);
-  return batch.pin_memory().to(device, /*non_blocking=*/true);
+at::Tensor rows_to(const at::Tensor& all, const at::Tensor& rows, const at::Device& device) {
+  if (!device.is_cuda()) return all.index_select(0, rows).to(device);
+  std::vector<int64_t> sizes = all.sizes().vec();
+  sizes[0] = rows.numel();
+  at::Tensor pinned = at::empty(sizes, all.options().pinned_memory(true));
+  at::index_select_out(pinned, all, 0, rows);
+  return pinned.to(device, /*non_blocking=*/true);
 }
 
 DataSplit load_data(const Options& o, const ScriptedModel& m) {

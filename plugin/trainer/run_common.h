@@ -21,12 +21,13 @@ int local_ranks();
 // made the current CUDA device (NCCL and the caching allocator use it). A
 // clear error when CUDA was asked for and none is visible.
 at::Device select_device(const Options& o);
-// A batch to the device without waiting for it: from pinned memory the copy
-// is queued on the stream and the host goes on (a plain .to() synchronizes
-// the stream, so each step's host work waited for the last step's device
-// work, NextForward's queued updates included; the caching host allocator
-// keeps the pinned block until the copy is done).
-at::Tensor to_device(const at::Tensor& batch, const at::Device& device);
+// Rows `rows` of `all`, on the device, without waiting for it: selected
+// straight into pinned memory, whose copy is queued on the stream while the
+// host goes on (a plain .to() synchronizes the stream, so each step's host
+// work waited for the last step's device work, NextForward's queued updates
+// included; the caching host allocator keeps the pinned block until the
+// copy is done).
+at::Tensor rows_to(const at::Tensor& all, const at::Tensor& rows, const at::Device& device);
 
 // --data, or the generated set the model takes.
 DataSplit load_data(const Options& o, const ScriptedModel& m);

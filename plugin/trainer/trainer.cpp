@@ -246,10 +246,10 @@ std::string run(const Options& o) {
     injected_stall(pos.step + 1, rank);
     const at::Tensor rows = idx.narrow(0, pos.batch * batch, batch);
     log_samples(pos.step, rank, world, rows);
-    at::Tensor x = to_device(data.train.inputs.index_select(0, rows), device);
+    at::Tensor x = rows_to(data.train.inputs, rows, device);
     // (Parameters in a low dtype: floating inputs too, as FSDP casts them.)
     if (param_dtype != at::kFloat && x.is_floating_point()) x = x.to(param_dtype);
-    const at::Tensor y = to_device(data.train.targets.index_select(0, rows), device);
+    const at::Tensor y = rows_to(data.train.targets, rows, device);
     set_lr(*opt, lr_at(pos.step, total, o));  // (GradSync takes it when backward begins)
     if (!stepped_by_sync) opt->zero_grad();   // (else each update consumes its gradients)
     if (drop.active()) {
