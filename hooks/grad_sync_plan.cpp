@@ -1,6 +1,7 @@
 // GradSync's bucket plan: building one (replan, its slots), what the
 // planner knows of time, whether to re-plan, and the plan every rank adopts
-// from rank 0 (replan_agreed). The planner itself is hooks/bucket_planner.
+// from rank 0 (replan_agreed), which gradients come sparse (their buckets of
+// their own). The planner itself is hooks/bucket_planner.
 #include <algorithm>
 
 #include "hooks/grad_sync_impl.h"
@@ -247,6 +248,48 @@ void GradSync::Impl::replan_agreed(c10d::ProcessGroup& pg) {
   priority_change_steps = 0;
   timing_gain_steps = 0;
   ++replans;
+}
+
+void GradSync::Impl::declare_sparse(c10d::ProcessGroup& pg,
+                                    const std::vector<std::string>& declared) {
+  auto flags = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+  int* f = flags.data_ptr<int>();
+  for (const auto& name : declared) {
+    const auto it = std::find(names.begin(), names.end(), name);
+    TORCH_CHECK(it != names.end(), "GradSync: sparse_params names '", name,
+                "', which is not a parameter that requires grad");
+    f[it - names.begin()] = 1 + 1;  // used, with rows along dimension 0
+  }
+  std::vector<at::Tensor> t{flags};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  comm::detail::wait_named(pg.allreduce(t, o));
+  learn_sparse(f);
+}
+
+bool GradSync::Impl::learn_sparse(const int* used_flags) {
+  // A parameter some rank used this step: sparse if some rank's gradient
+  // was (used_flags[p] = 1 + sparse_dim, MAX over ranks), so every rank
+  // learns alike. Unused ones keep what they had.
+  // (Under mixed_precision a sparse gradient stays in its dense slot: the
+  // rows would be reduced in the gradient's own dtype, not reduce_dtype.)
+  if (opts.reduce_dtype_) return false;
+  bool changed = false;
+  for (size_t p = 0; p < params.size(); ++p) {
+    if (used_flags[p] == 0) continue;
+    const int sd = used_flags[p] - 1;
+    if ((sd > 0) == info[p].sparse && (sd == 0 || sd == planned_sparse_dim[p])) continue;
+    info[p].sparse = sd > 0;
+    planned_sparse_dim[p] = static_cast<int8_t>(sd);
+    changed = true;
+  }
+  if (changed) {
+    sparse_params.clear();
+    for (size_t p = 0; p < params.size(); ++p) {
+      if (info[p].sparse) sparse_params.push_back(static_cast<int>(p));
+    }
+  }
+  return changed;
 }
 
 }  // namespace ddpx
