@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -31,8 +32,8 @@ using GruOutputs = std::tuple<at::Tensor, at::Tensor>;  // (output, h_n)
 
 // What identifies one measured choice: device, dtype, the input's sizes and
 // layout, hidden size, layers, directions, biases, dropout in training,
-// whether the call records autograd, and cuDNN's TF32 setting (which changes
-// cuDNN's speed and not ours).
+// whether the call records autograd, and the TF32 settings of cuDNN's RNN
+// (cuDNN's speed) and of cuBLAS (our input projections' GEMMs).
 ConvTuneKey gru_tune_key(const at::Tensor& input, at::TensorList params, bool has_biases,
                          int64_t num_layers, bool dropout_active, bool bidirectional,
                          bool batch_first, bool grad);
@@ -46,5 +47,17 @@ ConvTuneKey gru_tune_key(const at::Tensor& input, at::TensorList params, bool ha
 GruOutputs gru_tune(const ConvTuneKey& key, c10::Device device, int count,
                     const std::function<GruOutputs(int)>& run,
                     const std::vector<at::Tensor>& grad_inputs);
+
+// Benchmark mode's answer for one call: the measured choice of its problem
+// (cuDNN's GRU or ours), measured now on this call when it has not been.
+// `grad`: the call records autograd (each timed call then runs the backward
+// into the tensors that require grad). Where nothing can be timed -- CUDA
+// graph capture (no syncs), tensors being traced (torch.compile's fake or
+// functional tensors, symbolic sizes) -- the fixed rule's cuDNN.
+GruOutputs gru_measured(const at::Tensor& input, const std::optional<at::Tensor>& hx,
+                        at::TensorList params, bool has_biases, int64_t num_layers,
+                        bool dropout_active, bool bidirectional, bool batch_first, bool grad,
+                        const std::function<GruOutputs()>& cudnn,
+                        const std::function<GruOutputs()>& ours);
 
 }  // namespace ddpx::detail

@@ -48,8 +48,15 @@ ConvTuneKey conv_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarTy
   // The CPU paths' speeds depend on the intra-op thread count (ours and
   // oneDNN's scale differently); a device's kernels do not.
   const int64_t threads = device.is_cpu() ? at::get_num_threads() : 0;
+  // A device's peer is cuDNN, whose choice of algorithm (and so its speed)
+  // follows these settings: a measurement made under others is not reused.
+  const auto& ctx = at::globalContext();
+  const int64_t cudnn = device.is_cpu() ? 0
+                                        : ctx.allowTF32CuDNN(at::Float32Op::CONV) +
+                                              2 * ctx.deterministicCuDNN() +
+                                              4 * ctx.userEnabledCuDNN();
   return ConvTuneKey{{static_cast<int64_t>(device.type()), device.index(),
-                      static_cast<int64_t>(dtype), pass, threads, s.n.expect_int(),
+                      static_cast<int64_t>(dtype), pass, threads, cudnn, s.n.expect_int(),
                       s.c_in.expect_int(), s.h.expect_int(), s.w.expect_int(),
                       s.c_out.expect_int(), s.kh.expect_int(), s.kw.expect_int(), s.stride[0],
                       s.stride[1], s.padding[0], s.padding[1], s.dilation[0], s.dilation[1],

@@ -143,6 +143,13 @@ Conv2dShape check_tiled_conv2d_backward_args(const at::Tensor& grad_output, cons
 
 at::MemoryFormat conv2d_output_memory_format(const at::Tensor& input, const at::Tensor& weight) {
   if (input.dim() != 4) return at::MemoryFormat::Contiguous;
+  // On CUDA ATen's float64 convolutions are NCHW whatever the layout
+  // (cudnn_conv_suggest_memory_format turns NHWC off for double, and the
+  // native kernels cuDNN would fall back to are NCHW only).
+  if (input.device().is_cuda() &&
+      (input.scalar_type() == at::kDouble || weight.scalar_type() == at::kDouble)) {
+    return at::MemoryFormat::Contiguous;
+  }
   // ATen disables NHWC for float64 in its mkldnn path but not in the thnn path
   // that float64 takes; both end at "input or weight suggests channels-last".
   const bool cl = input.suggest_memory_format() == at::MemoryFormat::ChannelsLast ||

@@ -17,6 +17,7 @@
 #include "kernels/common/gru_sequence.h"
 #include "kernels/cuda/gru_persistent_launch.h"
 #include "ops/fused_gru_cuda_path.h"
+#include "ops/fused_gru_tune.h"
 
 namespace ddpx {
 namespace {
@@ -101,8 +102,28 @@ std::tuple<at::Tensor, at::Tensor> fused_gru_cuda(const at::Tensor& input,
   const c10::cuda::CUDAGuard guard(input.device());
   check_cuda_dtype(input);
   const GruOptions opt{has_biases, num_layers, dropout, train, bidirectional, batch_first};
-  auto r = detail::gru_sequence_forward(input, hx, params, opt, /*save=*/false, cuda_kernels());
-  return {std::move(r.output), std::move(r.h_n)};
+  const auto ours = [&]() -> std::tuple<at::Tensor, at::Tensor> {
+    auto r = detail::gru_sequence_forward(input, hx, params, opt, /*save=*/false, cuda_kernels());
+    return {std::move(r.output), std::move(r.h_n)};
+  };
+  // Inference (the Autograd kernel's no-grad calls, and torch.inference_mode,
+  // which skips that kernel): the path is chosen here, as there for training.
+  // (Below autograd: ATen's GRU records nothing.)
+  const auto cudnn = [&] {
+    return detail::gru_through_cudnn(input, hx, params, has_biases, num_layers, dropout, train,
+                                     bidirectional, batch_first);
+  };
+  switch (detail::gru_cuda_path_choice()) {
+    case detail::GruCudaPath::kCudnn:
+      return cudnn();
+    case detail::GruCudaPath::kBenchmark:
+      return detail::gru_measured(input, hx, params, has_biases, num_layers, train && dropout > 0,
+                                  bidirectional, batch_first, /*grad=*/false, cudnn, ours);
+    case detail::GruCudaPath::kFused:
+    case detail::GruCudaPath::kStep:
+      break;
+  }
+  return ours();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru_forward_cuda(

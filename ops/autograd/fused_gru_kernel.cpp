@@ -99,52 +99,21 @@ bool needs_grad(const at::Tensor& input, const std::optional<at::Tensor>& hx,
   return false;
 }
 
-// Benchmark mode: the measured choice of this problem (0 cuDNN, 1 ours),
-// measuring it now when it has not been (not under CUDA graph capture: the
-// fixed rule's cuDNN then).
-template <class Cudnn, class Ours>
-std::tuple<at::Tensor, at::Tensor> measured(const at::Tensor& input,
-                                            const std::optional<at::Tensor>& hx,
-                                            at::TensorList params, bool has_biases,
-                                            int64_t num_layers, double dropout, bool train,
-                                            bool bidirectional, bool batch_first,
-                                            const Cudnn& cudnn, const Ours& ours) {
-  const bool grad = needs_grad(input, hx, params);
-  const detail::ConvTuneKey key =
-      detail::gru_tune_key(input, params, has_biases, num_layers, train && dropout > 0,
-                           bidirectional, batch_first, grad);
-  if (const auto got = detail::conv_tuned_choice(key)) return *got == 0 ? cudnn() : ours();
-  if (detail::gru_stream_capturing(input.device())) return cudnn();
-  std::vector<at::Tensor> grad_inputs;
-  if (grad) {
-    if (input.requires_grad()) grad_inputs.push_back(input);
-    if (has(hx) && hx->requires_grad()) grad_inputs.push_back(*hx);
-    for (const at::Tensor& p : params) {
-      if (p.defined() && p.requires_grad()) grad_inputs.push_back(p);
-    }
-  }
-  return detail::gru_tune(key, input.device(), 2,
-                          [&](int i) { return i == 0 ? cudnn() : ours(); }, grad_inputs);
-}
-
 std::tuple<at::Tensor, at::Tensor> fused_gru_autograd(const at::Tensor& input,
                                                       const std::optional<at::Tensor>& hx,
                                                       at::TensorList params, bool has_biases,
                                                       int64_t num_layers, double dropout,
                                                       bool train, bool bidirectional,
                                                       bool batch_first) {
-  const auto cudnn = [&] {
-    // ATen's GRU with autograd on: it records its own backward.
-    return detail::gru_through_cudnn(input, hx, params, has_biases, num_layers, dropout, train,
-                                     bidirectional, batch_first);
-  };
+  if (!needs_grad(input, hx, params)) {
+    // Inference: the backend's fused_gru, which keeps no workspace and on
+    // CUDA picks cuDNN or ours itself (as it must when reached without this
+    // kernel: torch.inference_mode skips it).
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fused_gru(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                     batch_first);
+  }
   const auto ours = [&]() -> std::tuple<at::Tensor, at::Tensor> {
-    if (!needs_grad(input, hx, params)) {
-      // Inference: the backend's fused_gru keeps no workspace.
-      at::AutoDispatchBelowADInplaceOrView guard;
-      return fused_gru(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-                       batch_first);
-    }
     const variable_list r = FusedGruFunction::apply(input, hx, params, has_biases, num_layers,
                                                     dropout, train, bidirectional, batch_first);
     return {r[0], r[1]};
@@ -152,12 +121,17 @@ std::tuple<at::Tensor, at::Tensor> fused_gru_autograd(const at::Tensor& input,
   if (!input.is_cuda()) return ours();
   // On CUDA: cuDNN's GRU where the rule says it wins (ops/fused_gru_cuda_path.h),
   // or the faster of the two measured per problem (ops/fused_gru_tune.h).
+  // ATen's GRU with autograd on records its own backward.
+  const auto cudnn = [&] {
+    return detail::gru_through_cudnn(input, hx, params, has_biases, num_layers, dropout, train,
+                                     bidirectional, batch_first);
+  };
   switch (detail::gru_cuda_path_choice()) {
     case detail::GruCudaPath::kCudnn:
       return cudnn();
     case detail::GruCudaPath::kBenchmark:
-      return measured(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-                      batch_first, cudnn, ours);
+      return detail::gru_measured(input, hx, params, has_biases, num_layers, train && dropout > 0,
+                                  bidirectional, batch_first, /*grad=*/true, cudnn, ours);
     case detail::GruCudaPath::kFused:
     case detail::GruCudaPath::kStep:
       break;

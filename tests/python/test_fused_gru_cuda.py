@@ -207,6 +207,25 @@ def test_cuda_path_override(monkeypatch):
         torch.ops.ddpx.fused_gru_path(x, 4, False)
 
 
+@pytest.mark.auto_path
+def test_cuda_inference_mode_takes_the_path(monkeypatch):
+    """torch.inference_mode skips the Autograd kernel, where the path of a
+    training call is chosen: the backend kernel chooses it for inference.
+    `cudnn`: nn.GRU's own result, bit for bit; `fused`: ours, close to it."""
+    gru = make_gru(40, 48, 1, dtype=torch.float32).cuda()
+    x = torch.randn(12, 5, 40, device="cuda")
+    params = [p.detach() for p in gru._flat_weights]
+    with torch.inference_mode():
+        want = gru(x)[0]
+        for path in ("cudnn", "fused"):
+            monkeypatch.setenv("DDPX_GRU_PATH", path)
+            y = OP(x, None, params, True, 1, 0.0, False, False, False)[0]
+            if path == "cudnn":
+                assert torch.equal(y, want)
+            else:
+                assert_close(y, want, **TOL[torch.float32])
+
+
 # ---- benchmark mode (ops/fused_gru_tune.h): cuDNN or ours, measured per problem ------------
 
 @pytest.mark.auto_path
@@ -236,6 +255,25 @@ def test_cuda_benchmark_mode(cfg, how, monkeypatch):
     want = torch.autograd.grad(y_ref.sum() + h_ref.sum(), gru._flat_weights)
     for p, w in zip(params, want):
         assert_close(p.grad, w, **TOL[dtype])
+
+
+@pytest.mark.auto_path
+def test_cuda_benchmark_mode_with_per_op_tf32(monkeypatch):
+    """PyTorch's per-op TF32 settings with conv's and RNN's apart, where
+    asking cuDNN's flag without naming the op is an error: the measured
+    choice's key asks RNN's."""
+    monkeypatch.setenv("DDPX_GRU_PATH", "benchmark")
+    gru = make_gru(11, 13, 1, dtype=torch.float32).cuda()
+    x = torch.randn(7, 2, 11, device="cuda")
+    params = [p.detach() for p in gru._flat_weights]
+    torch.backends.cudnn.conv.fp32_precision = "tf32"  # RNN's stays "ieee" (the fixture's)
+    try:
+        with torch.no_grad():
+            for _ in range(2):  # measured, then the kept choice
+                y = OP(x, None, params, True, 1, 0.0, False, False, False)[0]
+                assert_close(y, gru(x)[0], **TOL[torch.float32])
+    finally:
+        torch.backends.cudnn.allow_tf32 = False  # (the legacy setter sets both again)
 
 
 @pytest.mark.auto_path
