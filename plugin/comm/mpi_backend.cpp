@@ -216,6 +216,7 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
     c10::impl::VirtualGuardImpl impl(first->device().type());
     stream = impl.getStream(first->device());
   }
+  work->set_stream(stream);
   MpiWorker::Task on_worker = [stream, task = std::move(task)](MpiWorker::Progress& p) {
     c10::OptionalStreamGuard guard(stream);
     task(p);

@@ -1,6 +1,10 @@
 // ddpx_mpi: point-to-point. Sends and receives are posted non-blocking and
 // completed by the worker's polling (mpi_work.h step 3).
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <memory>
+#include <optional>
 
 #include "plugin/comm/mpi_backend.h"
 #include "plugin/comm/mpi_env.h"
@@ -24,7 +28,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::send(std::vector<at::Tensor>& tensors
   MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensors[0]");
   return post(c10d::OpType::SEND, {}, tensors, [=, this](MpiWorker::Progress& p) {
     // The host copy must live until MPI is done with it: the completion owns it.
-    auto h = std::make_shared<HostView>(t, /*copy_in=*/true);
+    auto h = std::make_shared<HostView>(t, /*copy_in=*/true, Transfer::kPointToPoint);
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Isend(h->ptr(), count, dt, dst_rank, tag, comm_, &req));
     p.defer(req, [h](const MPI_Status&) {});
@@ -40,10 +44,16 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post_recv(std::vector<at::Tensor>& tenso
   MPI_Datatype dt = mpi_datatype(t.scalar_type(), "tensors[0]");
   const c10d::OpType type = src == MPI_ANY_SOURCE ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV;
   return post(type, tensors, {}, [=, this](MpiWorker::Progress& p) {
-    auto h = std::make_shared<HostView>(t, /*copy_in=*/false);
+    auto h = std::make_shared<HostView>(t, /*copy_in=*/false, Transfer::kPointToPoint);
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Irecv(h->ptr(), count, dt, src, tag, comm_, &req));
-    p.defer(req, [h, count, dt, work = p.work](const MPI_Status& status) {
+    // The copy back runs when the message is in, from the worker's polling:
+    // under the caller's stream (current here: post() set it), as every
+    // device copy, so it lands after what the caller queued before the recv.
+    std::optional<c10::Stream> stream;
+    if (!t.is_cpu()) stream = c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
+    p.defer(req, [h, count, dt, stream, work = p.work](const MPI_Status& status) {
+      const c10::OptionalStreamGuard guard(stream);
       int received = 0;
       DDPX_MPI_CHECK(MPI_Get_count(&status, dt, &received));
       TORCH_CHECK(received == count, "ddpx_mpi: recv from rank ", status.MPI_SOURCE,

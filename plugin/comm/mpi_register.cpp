@@ -16,7 +16,7 @@ namespace {
 const bool registered = register_backend(
     {"ddpx_mpi", c10d::ProcessGroup::BackendType::CUSTOM, /*needs_store=*/false,
      [](const BackendArgs& a) { return make_mpi_backend({}, a.timeout); },
-     /*host_only=*/[] { return !mpi_takes_cuda_memory(); }});
+     /*host_only=*/[] { return !mpi_takes_cuda_memory(Transfer::kCollective); }});
 
 }  // namespace
 }  // namespace detail

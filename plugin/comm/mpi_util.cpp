@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <numeric>
 #include <thread>
 
@@ -16,17 +17,24 @@
 
 namespace ddpx::comm::detail {
 
-bool mpi_takes_cuda_memory() {
-  static const bool aware = [] {
-    const char* env = std::getenv("DDPX_MPI_CUDA_AWARE");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+CudaMemoryPolicy cuda_memory_policy(const char* env, bool library_aware) {
+  const std::string v = env == nullptr ? "" : env;
+  TORCH_CHECK(v.empty() || v == "0" || v == "1",
+              "DDPX_MPI_CUDA_AWARE must be 0 or 1 (or unset), got '", v, "'");
+  if (v == "0") return {};
+  return {library_aware, library_aware && v == "1"};
+}
+
+bool mpi_takes_cuda_memory(Transfer kind) {
+  static const CudaMemoryPolicy policy = [] {
 #if defined(MPIX_CUDA_AWARE_SUPPORT)
-    return MPIX_Query_cuda_support() == 1;
+    const bool aware = MPIX_Query_cuda_support() == 1;
 #else
-    return false;
+    const bool aware = false;
 #endif
+    return cuda_memory_policy(std::getenv("DDPX_MPI_CUDA_AWARE"), aware);
   }();
-  return aware;
+  return kind == Transfer::kPointToPoint ? policy.point_to_point : policy.collectives;
 }
 
 namespace {
@@ -38,8 +46,8 @@ void sync_current_stream(c10::Device d) {
 
 }  // namespace
 
-HostView::HostView(const at::Tensor& t, bool copy_in) : user_(t) {
-  if (t.is_contiguous() && (t.is_cpu() || (t.is_cuda() && mpi_takes_cuda_memory()))) {
+HostView::HostView(const at::Tensor& t, bool copy_in, Transfer kind) : user_(t) {
+  if (t.is_contiguous() && (t.is_cpu() || (t.is_cuda() && mpi_takes_cuda_memory(kind)))) {
     // A CUDA-aware MPI reads device memory itself but knows no streams: the
     // work that produced it must be done.
     if (t.is_cuda()) sync_current_stream(t.device());

@@ -11,14 +11,19 @@
 
 namespace ddpx::comm::detail {
 
+// What a buffer is for: MPI takes device memory in more of the one than the
+// other (mpi_takes_cuda_memory).
+enum class Transfer { kCollective, kPointToPoint };
+
 // A contiguous buffer for MPI: the tensor itself when it is a contiguous CPU
-// tensor (or a CUDA one and MPI is CUDA-aware), else a staged copy in host
-// memory, pinned for a CUDA tensor (Open MPI from Debian is not CUDA-aware).
-// Runs on the worker, under the caller's stream, so the copy is ordered
-// after the producer; the copies are complete when the calls return.
+// tensor (or a CUDA one that MPI takes for this kind of transfer), else a
+// staged copy in host memory, pinned for a CUDA tensor (Open MPI from Debian
+// is not CUDA-aware). Runs on the worker, under the caller's stream, so the
+// copy is ordered after the producer; the copies are complete when the calls
+// return.
 class HostView {
  public:
-  HostView(const at::Tensor& t, bool copy_in);
+  HostView(const at::Tensor& t, bool copy_in, Transfer kind = Transfer::kCollective);
   void* ptr() const { return host_.data_ptr(); }
   int count() const { return static_cast<int>(host_.numel()); }
   const at::Tensor& host() const { return host_; }
@@ -29,10 +34,22 @@ class HostView {
   at::Tensor host_;
 };
 
-// Whether MPI reads and writes CUDA device memory itself (Open MPI's
-// MPIX_Query_cuda_support; Debian's is not CUDA-aware). DDPX_MPI_CUDA_AWARE=0
-// says no whatever the library answers.
-bool mpi_takes_cuda_memory();
+// Whether MPI is handed CUDA device memory for a kind of transfer.
+// Point-to-point: where the library is CUDA-aware (Open MPI's
+// MPIX_Query_cuda_support; Debian's is not). Collectives: only when
+// DDPX_MPI_CUDA_AWARE=1 says so as well: ddpx_mpi's collectives are
+// non-blocking, and Open MPI's CUDA support covers sends, receives and the
+// blocking collectives only (its FAQ, "Which MPI APIs work with
+// CUDA-aware?"), so by default they are staged through host memory.
+// DDPX_MPI_CUDA_AWARE=0: never.
+bool mpi_takes_cuda_memory(Transfer kind);
+struct CudaMemoryPolicy {
+  bool point_to_point = false;
+  bool collectives = false;
+};
+// The rule above, for DDPX_MPI_CUDA_AWARE's value (null: unset) and the
+// library's answer; any other value is an error naming the variable.
+CudaMemoryPolicy cuda_memory_policy(const char* env, bool library_aware);
 
 // A tensor's dtype as one field of check_agreement's fingerprint.
 inline int64_t dtype_id(const at::Tensor& t) { return static_cast<int64_t>(t.scalar_type()); }

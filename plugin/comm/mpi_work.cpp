@@ -1,6 +1,7 @@
 #include "plugin/comm/mpi_work.h"
 
 #include <ATen/core/ivalue.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 #include <sys/prctl.h>
 
@@ -15,6 +16,21 @@
 
 namespace ddpx::comm::detail {
 
+namespace {
+
+std::vector<c10::Device> cuda_devices(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::Device> devices;
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.is_cuda() &&
+        std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+      devices.push_back(t.device());
+    }
+  }
+  return devices;
+}
+
+}  // namespace
+
 MpiWork::MpiWork(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
                  std::chrono::milliseconds timeout, const char* profiling_title,
                  const std::optional<std::vector<at::Tensor>>& inputs)
@@ -22,9 +38,8 @@ MpiWork::MpiWork(int rank, c10d::OpType type, std::string what, std::vector<at::
       what_(std::move(what)),
       outputs_(std::move(outputs)),
       timeout_(timeout),
-      future_(
-          c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
-}
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()), cuda_devices(outputs_))) {}
 
 int MpiWork::sourceRank() const {
   const int r = source_rank_.load();
@@ -101,6 +116,7 @@ void MpiWork::set_future(const std::exception_ptr& error) {
   if (error) {
     future_->setErrorIfNeeded(error);
   } else {
+    const c10::OptionalStreamGuard guard(stream_);  // the events on the caller's stream
     future_->markCompleted(c10::IValue(outputs_));
   }
 }
@@ -177,6 +193,7 @@ bool MpiWork::wait(std::chrono::milliseconds timeout) {
     cv_.wait(lock, [this] { return completed_; });
   }
   if (exception_) std::rethrow_exception(exception_);
+  future_->wait();  // (complete: with devices, the waiter's streams wait for its events)
   return true;
 }
 

@@ -76,6 +76,11 @@ class MpiWork : public c10d::Work {
   // for Works posted after the group's enableCollectivesTiming() (as Gloo).
   float getDuration() const override;
 
+  // The caller's stream of the tensors' device (unset for CPU tensors), set
+  // before the Work is queued: where the device copies ran, so where the
+  // Future records its events (below).
+  void set_stream(std::optional<c10::Stream> stream) { stream_ = stream; }
+
   // Called on a timeout to name the peers behind it (mpi_diagnose.h); the
   // sentence ends the error message.
   void set_diagnosis(std::function<std::string()> fn) { diagnose_ = std::move(fn); }
@@ -116,7 +121,12 @@ class MpiWork : public c10d::Work {
   std::string what_;
   std::vector<at::Tensor> outputs_;
   std::chrono::milliseconds timeout_;
+  // With CUDA outputs, a Future of their devices (as Gloo's and NCCL's): its
+  // events are recorded on stream_ when it completes, so `wait()` orders the
+  // waiter's stream after the results and `then()` callbacks run on streams
+  // that wait for them (not on the completing thread's default stream).
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::optional<c10::Stream> stream_;
   std::atomic<int> source_rank_{-1};
   bool timed_ = false;
   std::atomic<int64_t> started_ns_{0};  // steady clock; 0: not started

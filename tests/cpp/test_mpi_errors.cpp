@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "mpi_test_util.h"
+#include "plugin/comm/mpi_util.h"
 
 namespace {
 
@@ -121,6 +122,24 @@ TEST(Errors, RecvSmallerThanSend) {
     expect_error([&] { pg->recv(t, 0, 3)->wait(); }, "truncated");
   }
   still_works();
+}
+
+// Which transfers MPI is handed CUDA memory for (mpi_util.h): a CUDA-aware
+// library takes it in sends and receives; collectives (non-blocking here,
+// which Open MPI's CUDA support does not cover) only when the user says so;
+// DDPX_MPI_CUDA_AWARE=0 never; a library that is not CUDA-aware never.
+TEST(CudaMemoryPolicy, CollectivesOnlyWhenAskedAndTheLibraryIsAware) {
+  using ddpx::comm::detail::cuda_memory_policy;
+  const auto is = [](ddpx::comm::detail::CudaMemoryPolicy p, bool p2p, bool coll) {
+    return p.point_to_point == p2p && p.collectives == coll;
+  };
+  EXPECT_TRUE(is(cuda_memory_policy(nullptr, true), true, false));
+  EXPECT_TRUE(is(cuda_memory_policy("", true), true, false));
+  EXPECT_TRUE(is(cuda_memory_policy("1", true), true, true));
+  EXPECT_TRUE(is(cuda_memory_policy("0", true), false, false));
+  EXPECT_TRUE(is(cuda_memory_policy(nullptr, false), false, false));
+  EXPECT_TRUE(is(cuda_memory_policy("1", false), false, false));
+  expect_error([] { cuda_memory_policy("yes", true); }, "DDPX_MPI_CUDA_AWARE must be 0 or 1");
 }
 
 }  // namespace

@@ -5,7 +5,8 @@ a CUDA stream of its own, after backward's stream, and DDP's stream waits for
 its result: `none` gives DDP's own parameters bit for bit (x/2 is exact on two
 ranks), fp16 and int8 stay within their rounding of them. The op's `none` on
 a CUDA tensor (staged through pinned host memory in 4 MiB chunks) equals the
-same call on the CPU bit for bit."""
+same call on the CPU bit for bit. A CUDA call's Future and a recv follow the
+caller's stream."""
 import threading
 
 import torch
@@ -87,3 +88,49 @@ def test_none_staged_equals_the_cpu(group):
         got = torch.ops.ddpx.compressed_allreduce(on_device, "none", "", name)
         assert got.device.type == DEVICE and got.shape == x.shape
         assert torch.equal(got.cpu(), want)
+
+
+def _busy(stream, ms=200):
+    """Keeps `stream` busy for about `ms` (work queued behind it waits)."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(ms * 2_000_000)  # cycles, at about 2 GHz
+
+
+def test_future_callbacks_follow_the_callers_stream(group):
+    """A CUDA collective's Future is one of its devices (as Gloo's): a then()
+    callback's kernels run on a stream that waits for the result, not on the
+    completing thread's default stream (kept busy here), and waiting on the
+    chained Future orders the caller's stream after them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    side = torch.cuda.Stream()
+    _busy(torch.cuda.default_stream())
+    with torch.cuda.stream(side):
+        t = torch.full((1000,), float(rank + 1), device=DEVICE)
+        fut = dist.all_reduce(t, group=group, async_op=True).get_future()
+        got = fut.then(lambda f: f.value()[0] * 2).wait()
+        host = torch.empty(got.shape, pin_memory=True)
+        host.copy_(got, non_blocking=True)
+    side.synchronize()
+    assert torch.equal(host, torch.full((1000,), 2.0 * sum(range(1, world + 1))))
+    torch.cuda.synchronize()
+
+
+def test_recv_lands_after_the_callers_stream(mpi_and_gloo):
+    """ddpx_mpi's recv into a CUDA tensor copies it back on the caller's
+    stream, after what was queued there before the call (a wait, then a
+    fill), whenever the message comes in."""
+    rank = dist.get_rank()
+    if rank == 0:
+        dist.send(torch.full((1000,), 3.0, device=DEVICE), dst=1)
+    elif rank == 1:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            buf = torch.zeros(1000, device=DEVICE)
+            _busy(side)
+            buf.fill_(7.0)
+            dist.recv(buf, src=0)
+            host = torch.empty(1000, pin_memory=True)
+            host.copy_(buf, non_blocking=True)
+        side.synchronize()
+        assert torch.equal(host, torch.full((1000,), 3.0))
+    dist.barrier()

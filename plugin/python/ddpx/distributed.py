@@ -93,6 +93,11 @@ class _Worker:
                 return
             fn, fut, stream = item
             del item
+            if stream is not None:
+                # The thread's device is the stream's: leaving the stream's
+                # context would otherwise go back to device 0, and make a
+                # CUDA context there in a rank that trains on another GPU.
+                torch.cuda.set_device(stream.device)
             on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with on:
                 try:
