@@ -17,8 +17,11 @@
 // In both, autocast is off inside the op, so its ATen calls keep that dtype.
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
 #include <ddpx/ops.h>
 #include <torch/library.h>
+
+#include <string>
 
 namespace ddpx {
 namespace {
@@ -48,6 +51,24 @@ at::Tensor tiled_conv2d_autocast(const at::Tensor& input, const at::Tensor& weig
                             autocast_optional<kDevice>(bias), stride, padding, dilation, groups);
 }
 
+// ATen warns on every cuDNN RNN call whose weights are not views of one
+// buffer in cuDNN's layout ("... not part of single contiguous chunk of
+// memory"), and copies them into one. Weights cast here never are (each is
+// cast on its own; ATen's own RNN autocast casts into such a buffer, with
+// internals we cannot call), so under autocast that warning is about our
+// casts, not the user's model, and a C++ trainer would print it on every
+// call: dropped, every other warning passed on.
+class DropRnnLayoutWarning : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& warning) override {
+    if (warning.msg().find("not part of single contiguous chunk") != std::string::npos) return;
+    prev_->process(warning);
+  }
+
+ private:
+  c10::WarningHandler* prev_ = c10::WarningUtils::get_warning_handler();
+};
+
 template <c10::DeviceType kDevice>
 std::tuple<at::Tensor, at::Tensor> fused_gru_autocast(const at::Tensor& input,
                                                       const std::optional<at::Tensor>& hx,
@@ -61,6 +82,8 @@ std::tuple<at::Tensor, at::Tensor> fused_gru_autocast(const at::Tensor& input,
   std::vector<at::Tensor> cast_params;
   cast_params.reserve(params.size());
   for (const auto& p : params) cast_params.push_back(at::autocast::cached_cast(dtype, p, kDevice));
+  DropRnnLayoutWarning drop;
+  const c10::WarningUtils::WarningHandlerGuard quiet(&drop);
   return ddpx::fused_gru(at::autocast::cached_cast(dtype, input, kDevice),
                          autocast_optional<kDevice>(hx), cast_params, has_biases, num_layers,
                          dropout, train, bidirectional, batch_first);

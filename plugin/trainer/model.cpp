@@ -1,6 +1,12 @@
 #include "plugin/trainer/model.h"
 
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+
 #include <filesystem>
+#include <string>
+#include <vector>
 
 namespace ddpx::trainer {
 namespace {
@@ -11,7 +17,62 @@ int64_t int_attr(const torch::jit::Module& m, const std::string& path, const cha
   return m.attr(name).toInt();
 }
 
+// A GRU's weights in nn.GRU's _flat_weights order (per layer and direction:
+// w_ih, w_hh, then b_ih, b_hh with biases).
+std::vector<at::Tensor> gru_weights(const torch::jit::Module& gru, int64_t layers, bool bias,
+                                    bool bidirectional) {
+  std::vector<at::Tensor> w;
+  for (int64_t l = 0; l < layers; ++l) {
+    for (const std::string sfx : {"", "_reverse"}) {
+      if (!bidirectional && !sfx.empty()) continue;
+      for (const std::string n : {"weight_ih_l", "weight_hh_l", "bias_ih_l", "bias_hh_l"}) {
+        if (!bias && n[0] == 'b') continue;
+        const std::string name = n + std::to_string(l) + sfx;
+        if (!gru.hasattr(name) || !gru.attr(name).isTensor()) return {};
+        w.push_back(gru.attr(name).toTensor());
+      }
+    }
+  }
+  return w;
+}
+
+// Each GRU of the model whose weights cuDNN can take (one CUDA device, one of
+// its dtypes): its weights made views of one buffer (ATen's
+// _cudnn_rnn_flatten_weight, which nn.GRU's flatten_parameters calls).
+void flatten_gru_weights(torch::jit::Module& model) {
+  if (!at::globalContext().userEnabledCuDNN() || !at::detail::getCUDAHooks().compiledWithCuDNN()) {
+    return;
+  }
+  for (const auto& nm : model.named_modules()) {
+    const torch::jit::Module& gru = nm.value;
+    if (!gru.hasattr("mode") || !gru.attr("mode").isString() ||
+        gru.attr("mode").toStringRef() != "GRU") {
+      continue;
+    }
+    const int64_t layers = gru.attr("num_layers").toInt();
+    const bool bias = gru.attr("bias").toBool(), bidirectional = gru.attr("bidirectional").toBool();
+    const std::vector<at::Tensor> w = gru_weights(gru, layers, bias, bidirectional);
+    if (w.empty()) continue;
+    const auto dtype = w[0].scalar_type();
+    bool fits = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kDouble;
+    for (const at::Tensor& t : w) {
+      fits = fits && t.is_cuda() && t.device() == w[0].device() && t.scalar_type() == dtype;
+    }
+    if (!fits) continue;
+    const at::NoGradGuard no_grad;
+    at::_cudnn_rnn_flatten_weight(w, bias ? 4 : 2, gru.attr("input_size").toInt(),
+                                  /*mode: cuDNN's GRU=*/3, gru.attr("hidden_size").toInt(),
+                                  /*proj_size=*/0, layers, gru.attr("batch_first").toBool(),
+                                  bidirectional);
+  }
+}
+
 }  // namespace
+
+void move_model(torch::jit::Module& model, const at::Device& device) {
+  model.to(device);
+  if (device.is_cuda()) flatten_gru_weights(model);
+}
 
 ScriptedModel load_model(const std::string& path) {
   TORCH_CHECK(std::filesystem::is_regular_file(path), "ddpx-train: model file '", path,

@@ -20,4 +20,11 @@ struct ScriptedModel {
 // when absent). Throws naming the file and what is missing.
 ScriptedModel load_model(const std::string& path);
 
+// Moves the model to `device`. On CUDA, each GRU of the model (ddpx.nn.FusedGRU,
+// nn.GRU) then has its weights made views of one buffer in cuDNN's layout, as
+// nn.GRU's own move does (flatten_parameters): cuDNN reads such weights in
+// place, and copies weights that are not into one, with a warning, on every
+// call. The parameters stay the same tensors.
+void move_model(torch::jit::Module& model, const at::Device& device);
+
 }  // namespace ddpx::trainer

@@ -95,7 +95,7 @@ std::string run(const Options& o) {
 
   ScriptedModel sm = load_model(o.model);
   torch::jit::Module& model = sm.module;
-  model.to(device);
+  move_model(model, device);
   model.train();
   const LayerDrop drop =
       parse_layer_drop(o.layer_drop, o.pld_gamma, o.layer_drop_pattern, o.layer_drop_scale, o.seed);
