@@ -165,11 +165,65 @@ def cuda_copy_bandwidth(nbytes=1 << 30):
 class Rows(list):
     """A benchmark's rows, each printed as it is measured ("# row" and its
     JSON): a run cut short by a time limit (scripts/device/check.sh's steps,
-    which bring back the log) still shows the cases it finished."""
+    which bring back the log) still shows the cases it finished. `left_out`:
+    cases not run for want of time (each_case)."""
+
+    left_out = 0
 
     def append(self, row):
         super().append(row)
         print("# row " + json.dumps(row, default=str), flush=True)
+
+
+def out_of_time(margin_s=20.0):
+    """Whether the device check's step ends within `margin_s` seconds
+    (DDPX_STEP_DEADLINE, seconds since the epoch, set by
+    scripts/device/check.sh): a benchmark then takes no more cases and
+    reports those it has, rather than be killed with no JSON written."""
+    deadline = os.environ.get("DDPX_STEP_DEADLINE")
+    return deadline is not None and time.time() > float(deadline) - margin_s
+
+
+def each_case(cases, measure, label, cuda=False):
+    """Rows of measure(case) for each case, in order. A case that raises is a
+    row of its own with the error (unrated), and the next case runs; on CUDA,
+    an error the device keeps (the next synchronize raises too) ends the
+    loop. Out of the step's time (out_of_time), the remaining cases are left
+    out and counted (Rows.left_out)."""
+    cases = list(cases)
+    rows = Rows()
+    for i, case in enumerate(cases):
+        if out_of_time():
+            rows.left_out = len(cases) - i
+            print(f"# out of the step's time: {rows.left_out} case(s) left out", flush=True)
+            break
+        try:
+            rows.append(measure(case))
+        except Exception as e:  # noqa: BLE001  (a failing case is a result)
+            first = (str(e).splitlines() or [""])[0]
+            print(f"# {label(case)}: FAILED: {type(e).__name__}: {e}", flush=True)
+            rows.append({"case": label(case), "error": f"{type(e).__name__}: {first}"})
+            if cuda:
+                import torch
+                try:
+                    torch.cuda.synchronize()
+                except Exception as e2:  # noqa: BLE001
+                    rows.left_out = len(cases) - i - 1
+                    print(f"# the device keeps the error ({e2}): {rows.left_out} case(s) "
+                          "left out", flush=True)
+                    break
+    return rows
+
+
+def _json_safe(v):
+    """NaN and infinities as null (strict JSON readers reject them)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
 
 
 def geomean(values):
@@ -186,7 +240,7 @@ def _summary(rows, key):
 def print_table(columns, rows):
     """Rows (dicts) as right-aligned columns under their names; "-" where a
     row lacks one."""
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    widths = {c: max([len(c)] + [len(_fmt(r.get(c))) for r in rows]) for c in columns}
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
@@ -205,6 +259,8 @@ def proc_status_bytes(field, pid="self"):
 def report(name, columns, rows, ratio_key="ratio", extra=None, also=()):
     """Print rows (dicts) as a table, then the worst case and the geomean of
     each ratio column in `also` and last of `ratio_key`; save JSON."""
+    if any("error" in r for r in rows) and "error" not in columns:
+        columns = [*columns, "error"]  # (failed cases: each_case)
     print_table(columns, rows)
     summary = {}
     for key in (*also, ratio_key):
@@ -218,10 +274,15 @@ def report(name, columns, rows, ratio_key="ratio", extra=None, also=()):
     # DDPX_BENCH_OUT: another folder (scripts/device/check.sh: its OUT_DIR).
     out = Path(os.environ.get("DDPX_BENCH_OUT", ROOT / "bench_results"))
     out.mkdir(parents=True, exist_ok=True)
+    left_out = getattr(rows, "left_out", 0)
+    if left_out:
+        print(f"# {left_out} case(s) left out: out of the step's time or after a device error")
     with open(out / f"{name}.json", "w") as f:
-        json.dump({"name": name, "rows": rows, "geomean_ratio": summary[ratio_key]["geomean"],
-                   "worst_ratio": summary[ratio_key]["worst"], "summary": summary,
-                   **_provenance(), **(extra or {})}, f, indent=1)
+        json.dump(_json_safe({"name": name, "rows": rows,
+                              "geomean_ratio": summary[ratio_key]["geomean"],
+                              "worst_ratio": summary[ratio_key]["worst"], "summary": summary,
+                              "cases_left_out": left_out, **_provenance(), **(extra or {})}),
+                  f, indent=1, default=str)
     return summary[ratio_key]["geomean"]
 
 

@@ -10,9 +10,10 @@
 //                  divide (the usual LibTorch loop), over Gloo
 //   gradsync_gloo  ddpx::GradSync over Gloo (the transport of PyTorch DDP)
 //   gradsync_mpi   ddpx::GradSync over ddpx_mpi
-//   gradsync_gloo_unstaged, gradsync_mpi_unstaged (--device cuda: added to
-//                  the default variants) the same with stage_chunk_bytes(0):
-//                  CUDA buckets handed to the backend, which stages them whole
+//   gradsync_gloo_unstaged, gradsync_mpi_unstaged (--device cuda; the
+//                  orchestrator runs them as a job of their own) the same with
+//                  stage_chunk_bytes(0): CUDA buckets handed to the backend,
+//                  which stages them whole
 //   gradsync_copy  GradSync over Gloo with gradient_as_bucket_view(false):
 //                  gradients copied into the buckets and back (the benefit
 //                  of views is gradsync_gloo vs this)
@@ -98,9 +99,13 @@ void zero_grad(const std::vector<at::Tensor>& params, bool in_place) {
 // reduction can overlap while gradients must be averaged when backward
 // returns), and the backward() call, with its start (gradient hooks time
 // their arrival from it).
+// On a device (sync_device) each phase ends with a device synchronize, so
+// they time the kernels, not their launches; the gradients' arrival times
+// stay the host's (when autograd queued them).
 struct Phases {
   double forward = 0, backward = 0;
   Clock::time_point backward_start;
+  bool sync_device = false;
 };
 
 double ms_since(Clock::time_point t0) {
@@ -112,11 +117,13 @@ void forward_backward(torch::jit::Module& m, const at::Device& dev, int64_t step
   const auto t0 = Clock::now();
   at::Tensor x = m.run_method("inputs", step, rank).toTensor().to(dev);
   at::Tensor loss = m.forward({x, step}).toTensor();
+  if (phases && phases->sync_device) torch::cuda::synchronize();
   if (phases) phases->forward = ms_since(t0);
   if (exact) exact->prepare_for_backward({loss});
   const auto t1 = Clock::now();
   if (phases) phases->backward_start = t1;
   loss.backward();
+  if (phases && phases->sync_device) torch::cuda::synchronize();
   if (phases) phases->backward = ms_since(t1);
 }
 
@@ -187,6 +194,8 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
 
   std::function<void(int64_t)> step_fn;
   Phases phases;  // of the last step
+  // (compute only: it has no communication that a sync would hold back)
+  phases.sync_device = dev.is_cuda() && variant == "compute";
   // compute: when each gradient arrived in this step (ms from the backward()
   // call), for the floor that knows when each byte could first go on the
   // wire (scripts/bench/ddp). A post-hook on each accumulator, as GradSync's,
@@ -349,9 +358,6 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
   TORCH_CHECK(a.steps > 0, "--steps must be positive, got ", a.steps);
-  if (a.device == "cuda" && app.count("--variants") == 0) {
-    a.variants.insert(a.variants.end(), {"gradsync_gloo_unstaged", "gradsync_mpi_unstaged"});
-  }
 
   at::set_num_threads(a.threads);
   torch::jit::setGraphExecutorOptimize(false);

@@ -44,6 +44,7 @@ packed_gpu = torch.ops.ddpx._int8_pack(v.cuda(), 64)
 assert torch.equal(packed_gpu.cpu().view(torch.uint8), packed_cpu.view(torch.uint8)), "int8 pack"
 print("int8 codec: CUDA pack equals the CPU bit for bit")
 
+torch.backends.cudnn.allow_tf32 = False  # (the reference in float32; our kernels may serve)
 m = ddpx.nn.TiledConv2d(3, 8, 3, padding="same").cuda()
 ref = torch.nn.functional.conv2d(torch.ones(2, 3, 9, 9, device="cuda"), m.weight, m.bias,
                                  padding=1)
