@@ -145,8 +145,10 @@ at::MemoryFormat conv2d_output_memory_format(const at::Tensor& input, const at::
   if (input.dim() != 4) return at::MemoryFormat::Contiguous;
   // On CUDA ATen's float64 convolutions are NCHW whatever the layout
   // (cudnn_conv_suggest_memory_format turns NHWC off for double, and the
-  // native kernels cuDNN would fall back to are NCHW only).
-  if (input.device().is_cuda() &&
+  // native kernels cuDNN would fall back to are NCHW only). (CUDA read from
+  // the dispatch keys: a fake CUDA tensor reports device meta inside the
+  // Meta kernel, and must be given the real kernel's layout.)
+  if (input.key_set().has_backend(c10::BackendComponent::CUDABit) &&
       (input.scalar_type() == at::kDouble || weight.scalar_type() == at::kDouble)) {
     return at::MemoryFormat::Contiguous;
   }

@@ -312,6 +312,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::endCoalescing() {
                                              what(c10d::OpType::COALESCED, seq), outputs, timeout_,
                                              "ddpx_mpi:COALESCED", std::nullopt);
   joined->set_order(order_);  // its callbacks' collectives are ordered as any Work's
+  if (!works.empty()) joined->set_stream(works.front()->stream());  // (its Future's events)
   if (works.empty()) {
     joined->complete(nullptr);
     return joined;

@@ -99,26 +99,33 @@ void MpiWork::complete(std::exception_ptr error) {
         [self = c10::intrusive_ptr<MpiWork>::unsafe_reclaim_from_nonowning(this), error] {
           std::optional<PostOrder::Running> running;  // what the callbacks issue is theirs
           if (self->chain_) running.emplace(self->chain_);
-          self->set_future(error);
-          self->finish_now(error);
+          self->finish_now(self->set_future(error));
         });
     return;
   }
   // Nobody holds the Future, so it has no callbacks: completing it here runs
   // no user code, and getFuture() waits for the lock, so none is attached
   // before the Future is complete (addCallback then runs it on its caller).
-  set_future(error);
+  const std::exception_ptr result = set_future(error);
   lock.unlock();
-  finish_now(error);
+  finish_now(result);
 }
 
-void MpiWork::set_future(const std::exception_ptr& error) {
+std::exception_ptr MpiWork::set_future(const std::exception_ptr& error) {
   if (error) {
     future_->setErrorIfNeeded(error);
-  } else {
+    return error;
+  }
+  // With devices, completing records CUDA events, which a device error can
+  // make fail: the Work then fails with it (never left uncompleted).
+  try {
     const c10::OptionalStreamGuard guard(stream_);  // the events on the caller's stream
     future_->markCompleted(c10::IValue(outputs_));
+  } catch (...) {
+    future_->setErrorIfNeeded(std::current_exception());
+    return std::current_exception();
   }
+  return future_->hasError() ? future_->exception_ptr() : nullptr;
 }
 
 void MpiWork::finish_now(std::exception_ptr error) {

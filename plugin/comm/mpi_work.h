@@ -80,6 +80,7 @@ class MpiWork : public c10d::Work {
   // before the Work is queued: where the device copies ran, so where the
   // Future records its events (below).
   void set_stream(std::optional<c10::Stream> stream) { stream_ = stream; }
+  std::optional<c10::Stream> stream() const { return stream_; }
 
   // Called on a timeout to name the peers behind it (mpi_diagnose.h); the
   // sentence ends the error message.
@@ -115,7 +116,9 @@ class MpiWork : public c10d::Work {
   void time_out(std::chrono::milliseconds limit);
 
  private:
-  void set_future(const std::exception_ptr& error);
+  // Completes the Future with `error`, or the outputs; returns the error the
+  // Work ends with (the Future's own, if completing it failed).
+  std::exception_ptr set_future(const std::exception_ptr& error);
   void finish_now(std::exception_ptr error);
 
   std::string what_;

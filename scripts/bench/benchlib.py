@@ -346,13 +346,13 @@ class ShapedLink:
             subprocess.run(net.prefix + ["mpirun", ...])
     """
 
-    def __init__(self, name, enabled=True, rate="1gbit"):
+    def __init__(self, name, enabled=True, rate="1gbit", why_not="--no-netns"):
         self.ns = f"{name}-{os.getpid()}"
         self.enabled = enabled
         self.rate = rate
         self.made = False
         self.prefix = []
-        self.link = "UNSHAPED plain loopback (--no-netns)"
+        self.link = f"UNSHAPED plain loopback ({why_not})"
 
     def __enter__(self):
         import atexit

@@ -212,7 +212,7 @@ def test_cuda_inference_mode_takes_the_path(monkeypatch):
     """torch.inference_mode skips the Autograd kernel, where the path of a
     training call is chosen: the backend kernel chooses it for inference.
     `cudnn`: nn.GRU's own result, bit for bit; `fused`: ours, close to it."""
-    gru = make_gru(40, 48, 1, dtype=torch.float32).cuda()
+    gru = make_gru(40, 48, 1, dtype=torch.float32).cuda().eval()  # (train=False, as the op's)
     x = torch.randn(12, 5, 40, device="cuda")
     params = [p.detach() for p in gru._flat_weights]
     with torch.inference_mode():

@@ -311,14 +311,14 @@ OPCHECK = [
 ]
 
 
-def opcheck_case(case, device):
+def opcheck_case(case, device, dtype=torch.float32):
     """torch.library.opcheck of one OPCHECK case (also run on CUDA)."""
     xs, ws, has_b, s, p, d, g = case
-    x = torch.randn(xs, device=device, requires_grad=True)
+    x = torch.randn(xs, device=device, dtype=dtype, requires_grad=True)
     if x.dim() == 4 and case is OPCHECK[0]:
         x = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
-    w = torch.randn(ws, device=device, requires_grad=True)
-    b = torch.randn(ws[0], device=device, requires_grad=True) if has_b else None
+    w = torch.randn(ws, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(ws[0], device=device, dtype=dtype, requires_grad=True) if has_b else None
     torch.library.opcheck(op, (x, w, b, s, p, d, g))
 
 

@@ -275,6 +275,13 @@ def test_cuda_opcheck(case):
     opcheck_case(case, "cuda")
 
 
+def test_cuda_opcheck_float64_channels_last():
+    """float64 channels_last (OPCHECK[0]): ATen's output on CUDA is NCHW
+    (cuDNN turns NHWC off for double), and so must the Meta kernel's be for a
+    fake CUDA tensor, which reports device meta there."""
+    opcheck_case(OPCHECK[0], "cuda", torch.float64)
+
+
 # ---- the path rule (kernels/common/tiled_conv2d_cuda_path.h) --------------------------------
 
 RULE = [  # (N, Cin, H=W, Cout, k, groups) -> forward/backward path
