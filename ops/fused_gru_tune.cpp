@@ -49,13 +49,12 @@ bool measurable(const at::Tensor& t) {
   return !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() && !t.key_set().has_any(traced);
 }
 
-}  // namespace
-
-GruOutputs gru_measured(const at::Tensor& input, const std::optional<at::Tensor>& hx,
-                        at::TensorList params, bool has_biases, int64_t num_layers,
-                        bool dropout_active, bool bidirectional, bool batch_first, bool grad,
-                        const std::function<GruOutputs()>& cudnn,
-                        const std::function<GruOutputs()>& ours) {
+// Benchmark mode: the measured choice of this call's problem (gru_on_cuda_path).
+GruOutputs measured(const at::Tensor& input, const std::optional<at::Tensor>& hx,
+                    at::TensorList params, bool has_biases, int64_t num_layers,
+                    bool dropout_active, bool bidirectional, bool batch_first, bool grad,
+                    const std::function<GruOutputs()>& cudnn,
+                    const std::function<GruOutputs()>& ours) {
   const bool has_hx = hx.has_value() && hx->defined();
   bool real = measurable(input) && (!has_hx || measurable(*hx));
   for (const at::Tensor& p : params) real = real && (!p.defined() || measurable(p));
@@ -74,6 +73,29 @@ GruOutputs gru_measured(const at::Tensor& input, const std::optional<at::Tensor>
   }
   return gru_tune(key, input.device(), 2, [&](int i) { return i == 0 ? cudnn() : ours(); },
                   grad_inputs);
+}
+
+}  // namespace
+
+GruOutputs gru_on_cuda_path(const at::Tensor& input, const std::optional<at::Tensor>& hx,
+                            at::TensorList params, bool has_biases, int64_t num_layers,
+                            double dropout, bool train, bool bidirectional, bool batch_first,
+                            bool grad, const std::function<GruOutputs()>& ours) {
+  const auto cudnn = [&] {
+    return gru_through_cudnn(input, hx, params, has_biases, num_layers, dropout, train,
+                             bidirectional, batch_first);
+  };
+  switch (gru_cuda_path_choice()) {
+    case GruCudaPath::kCudnn:
+      return cudnn();
+    case GruCudaPath::kBenchmark:
+      return measured(input, hx, params, has_biases, num_layers, train && dropout > 0,
+                      bidirectional, batch_first, grad, cudnn, ours);
+    case GruCudaPath::kFused:
+    case GruCudaPath::kStep:
+      break;
+  }
+  return ours();
 }
 
 }  // namespace ddpx::detail

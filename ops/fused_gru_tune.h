@@ -48,16 +48,17 @@ GruOutputs gru_tune(const ConvTuneKey& key, c10::Device device, int count,
                     const std::function<GruOutputs(int)>& run,
                     const std::vector<at::Tensor>& grad_inputs);
 
-// Benchmark mode's answer for one call: the measured choice of its problem
-// (cuDNN's GRU or ours), measured now on this call when it has not been.
-// `grad`: the call records autograd (each timed call then runs the backward
-// into the tensors that require grad). Where nothing can be timed -- CUDA
-// graph capture (no syncs), tensors being traced (torch.compile's fake or
+// One fused_gru call on CUDA, by the path DDPX_GRU_PATH and benchmark mode
+// choose (ops/fused_gru_cuda_path.h): cuDNN's GRU through at::gru, `ours`, or
+// the faster of the two as measured for its problem, measured now on this
+// call when it has not been. `grad`: the call records autograd (ATen's GRU
+// then records its own backward; each timed call runs the backward into the
+// tensors that require grad). Where nothing can be timed -- CUDA graph
+// capture (no syncs), tensors being traced (torch.compile's fake or
 // functional tensors, symbolic sizes) -- the fixed rule's cuDNN.
-GruOutputs gru_measured(const at::Tensor& input, const std::optional<at::Tensor>& hx,
-                        at::TensorList params, bool has_biases, int64_t num_layers,
-                        bool dropout_active, bool bidirectional, bool batch_first, bool grad,
-                        const std::function<GruOutputs()>& cudnn,
-                        const std::function<GruOutputs()>& ours);
+GruOutputs gru_on_cuda_path(const at::Tensor& input, const std::optional<at::Tensor>& hx,
+                            at::TensorList params, bool has_biases, int64_t num_layers,
+                            double dropout, bool train, bool bidirectional, bool batch_first,
+                            bool grad, const std::function<GruOutputs()>& ours);
 
 }  // namespace ddpx::detail

@@ -109,21 +109,8 @@ std::tuple<at::Tensor, at::Tensor> fused_gru_cuda(const at::Tensor& input,
   // Inference (the Autograd kernel's no-grad calls, and torch.inference_mode,
   // which skips that kernel): the path is chosen here, as there for training.
   // (Below autograd: ATen's GRU records nothing.)
-  const auto cudnn = [&] {
-    return detail::gru_through_cudnn(input, hx, params, has_biases, num_layers, dropout, train,
-                                     bidirectional, batch_first);
-  };
-  switch (detail::gru_cuda_path_choice()) {
-    case detail::GruCudaPath::kCudnn:
-      return cudnn();
-    case detail::GruCudaPath::kBenchmark:
-      return detail::gru_measured(input, hx, params, has_biases, num_layers, train && dropout > 0,
-                                  bidirectional, batch_first, /*grad=*/false, cudnn, ours);
-    case detail::GruCudaPath::kFused:
-    case detail::GruCudaPath::kStep:
-      break;
-  }
-  return ours();
+  return detail::gru_on_cuda_path(input, hx, params, has_biases, num_layers, dropout, train,
+                                  bidirectional, batch_first, /*grad=*/false, ours);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru_forward_cuda(

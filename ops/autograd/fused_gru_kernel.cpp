@@ -7,7 +7,6 @@
 #include <torch/library.h>
 
 #include "ops/fused_gru.h"
-#include "ops/fused_gru_cuda_path.h"
 #include "ops/fused_gru_tune.h"
 
 namespace ddpx {
@@ -121,22 +120,8 @@ std::tuple<at::Tensor, at::Tensor> fused_gru_autograd(const at::Tensor& input,
   if (!input.is_cuda()) return ours();
   // On CUDA: cuDNN's GRU where the rule says it wins (ops/fused_gru_cuda_path.h),
   // or the faster of the two measured per problem (ops/fused_gru_tune.h).
-  // ATen's GRU with autograd on records its own backward.
-  const auto cudnn = [&] {
-    return detail::gru_through_cudnn(input, hx, params, has_biases, num_layers, dropout, train,
-                                     bidirectional, batch_first);
-  };
-  switch (detail::gru_cuda_path_choice()) {
-    case detail::GruCudaPath::kCudnn:
-      return cudnn();
-    case detail::GruCudaPath::kBenchmark:
-      return detail::gru_measured(input, hx, params, has_biases, num_layers, train && dropout > 0,
-                                  bidirectional, batch_first, /*grad=*/true, cudnn, ours);
-    case detail::GruCudaPath::kFused:
-    case detail::GruCudaPath::kStep:
-      break;
-  }
-  return ours();
+  return detail::gru_on_cuda_path(input, hx, params, has_biases, num_layers, dropout, train,
+                                  bidirectional, batch_first, /*grad=*/true, ours);
 }
 
 std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> fused_gru_backward_autograd(
