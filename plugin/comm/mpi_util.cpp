@@ -8,8 +8,8 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <numeric>
+#include <string>
 #include <thread>
 
 #include "plugin/comm/mpi_env.h"
