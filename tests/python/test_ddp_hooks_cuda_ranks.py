@@ -103,9 +103,12 @@ def test_future_callbacks_follow_the_callers_stream(group):
     chained Future orders the caller's stream after them."""
     rank, world = dist.get_rank(), dist.get_world_size()
     side = torch.cuda.Stream()
-    _busy(torch.cuda.default_stream())
+    _busy(torch.cuda.default_stream(), 300)
     with torch.cuda.stream(side):
         t = torch.full((1000,), float(rank + 1), device=DEVICE)
+        # (The input ready only after this, so the Future is taken before the
+        # call completes: its callback then runs on the completing thread.)
+        _busy(side, 100)
         fut = dist.all_reduce(t, group=group, async_op=True).get_future()
         got = fut.then(lambda f: f.value()[0] * 2).wait()
         host = torch.empty(got.shape, pin_memory=True)
