@@ -288,7 +288,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce(std::vector<at::Tensor>& te
     if (count == 0) return;
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, h.ptr(), count, dt, op, comm_, &req));
-    await_request(req);
+    await_request(req, {h.host()});
     if (avg) h.host().div_(size_);
     h.write_back();
   });
@@ -323,7 +323,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce_coalesced(
     if (count == 0) return;
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, flat.data_ptr(), count, dt, op, comm_, &req));
-    await_request(req);
+    await_request(req, {flat});
     if (avg) flat.div_(size_);
     int64_t offset = 0;
     for (const auto& t : tensors) {
@@ -348,7 +348,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::broadcast(std::vector<at::Tensor>& te
     if (count == 0) return;
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Ibcast(h.ptr(), count, dt, root, comm_, &req));
-    await_request(req);
+    await_request(req, {h.host()});
     if (!is_root) h.write_back();
   });
 }
@@ -372,7 +372,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reduce(std::vector<at::Tensor>& tenso
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Ireduce(is_root ? MPI_IN_PLACE : h.ptr(), is_root ? h.ptr() : nullptr, count,
                                dt, op, root, comm_, &req));
-    await_request(req);
+    await_request(req, {h.host()});
     if (is_root) {
       if (avg) h.host().div_(size_);
       h.write_back();
@@ -403,7 +403,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_reduce_scatter_base(
     if (count == 0) return;
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Ireduce_scatter_block(hin.ptr(), hout.ptr(), count, dt, op, comm_, &req));
-    await_request(req);
+    await_request(req, {hin.host(), hout.host()});
     if (avg) hout.host().div_(size_);
     hout.write_back();
   });
@@ -434,7 +434,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions&) 
   return post(c10d::OpType::BARRIER, {}, {}, [this](MpiWorker::Progress&) {
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Ibarrier(comm_, &req));
-    await_request(req);
+    await_request(req, {});
   });
 }
 

@@ -102,7 +102,14 @@ void direct_calls(const std::vector<at::Tensor>& outs, const std::vector<at::Ten
     if (ins[i].numel() > 0) start(hin[i], hout[i], &reqs[i]);
   }
   // Open MPI progresses every outstanding request while testing any one.
-  for (auto& r : reqs) await_request(r);
+  // Each call's memory is all of theirs: the later calls are abandoned too
+  // when an earlier one is.
+  std::vector<at::Tensor> memory;
+  for (const auto i : c10::irange(ins.size())) {
+    memory.push_back(hin[i].host());
+    memory.push_back(hout[i].host());
+  }
+  for (auto& r : reqs) await_request(r, memory);
   for (const auto i : c10::irange(ins.size())) {
     if (after) after(hout[i].host());
     hout[i].write_back();
@@ -126,7 +133,7 @@ std::vector<at::Tensor> allgather_rows(MPI_Comm comm, int size,
       MPI_Request req = MPI_REQUEST_NULL;
       DDPX_MPI_CHECK(
           MPI_Iallgather(send.data_ptr(), count, dt, recv.data_ptr(), count, dt, comm, &req));
-      await_request(req);
+      await_request(req, {send, recv});
     }
     int64_t offset = 0;
     for (size_t i : g.members) {
@@ -279,7 +286,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::DDPX_REDUCE_SCATTER_SINGLE_COALESCED(
           DDPX_MPI_CHECK(MPI_Ireduce_scatter_block(send.data_ptr(), recv.data_ptr(), count,
                                                    mpi_datatype(g.dtype),
                                                    mpi_op(reduce_op, g.dtype), comm_, &req));
-          await_request(req);
+          await_request(req, {send, recv});
           if (avg) recv.div_(size_);
           int64_t offset = 0;
           for (size_t i : g.members) {

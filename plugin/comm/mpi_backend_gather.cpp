@@ -1,6 +1,7 @@
 // ddpx_mpi: allgather, gather, scatter and all-to-all.
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <numeric>
 
 #include "plugin/comm/mpi_backend.h"
@@ -42,24 +43,27 @@ std::vector<int> displacements(const std::vector<int>& counts) {
   return d;
 }
 
-// All-to-all with per-peer counts; first checks that what rank i sends to j
-// is what j expects from i (a mismatch would truncate or overrun).
-void alltoallv_checked(MPI_Comm comm, int rank, const void* send, const std::vector<int>& scounts,
-                       void* recv, const std::vector<int>& rcounts, MPI_Datatype dt) {
+// All-to-all with per-peer counts between `send` and `recv` (host tensors);
+// first checks that what rank i sends to j is what j expects from i (a
+// mismatch would truncate or overrun).
+void alltoallv_checked(MPI_Comm comm, int rank, const at::Tensor& send,
+                       const std::vector<int>& scounts, const at::Tensor& recv,
+                       const std::vector<int>& rcounts, MPI_Datatype dt) {
   const int n = static_cast<int>(scounts.size());
-  std::vector<int> expected(n);
+  const at::Tensor sc = int_array(scounts);
+  const at::Tensor expected = int_array(std::vector<int>(n));
   MPI_Request req = MPI_REQUEST_NULL;
-  DDPX_MPI_CHECK(
-      MPI_Ialltoall(scounts.data(), 1, MPI_INT, expected.data(), 1, MPI_INT, comm, &req));
-  await_request(req);
-  int ok = expected == rcounts ? 1 : 0;
-  DDPX_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, comm, &req));
-  await_request(req);
-  if (!ok) {
+  DDPX_MPI_CHECK(MPI_Ialltoall(ints(sc), 1, MPI_INT, ints(expected), 1, MPI_INT, comm, &req));
+  await_request(req, {sc, expected});
+  const int* got = ints(expected);
+  const at::Tensor ok = int_array({std::equal(rcounts.begin(), rcounts.end(), got) ? 1 : 0});
+  DDPX_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, ints(ok), 1, MPI_INT, MPI_MIN, comm, &req));
+  await_request(req, {ok});
+  if (!ints(ok)[0]) {
     std::string detail;
     for (int i = 0; i < n; ++i) {
-      if (expected[i] != rcounts[i]) {
-        detail = "rank " + std::to_string(i) + " sends " + std::to_string(expected[i]) +
+      if (got[i] != rcounts[i]) {
+        detail = "rank " + std::to_string(i) + " sends " + std::to_string(got[i]) +
                  " elements to rank " + std::to_string(rank) + ", which expects " +
                  std::to_string(rcounts[i]);
         break;
@@ -69,11 +73,12 @@ void alltoallv_checked(MPI_Comm comm, int rank, const void* send, const std::vec
                     "ddpx_mpi: alltoall split sizes disagree across ranks" +
                         (detail.empty() ? std::string(" (on another rank)") : ": " + detail));
   }
-  const auto sd = displacements(scounts);
-  const auto rd = displacements(rcounts);
-  DDPX_MPI_CHECK(MPI_Ialltoallv(send, scounts.data(), sd.data(), dt, recv, rcounts.data(),
-                                rd.data(), dt, comm, &req));
-  await_request(req);
+  const at::Tensor sd = int_array(displacements(scounts));
+  const at::Tensor rc = int_array(rcounts);
+  const at::Tensor rd = int_array(displacements(rcounts));
+  DDPX_MPI_CHECK(MPI_Ialltoallv(send.data_ptr(), ints(sc), ints(sd), dt, recv.data_ptr(), ints(rc),
+                                ints(rd), dt, comm, &req));
+  await_request(req, {send, sc, sd, recv, rc, rd});
 }
 
 }  // namespace
@@ -98,7 +103,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::_allgather_base(at::Tensor& output, a
     if (count == 0) return;
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Iallgather(hin.ptr(), count, dt, hout.ptr(), count, dt, comm_, &req));
-    await_request(req);
+    await_request(req, {hin.host(), hout.host()});
     hout.write_back();
   });
 }
@@ -123,7 +128,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allgather(std::vector<std::vector<at:
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(
         MPI_Iallgather(hin.ptr(), count, dt, flat.data_ptr(), count, dt, comm_, &req));
-    await_request(req);
+    await_request(req, {hin.host(), flat});
     unflatten_into(flat, outs);
   });
 }
@@ -157,7 +162,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::gather(std::vector<std::vector<at::Te
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Igather(hin.ptr(), count, dt, rank_ == root ? flat.data_ptr() : nullptr,
                                count, dt, root, comm_, &req));
-    await_request(req);
+    await_request(req, {hin.host(), flat});
     if (rank_ == root) unflatten_into(flat, outs);
   });
 }
@@ -191,7 +196,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::scatter(std::vector<at::Tensor>& outp
     MPI_Request req = MPI_REQUEST_NULL;
     DDPX_MPI_CHECK(MPI_Iscatter(rank_ == root ? flat.data_ptr() : nullptr, count, dt,
                                 hout.ptr(), count, dt, root, comm_, &req));
-    await_request(req);
+    await_request(req, {flat, hout.host()});
     hout.write_back();
   });
 }
@@ -229,7 +234,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::alltoall_base(at::Tensor& output, at:
   return post(c10d::OpType::ALLTOALL_BASE, {out}, {in}, [=, this](MpiWorker::Progress&) {
     HostView hin(in, /*copy_in=*/true);
     HostView hout(out, /*copy_in=*/false);
-    alltoallv_checked(comm_, rank_, hin.ptr(), scounts, hout.ptr(), rcounts, dt);
+    alltoallv_checked(comm_, rank_, hin.host(), scounts, hout.host(), rcounts, dt);
     hout.write_back();
   });
 }
@@ -257,7 +262,7 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::alltoall(std::vector<at::Tensor>& out
     at::Tensor send = flatten_cpu(ins);
     const int64_t total = std::accumulate(rcounts.begin(), rcounts.end(), int64_t{0});
     at::Tensor recv = at::empty({total}, send.options());
-    alltoallv_checked(comm_, rank_, send.data_ptr(), scounts, recv.data_ptr(), rcounts, dt);
+    alltoallv_checked(comm_, rank_, send, scounts, recv, rcounts, dt);
     unflatten_into(recv, outs);
   });
 }

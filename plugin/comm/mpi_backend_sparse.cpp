@@ -29,10 +29,12 @@ void allgatherv(MPI_Comm comm, const at::Tensor& send, at::Tensor& recv,
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
   recv = at::empty({total}, send.options());
   if (total == 0) return;
+  const at::Tensor ca = int_array(c);
+  const at::Tensor da = int_array(d);
   MPI_Request req = MPI_REQUEST_NULL;
   DDPX_MPI_CHECK(MPI_Iallgatherv(send.data_ptr(), to_count(send.numel(), what), dt, recv.data_ptr(),
-                                 c.data(), d.data(), dt, comm, &req));
-  await_request(req);
+                                 ints(ca), ints(da), dt, comm, &req));
+  await_request(req, {send, recv, ca, da});
 }
 
 }  // namespace
@@ -65,11 +67,14 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::allreduce_sparse(std::vector<at::Tens
     check_agreement(comm_, {31, static_cast<int64_t>(h >> 1)}, "allreduce_sparse",
                     describe(local) + " sparse, sizes " + c10::str(local.sizes()));
 
-    int64_t nnz = local._nnz();
-    std::vector<int64_t> nnzs(size_);
+    const at::Tensor nnz = at::tensor({local._nnz()}, at::kLong);
+    const at::Tensor all_nnz = at::empty({size_}, at::kLong);
     MPI_Request req = MPI_REQUEST_NULL;
-    DDPX_MPI_CHECK(MPI_Iallgather(&nnz, 1, MPI_INT64_T, nnzs.data(), 1, MPI_INT64_T, comm_, &req));
-    await_request(req);
+    DDPX_MPI_CHECK(MPI_Iallgather(nnz.data_ptr(), 1, MPI_INT64_T, all_nnz.data_ptr(), 1,
+                                  MPI_INT64_T, comm_, &req));
+    await_request(req, {nnz, all_nnz});
+    const int64_t* n = all_nnz.data_ptr<int64_t>();
+    const std::vector<int64_t> nnzs(n, n + size_);
 
     const at::Tensor values = local._values().contiguous();  // [nnz, dense sizes...]
     int64_t dense_numel = 1;

@@ -6,8 +6,10 @@
 #include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
 #endif
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -72,7 +74,73 @@ void HostView::write_back() const {
   if (pinned) sync_current_stream(user_.device());
 }
 
-void await_request(MPI_Request& request) {
+namespace {
+
+// Abandoned calls (await_request) with the memory they may still write.
+struct Abandoned {
+  MPI_Request request;
+  std::vector<at::Tensor> memory;
+};
+std::mutex abandoned_mu;
+std::atomic<int64_t> abandoned_count{0};
+std::atomic<int64_t> abandoned_bytes{0};
+// Leaked on purpose: MPI may write the memory until it finalises or aborts,
+// after the exit-time destructors.
+std::vector<Abandoned>& abandoned_calls() {
+  static auto* calls = new std::vector<Abandoned>();
+  return *calls;
+}
+
+int64_t bytes_of(const std::vector<at::Tensor>& memory) {
+  int64_t n = 0;
+  for (const auto& t : memory) n += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
+  return n;
+}
+
+void keep_abandoned(MPI_Request request, c10::ArrayRef<at::Tensor> memory) {
+  if (request == MPI_REQUEST_NULL || memory.empty()) return;
+  Abandoned a{request, memory.vec()};
+  const int64_t bytes = bytes_of(a.memory);
+  std::lock_guard<std::mutex> lock(abandoned_mu);
+  abandoned_calls().push_back(std::move(a));
+  abandoned_count.fetch_add(1);
+  abandoned_bytes.fetch_add(bytes);
+}
+
+// Lets go of the memory of abandoned calls that have completed since. One
+// thread at a time tests them (a request is tested by one thread only).
+void release_completed_abandoned() {
+  if (abandoned_count.load(std::memory_order_relaxed) == 0) return;
+  std::lock_guard<std::mutex> lock(abandoned_mu);
+  auto& calls = abandoned_calls();
+  for (auto it = calls.begin(); it != calls.end();) {
+    int done = 0;
+    // An error (a communicator with lost ranks) leaves it kept.
+    if (MPI_Test(&it->request, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) {
+      abandoned_bytes.fetch_sub(bytes_of(it->memory));
+      abandoned_count.fetch_sub(1);
+      it = calls.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+}  // namespace
+
+int64_t abandoned_call_bytes() {
+  release_completed_abandoned();
+  return abandoned_bytes.load();
+}
+
+at::Tensor int_array(const std::vector<int>& values) {
+  at::Tensor a = at::empty({static_cast<int64_t>(values.size())}, at::kInt);
+  if (!values.empty()) std::memcpy(a.data_ptr<int>(), values.data(), values.size() * sizeof(int));
+  return a;
+}
+
+void await_request(MPI_Request& request, c10::ArrayRef<at::Tensor> memory) {
+  release_completed_abandoned();
   using Clock = WaitPacer::Clock;
   WaitPacer pacer(Clock::now());
   const uint64_t epoch = MpiEnv::get().epoch();
@@ -89,10 +157,12 @@ void await_request(MPI_Request& request) {
     if (MpiEnv::get().epoch() != epoch) {
       // Posted before a shrink, on a communicator with lost ranks: it will
       // never complete, and MPI goes on without it.
+      keep_abandoned(request, memory);
       C10_THROW_ERROR(DistBackendError,
                       "ddpx_mpi: abandoning a collective of a group that lost ranks (shrunk)");
     }
     if (MpiEnv::get().broken()) {
+      keep_abandoned(request, memory);
       C10_THROW_ERROR(DistBackendError,
                       "ddpx_mpi: abandoning a collective: an earlier call timed out or failed: " +
                           MpiEnv::get().broken_why());
@@ -109,10 +179,11 @@ void check_agreement(MPI_Comm comm, std::initializer_list<int64_t> fingerprint,
     h *= 1099511628211ULL;
   }
   const auto f = static_cast<int64_t>(h >> 1);  // non-negative, so -f cannot overflow
-  int64_t v[2] = {f, -f};
+  const at::Tensor fv = at::tensor({f, -f}, at::kLong);
+  int64_t* v = fv.data_ptr<int64_t>();
   MPI_Request req = MPI_REQUEST_NULL;
   DDPX_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, v, 2, MPI_INT64_T, MPI_MAX, comm, &req));
-  await_request(req);
+  await_request(req, {fv});
   if (v[0] != -v[1]) {
     C10_THROW_ERROR(DistBackendError,
                     "ddpx_mpi: ranks disagree on " + what +

@@ -66,7 +66,23 @@ void check_agreement(MPI_Comm comm, std::initializer_list<int64_t> fingerprint,
 // backward it is meant to overlap; this tests the request and naps as
 // WaitPacer says (wait_pacer.h). Throws once MPI is marked broken (a Work
 // timed out), so a lost peer does not hold the worker forever.
-void await_request(MPI_Request& request);
+//
+// `memory`: all that the call reads or writes until it completes (its
+// buffers; a v-collective's count arrays: int_array). A call abandoned here
+// stays posted: MPI_Cancel and MPI_Request_free are erroneous on a
+// collective's request, and a stalled peer that resumes, or the library
+// progressing the old communicator after a shrink, may still complete it and
+// write that memory. So the request and its memory are kept until a later
+// await_request finds the request complete; the caller's references may go.
+void await_request(MPI_Request& request, c10::ArrayRef<at::Tensor> memory);
+
+// Bytes of abandoned calls' memory kept now (see await_request).
+int64_t abandoned_call_bytes();
+
+// Counts or displacements for a nonblocking v-collective, in memory that
+// await_request can keep (a CPU int32 tensor; ints() is its data).
+at::Tensor int_array(const std::vector<int>& values);
+inline int* ints(const at::Tensor& array) { return array.data_ptr<int>(); }
 
 // Checks at the door (caller's thread); each names the argument.
 // The ranks of `comm`'s members in `parent`, in `comm`'s rank order.

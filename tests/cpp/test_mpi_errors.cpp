@@ -3,7 +3,11 @@
 // keeps working afterwards.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "mpi_test_util.h"
+#include "plugin/comm/mpi_env.h"
 #include "plugin/comm/mpi_util.h"
 
 namespace {
@@ -121,6 +125,60 @@ TEST(Errors, RecvSmallerThanSend) {
     std::vector<at::Tensor> t{at::zeros({10})};
     expect_error([&] { pg->recv(t, 0, 3)->wait(); }, "truncated");
   }
+  still_works();
+}
+
+// A call abandoned after a shrink (MpiEnv::recover; the same after a
+// timeout) stays posted in MPI, and peers that come late still complete it:
+// MPI then writes the memory it was given. So that memory outlives the
+// caller's references until the call completes, and no longer.
+TEST(Errors, AbandonedCallKeepsItsMemoryUntilItCompletes) {
+  using namespace ddpx::comm::detail;
+  const int64_t n = 1 << 16;
+  world();  // MPI initialised
+  MPI_Comm comm = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_dup(MPI_COMM_WORLD, &comm), MPI_SUCCESS);
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  if (rank == 0) {
+    const int64_t before = abandoned_call_bytes();
+    at::Tensor t = at::ones({n});
+    const c10::weak_intrusive_ptr<c10::StorageImpl> weak(t.storage().getWeakStorageImpl());
+    MPI_Request req = MPI_REQUEST_NULL;
+    ASSERT_EQ(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), n, MPI_FLOAT, MPI_SUM, comm, &req),
+              MPI_SUCCESS);
+    std::thread shrink([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      MpiEnv::get().recover();
+    });
+    expect_error([&] { await_request(req, {t}); }, "abandoning a collective");
+    shrink.join();
+    t.reset();
+    EXPECT_EQ(abandoned_call_bytes() - before, n * 4);
+    auto kept = weak.lock();  // alive: kept for MPI
+    ASSERT_TRUE(kept);
+    MPI_Barrier(MPI_COMM_WORLD);  // the peers join the call now
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (abandoned_call_bytes() > before && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ(abandoned_call_bytes(), before) << "the completed call's memory was not let go";
+    const float* got = static_cast<const float*>(kept->data());
+    EXPECT_EQ(got[0], float(size));  // written by MPI after it was abandoned
+    EXPECT_EQ(got[n - 1], float(size));
+    kept.reset();
+    EXPECT_TRUE(weak.expired());
+  } else {
+    MPI_Barrier(MPI_COMM_WORLD);
+    at::Tensor t = at::ones({n});
+    // Nonblocking as rank 0's (MPI matches no blocking collective with it).
+    MPI_Request req = MPI_REQUEST_NULL;
+    MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), n, MPI_FLOAT, MPI_SUM, comm, &req);
+    MPI_Wait(&req, MPI_STATUS_IGNORE);
+    EXPECT_TRUE(at::equal(t, at::full({n}, float(size))));
+  }
+  MPI_Comm_free(&comm);
   still_works();
 }
 
