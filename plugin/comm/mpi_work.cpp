@@ -217,8 +217,9 @@ MpiWorker::MpiWorker(std::string name)
 MpiWorker::~MpiWorker() {
   if (stop(std::chrono::seconds(5))) return;
   // Stuck inside MPI: the process will abort the job at exit; do not block
-  // the destructor (and the caller) forever.
-  thread_.detach();
+  // the destructor (and the caller) forever. (A worker that stopped with
+  // unmatched requests has returned and been joined: nothing to detach.)
+  if (thread_.joinable()) thread_.detach();
 }
 
 bool MpiWorker::stop(std::chrono::milliseconds grace) {
@@ -346,7 +347,24 @@ void MpiWorker::loop() {
       }
     }
   }
+  if (abandoned_) keep_unmatched();
   exited_.set_value();
+}
+
+void MpiWorker::keep_unmatched() {
+  // A late peer may still match them: MPI then writes a receive's buffer or
+  // reads a send's, which their completions own. So the requests and their
+  // completions live as long as the process (their Works fail at their
+  // deadline if anyone waits).
+  static std::mutex mu;
+  static auto* kept = new std::vector<Progress::Item>();  // leaked on purpose
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& p : pending_) {
+    for (auto& item : p.items) {
+      if (item.request != MPI_REQUEST_NULL) kept->push_back(std::move(item));
+    }
+  }
+  pending_.clear();
 }
 
 bool MpiWorker::wait_idle(std::chrono::milliseconds limit) {

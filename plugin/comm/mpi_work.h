@@ -191,6 +191,8 @@ class MpiWorker {
   };
   void loop();
   void poll_pending();
+  // Stopped with requests never matched: keeps them and their memory.
+  void keep_unmatched();
 
   std::string name_;
   std::mutex mu_;

@@ -182,6 +182,20 @@ TEST(Errors, AbandonedCallKeepsItsMemoryUntilItCompletes) {
   still_works();
 }
 
+// A backend destroyed while a receive it posted was never matched: its
+// worker stops without waiting for it, and the destructor returns (it used to
+// detach the already joined thread: std::terminate).
+TEST(Errors, DestroyedWithAnUnmatchedRecv) {
+  auto& pg = world();
+  {
+    auto other = ddpx::comm::make_mpi_backend({}, std::chrono::milliseconds(5000));
+    std::vector<at::Tensor> t{at::zeros({1 << 12})};
+    if (other->getRank() == 0) other->recv(t, 1, 77);  // rank 1 sends nothing
+  }
+  pg->barrier()->wait();
+  still_works();
+}
+
 // Which transfers MPI is handed CUDA memory for (mpi_util.h): a CUDA-aware
 // library takes it in sends and receives; collectives (non-blocking here,
 // which Open MPI's CUDA support does not cover) only when the user says so;
