@@ -8,6 +8,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/cudnn_is_acceptable.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -140,13 +141,19 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> fused_gru_backward_c
   return {std::move(r.grad_input), std::move(r.grad_hx), std::move(r.grad_params)};
 }
 
-// "cudnn", "persistent" (ours, the whole recurrence per launch) or "step".
+// "cudnn", "aten", "persistent" (ours, the whole recurrence per launch),
+// "step" or "benchmark".
 std::string fused_gru_path_cuda(const at::Tensor& input, int64_t hidden_size, bool batch_first) {
   TORCH_CHECK(input.dim() == 2 || input.dim() == 3,
               "input must be 2-D [seq, input_size] (unbatched) or 3-D, got ", input.dim(), "-D");
   TORCH_CHECK(hidden_size > 0, "hidden_size must be positive, got ", hidden_size);
   const detail::GruCudaPath choice = detail::gru_cuda_path_choice();
-  if (choice == detail::GruCudaPath::kCudnn) return "cudnn";
+  // at::gru runs cuDNN's RNN where ATen's own test lets it (cuDNN enabled;
+  // float32, float64 or float16; not empty); otherwise ATen's GRU of
+  // per-step kernels: bfloat16, or torch.backends.cudnn.enabled = False.
+  if (choice == detail::GruCudaPath::kCudnn) {
+    return at::cudnn_is_acceptable(input) ? "cudnn" : "aten";
+  }
   if (choice == detail::GruCudaPath::kStep) return "step";
   // (measured per problem, which this query does not name in full)
   if (choice == detail::GruCudaPath::kBenchmark) return "benchmark";

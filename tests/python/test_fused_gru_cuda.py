@@ -196,6 +196,21 @@ def test_cuda_auto_path_is_cudnn_with_our_contract(cfg):
 
 
 @pytest.mark.auto_path
+def test_cuda_auto_path_names_atens_own_gru(monkeypatch):
+    """Under `cudnn`, at::gru runs cuDNN's RNN only where ATen's gate lets it
+    (torch.cudnn_is_acceptable: cuDNN enabled; in torch 2.11 also float32,
+    float64 or float16); elsewhere ATen's own GRU, and the path says so."""
+    monkeypatch.delenv("DDPX_GRU_PATH", raising=False)
+    path = torch.ops.ddpx.fused_gru_path
+    x = torch.randn(5, 2, 3, device="cuda")
+    assert path(x, 4, False) == "cudnn"
+    with torch.backends.cudnn.flags(enabled=False):
+        assert path(x, 4, False) == "aten"
+    x16 = x.bfloat16()
+    assert path(x16, 4, False) == ("cudnn" if torch.cudnn_is_acceptable(x16) else "aten")
+
+
+@pytest.mark.auto_path
 def test_cuda_path_override(monkeypatch):
     x = torch.randn(5, 2, 3, device="cuda")
     monkeypatch.setenv("DDPX_GRU_PATH", "fused")

@@ -34,8 +34,9 @@ std::string tiled_conv2d_path(const at::Tensor& input, const at::Tensor& weight,
                               at::IntArrayRef stride = {1, 1}, at::IntArrayRef padding = {0, 0},
                               at::IntArrayRef dilation = {1, 1}, int64_t groups = 1);
 
-// How fused_gru's gate kernel runs one time step of `input` on its device: on
-// CPU "serial" or "batch-parallel:<tasks>".
+// How fused_gru runs for `input` on its device: on CPU its gate step,
+// "serial" or "batch-parallel:<tasks>"; on CUDA "cudnn", "aten" (at::gru
+// without cuDNN), "persistent", "step" or "benchmark" (README).
 std::string fused_gru_path(const at::Tensor& input, int64_t hidden_size, bool batch_first = false);
 
 // Mean of `input` over the ranks of `group` through `codec` (grammar and
