@@ -87,7 +87,7 @@ MpiBackend::MpiBackend(MPI_Comm comm, std::shared_ptr<MpiWorker> worker,
                        std::chrono::milliseconds timeout, MPI_Comm diag)
     : c10d::Backend(comm_rank(comm), comm_size(comm)),
       comm_(comm),
-      diag_(diag),
+      diag_(std::make_shared<DiagComm>(diag)),
       worker_(std::move(worker)),
       timeout_(timeout) {
   for (int r : ranks_in_parent(comm, MPI_COMM_WORLD)) world_ranks_.push_back(r);
@@ -112,7 +112,7 @@ void MpiBackend::shutdown() {
     try {
       run_in_order([this] {
         MPI_Comm_free(&comm_);
-        if (diag_ != MPI_COMM_NULL) MPI_Comm_free(&diag_);
+        diag_->replace(MPI_COMM_NULL);
       });
     } catch (const std::exception&) {
       // The worker is already stopped (process exit): MPI_Finalize frees them.
@@ -239,7 +239,7 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
   }
   if (p2p) {
     work->set_diagnosis([diag = diag_, rank = rank_, size = size_, grace = diagnosis_grace()] {
-      return describe_peers(diag, rank, size, kPointToPoint, grace);
+      return diag->describe(rank, size, kPointToPoint, grace);
     });
     worker_->enqueue(work, std::move(on_worker));
   } else {
@@ -251,7 +251,7 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
         work.get(),
         [work, on_worker, worker = worker_, diag = diag_, rank = rank_, size = size_,
          grace = diagnosis_grace()](uint64_t n) {
-          work->set_diagnosis([=] { return describe_peers(diag, rank, size, n, grace); });
+          work->set_diagnosis([=] { return diag->describe(rank, size, n, grace); });
           // Numbered in the order MPI sees: the same on every rank.
           FlightRecorder::get().set_seq(work->record(), n + 1);
           try {
@@ -427,7 +427,7 @@ void MpiBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_al
   TORCH_CHECK(!closed_.load(), "ddpx_mpi: the backend was shut down");
   const auto limit = opts.timeout == c10d::kUnsetTimeout ? timeout_ : opts.timeout;
   // On the worker: after the collectives posted before it, as a barrier is.
-  run_in_order([&] { monitored_barrier(diag_, rank_, size_, limit, wait_all_ranks); });
+  run_in_order([&] { monitored_barrier(diag_->get(), rank_, size_, limit, wait_all_ranks); });
 }
 
 c10::intrusive_ptr<c10d::Work> MpiBackend::barrier(const c10d::BarrierOptions&) {

@@ -24,6 +24,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <vector>
 
+#include "plugin/comm/mpi_diagnose.h"
 #include "plugin/comm/mpi_work.h"
 
 namespace ddpx::comm::detail {
@@ -161,7 +162,8 @@ class MpiBackend final : public c10d::Backend {
 
   MPI_Comm comm_;  // freed by shutdown() on the worker, after the collectives posted before it
   std::atomic<bool> closed_{false};  // shutdown() was called: nothing more is posted
-  MPI_Comm diag_ = MPI_COMM_NULL;    // a duplicate used only to name peers after a timeout
+  // A duplicate used only to name peers after a timeout (mpi_diagnose.h).
+  std::shared_ptr<DiagComm> diag_;
   std::shared_ptr<MpiWorker> worker_;
   // When this group's collectives reach the worker (post_order.h).
   std::shared_ptr<PostOrder> order_ = PostOrder::create();

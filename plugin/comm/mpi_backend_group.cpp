@@ -172,9 +172,8 @@ c10::intrusive_ptr<c10d::Work> MpiBackend::reconfigure(const c10d::ReconfigureOp
         DDPX_MPI_CHECK(MPI_Comm_dup(comm, &diag));
         DDPX_MPI_CHECK(MPI_Comm_set_errhandler(diag, MPI_ERRORS_RETURN));
         MPI_Comm_free(&comm_);
-        if (diag_ != MPI_COMM_NULL) MPI_Comm_free(&diag_);
         comm_ = comm;
-        diag_ = diag;
+        diag_->replace(diag);
         DDPX_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
         DDPX_MPI_CHECK(MPI_Comm_size(comm_, &size_));
       },

@@ -11,6 +11,23 @@ namespace {
 constexpr int kAliveTag = 1;  // the roll call; mpi_monitored_barrier.cpp uses 2 and 3
 }  // namespace
 
+std::string DiagComm::describe(int rank, int size, uint64_t seq,
+                               std::chrono::milliseconds grace) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return describe_peers(comm_, rank, size, seq, grace);
+}
+
+void DiagComm::replace(MPI_Comm next) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  comm_ = next;
+}
+
+MPI_Comm DiagComm::get() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return comm_;
+}
+
 std::string describe_peers(MPI_Comm diag, int rank, int size, uint64_t seq,
                            std::chrono::milliseconds grace) {
   if (diag == MPI_COMM_NULL || size < 2) return "";

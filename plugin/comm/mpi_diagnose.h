@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 namespace ddpx::comm::detail {
@@ -23,5 +24,28 @@ constexpr uint64_t kPointToPoint = ~uint64_t{0};
 // and waiting: the transfer stalled, or a send has no matching receive.
 std::string describe_peers(MPI_Comm diag, int rank, int size, uint64_t seq,
                            std::chrono::milliseconds grace);
+
+// A backend's diagnosis communicator, shared with its Works' diagnoses. The
+// backend frees or replaces it (shutdown, reconfigure) while a send or
+// receive may still be pending, and that Work's timeout asks the peers later
+// from another thread: under the lock, on the communicator of the moment,
+// and nobody once it is freed.
+class DiagComm {
+ public:
+  explicit DiagComm(MPI_Comm comm) : comm_(comm) {}
+  DiagComm(const DiagComm&) = delete;
+  DiagComm& operator=(const DiagComm&) = delete;
+  // describe_peers on it; "" once freed (or never made).
+  std::string describe(int rank, int size, uint64_t seq, std::chrono::milliseconds grace);
+  // Frees the communicator it holds and holds `next` (MPI_COMM_NULL: none).
+  void replace(MPI_Comm next);
+  // For the worker's own calls (monitored barrier), which replace() runs
+  // between.
+  MPI_Comm get();
+
+ private:
+  std::mutex mu_;
+  MPI_Comm comm_;
+};
 
 }  // namespace ddpx::comm::detail
