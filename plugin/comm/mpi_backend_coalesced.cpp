@@ -96,20 +96,22 @@ void direct_calls(const std::vector<at::Tensor>& outs, const std::vector<at::Ten
   std::vector<MPI_Request> reqs(ins.size(), MPI_REQUEST_NULL);
   hin.reserve(ins.size());
   hout.reserve(ins.size());
-  for (const auto i : c10::irange(ins.size())) {
-    hin.emplace_back(ins[i], /*copy_in=*/true);
-    hout.emplace_back(outs[i], /*copy_in=*/false);
-    if (ins[i].numel() > 0) start(hin[i], hout[i], &reqs[i]);
-  }
-  // Open MPI progresses every outstanding request while testing any one.
-  // Each call's memory is all of theirs: the later calls are abandoned too
-  // when an earlier one is.
+  // Each call's memory is all of theirs: they are awaited, and abandoned,
+  // together.
   std::vector<at::Tensor> memory;
-  for (const auto i : c10::irange(ins.size())) {
-    memory.push_back(hin[i].host());
-    memory.push_back(hout[i].host());
+  try {
+    for (const auto i : c10::irange(ins.size())) {
+      hin.emplace_back(ins[i], /*copy_in=*/true);
+      hout.emplace_back(outs[i], /*copy_in=*/false);
+      memory.push_back(hin[i].host());
+      memory.push_back(hout[i].host());
+      if (ins[i].numel() > 0) start(hin[i], hout[i], &reqs[i]);
+    }
+  } catch (...) {
+    keep_until_complete(reqs, memory);  // the calls already posted
+    throw;
   }
-  for (auto& r : reqs) await_request(r, memory);
+  await_requests(reqs, memory);
   for (const auto i : c10::irange(ins.size())) {
     if (after) after(hout[i].host());
     hout[i].write_back();

@@ -6,6 +6,7 @@
 #include <mpi-ext.h>  // Open MPI's extensions: MPIX_Query_cuda_support
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -78,7 +79,7 @@ namespace {
 
 // Abandoned calls (await_request) with the memory they may still write.
 struct Abandoned {
-  MPI_Request request;
+  std::vector<MPI_Request> requests;
   std::vector<at::Tensor> memory;
 };
 std::mutex abandoned_mu;
@@ -97,15 +98,20 @@ int64_t bytes_of(const std::vector<at::Tensor>& memory) {
   return n;
 }
 
-void keep_abandoned(MPI_Request request, c10::ArrayRef<at::Tensor> memory) {
-  if (request == MPI_REQUEST_NULL || memory.empty()) return;
-  Abandoned a{request, memory.vec()};
+}  // namespace
+
+void keep_until_complete(std::vector<MPI_Request> requests, c10::ArrayRef<at::Tensor> memory) {
+  requests.erase(std::remove(requests.begin(), requests.end(), MPI_REQUEST_NULL), requests.end());
+  if (requests.empty() || memory.empty()) return;
+  Abandoned a{std::move(requests), memory.vec()};
   const int64_t bytes = bytes_of(a.memory);
   std::lock_guard<std::mutex> lock(abandoned_mu);
   abandoned_calls().push_back(std::move(a));
   abandoned_count.fetch_add(1);
   abandoned_bytes.fetch_add(bytes);
 }
+
+namespace {
 
 // Lets go of the memory of abandoned calls that have completed since. One
 // thread at a time tests them (a request is tested by one thread only).
@@ -116,7 +122,8 @@ void release_completed_abandoned() {
   for (auto it = calls.begin(); it != calls.end();) {
     int done = 0;
     // An error (a communicator with lost ranks) leaves it kept.
-    if (MPI_Test(&it->request, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) {
+    const int n = static_cast<int>(it->requests.size());
+    if (MPI_Testall(n, it->requests.data(), &done, MPI_STATUSES_IGNORE) == MPI_SUCCESS && done) {
       abandoned_bytes.fetch_sub(bytes_of(it->memory));
       abandoned_count.fetch_sub(1);
       it = calls.erase(it);
@@ -140,6 +147,12 @@ at::Tensor int_array(const std::vector<int>& values) {
 }
 
 void await_request(MPI_Request& request, c10::ArrayRef<at::Tensor> memory) {
+  std::vector<MPI_Request> one{request};
+  request = MPI_REQUEST_NULL;  // (MPI_Test frees a completed request and nulls its handle)
+  await_requests(one, memory);
+}
+
+void await_requests(std::vector<MPI_Request>& requests, c10::ArrayRef<at::Tensor> memory) {
   release_completed_abandoned();
   using Clock = WaitPacer::Clock;
   WaitPacer pacer(Clock::now());
@@ -147,7 +160,8 @@ void await_request(MPI_Request& request, c10::ArrayRef<at::Tensor> memory) {
   for (;;) {
     const auto t0 = Clock::now();
     int done = 0;
-    DDPX_MPI_CHECK(MPI_Test(&request, &done, MPI_STATUS_IGNORE));
+    DDPX_MPI_CHECK(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                               MPI_STATUSES_IGNORE));
     if (done) return;
     const auto nap = pacer.after_test(t0, Clock::now());
     if (nap.count() == 0) continue;
@@ -157,12 +171,12 @@ void await_request(MPI_Request& request, c10::ArrayRef<at::Tensor> memory) {
     if (MpiEnv::get().epoch() != epoch) {
       // Posted before a shrink, on a communicator with lost ranks: it will
       // never complete, and MPI goes on without it.
-      keep_abandoned(request, memory);
+      keep_until_complete(requests, memory);
       C10_THROW_ERROR(DistBackendError,
                       "ddpx_mpi: abandoning a collective of a group that lost ranks (shrunk)");
     }
     if (MpiEnv::get().broken()) {
-      keep_abandoned(request, memory);
+      keep_until_complete(requests, memory);
       C10_THROW_ERROR(DistBackendError,
                       "ddpx_mpi: abandoning a collective: an earlier call timed out or failed: " +
                           MpiEnv::get().broken_why());

@@ -75,6 +75,13 @@ void check_agreement(MPI_Comm comm, std::initializer_list<int64_t> fingerprint,
 // write that memory. So the request and its memory are kept until a later
 // await_request finds the request complete; the caller's references may go.
 void await_request(MPI_Request& request, c10::ArrayRef<at::Tensor> memory);
+// The same for calls in flight together (Open MPI progresses all of them
+// while testing any); abandoned, they are kept as one with `memory`, until
+// every one has completed.
+void await_requests(std::vector<MPI_Request>& requests, c10::ArrayRef<at::Tensor> memory);
+// Keeps `memory` until every one of `requests` (posted, never awaited: an
+// error came between) has completed.
+void keep_until_complete(std::vector<MPI_Request> requests, c10::ArrayRef<at::Tensor> memory);
 
 // Bytes of abandoned calls' memory kept now (see await_request).
 int64_t abandoned_call_bytes();

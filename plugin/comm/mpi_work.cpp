@@ -216,10 +216,24 @@ MpiWorker::MpiWorker(std::string name)
 
 MpiWorker::~MpiWorker() {
   if (stop(std::chrono::seconds(5))) return;
-  // Stuck inside MPI: the process will abort the job at exit; do not block
-  // the destructor (and the caller) forever. (A worker that stopped with
-  // unmatched requests has returned and been joined: nothing to detach.)
-  if (thread_.joinable()) thread_.detach();
+  if (thread_.joinable()) {
+    // Stuck inside MPI: the process will abort the job at exit; do not block
+    // the destructor (and the caller) forever.
+    thread_.detach();
+    return;
+  }
+  // Stopped with sends or receives never matched (kept: keep_unmatched).
+  // Their Works fail now: a holder of their Future alone would wait forever
+  // (here, not at exit, where a Future's callbacks may need an interpreter
+  // that is gone).
+  std::exception_ptr error;
+  try {
+    C10_THROW_ERROR(DistBackendError,
+                    "ddpx_mpi: the backend was destroyed before this send or receive was matched");
+  } catch (...) {
+    error = std::current_exception();
+  }
+  for (auto& work : unmatched_) work->complete(error);
 }
 
 bool MpiWorker::stop(std::chrono::milliseconds grace) {
@@ -354,8 +368,8 @@ void MpiWorker::loop() {
 void MpiWorker::keep_unmatched() {
   // A late peer may still match them: MPI then writes a receive's buffer or
   // reads a send's, which their completions own. So the requests and their
-  // completions live as long as the process (their Works fail at their
-  // deadline if anyone waits).
+  // completions live as long as the process; their Works fail when the
+  // worker is destroyed.
   static std::mutex mu;
   static auto* kept = new std::vector<Progress::Item>();  // leaked on purpose
   std::lock_guard<std::mutex> lock(mu);
@@ -363,6 +377,7 @@ void MpiWorker::keep_unmatched() {
     for (auto& item : p.items) {
       if (item.request != MPI_REQUEST_NULL) kept->push_back(std::move(item));
     }
+    unmatched_.push_back(std::move(p.work));
   }
   pending_.clear();
 }

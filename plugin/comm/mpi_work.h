@@ -199,6 +199,8 @@ class MpiWorker {
   std::condition_variable cv_;
   std::deque<Entry> queue_;
   std::vector<Pending> pending_;  // touched by the worker thread only
+  // Works of the requests keep_unmatched kept (read after the thread is joined).
+  std::vector<c10::intrusive_ptr<MpiWork>> unmatched_;
   bool stopping_ = false;
   bool abandoned_ = false;  // stopped with requests that never completed
   bool busy_ = false;       // a task taken from queue_ is running or its entry is alive

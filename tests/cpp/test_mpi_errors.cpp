@@ -128,11 +128,11 @@ TEST(Errors, RecvSmallerThanSend) {
   still_works();
 }
 
-// A call abandoned after a shrink (MpiEnv::recover; the same after a
-// timeout) stays posted in MPI, and peers that come late still complete it:
-// MPI then writes the memory it was given. So that memory outlives the
-// caller's references until the call completes, and no longer.
-TEST(Errors, AbandonedCallKeepsItsMemoryUntilItCompletes) {
+// Calls abandoned after a shrink (MpiEnv::recover; the same after a timeout)
+// stay posted in MPI, and peers that come late still complete them: MPI then
+// writes the memory it was given. So that memory outlives the caller's
+// references until every call awaited with it has completed, and no longer.
+TEST(Errors, AbandonedCallsKeepTheirMemoryUntilAllComplete) {
   using namespace ddpx::comm::detail;
   const int64_t n = 1 << 16;
   world();  // MPI initialised
@@ -143,54 +143,88 @@ TEST(Errors, AbandonedCallKeepsItsMemoryUntilItCompletes) {
   MPI_Comm_size(comm, &size);
   if (rank == 0) {
     const int64_t before = abandoned_call_bytes();
-    at::Tensor t = at::ones({n});
-    const c10::weak_intrusive_ptr<c10::StorageImpl> weak(t.storage().getWeakStorageImpl());
-    MPI_Request req = MPI_REQUEST_NULL;
-    ASSERT_EQ(MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), n, MPI_FLOAT, MPI_SUM, comm, &req),
-              MPI_SUCCESS);
+    at::Tensor a = at::ones({n}), b = at::full({n}, 2.0f);
+    const c10::weak_intrusive_ptr<c10::StorageImpl> weak_a(a.storage().getWeakStorageImpl());
+    const c10::weak_intrusive_ptr<c10::StorageImpl> weak_b(b.storage().getWeakStorageImpl());
+    // Two calls in flight together (as direct_calls posts them).
+    std::vector<MPI_Request> reqs(2, MPI_REQUEST_NULL);
+    MPI_Iallreduce(MPI_IN_PLACE, a.data_ptr(), n, MPI_FLOAT, MPI_SUM, comm, &reqs[0]);
+    MPI_Iallreduce(MPI_IN_PLACE, b.data_ptr(), n, MPI_FLOAT, MPI_SUM, comm, &reqs[1]);
     std::thread shrink([] {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       MpiEnv::get().recover();
     });
-    expect_error([&] { await_request(req, {t}); }, "abandoning a collective");
+    expect_error([&] { await_requests(reqs, {a, b}); }, "abandoning a collective");
     shrink.join();
-    t.reset();
-    EXPECT_EQ(abandoned_call_bytes() - before, n * 4);
-    auto kept = weak.lock();  // alive: kept for MPI
-    ASSERT_TRUE(kept);
-    MPI_Barrier(MPI_COMM_WORLD);  // the peers join the call now
+    a.reset();
+    b.reset();
+    EXPECT_EQ(abandoned_call_bytes() - before, 2 * n * 4);
+    auto kept_a = weak_a.lock();  // alive: kept for MPI
+    auto kept_b = weak_b.lock();
+    ASSERT_TRUE(kept_a && kept_b);
+    MPI_Barrier(MPI_COMM_WORLD);  // the peers join the first call now
+    MPI_Barrier(MPI_COMM_WORLD);  // ... and have finished it
+    // The first call completes here too while this tests them; the second
+    // is still posted, so both buffers stay.
+    for (int i = 0; i < 200; ++i) {
+      EXPECT_EQ(abandoned_call_bytes() - before, 2 * n * 4);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    MPI_Barrier(MPI_COMM_WORLD);  // the peers join the second call
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
     while (abandoned_call_bytes() > before && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    EXPECT_EQ(abandoned_call_bytes(), before) << "the completed call's memory was not let go";
-    const float* got = static_cast<const float*>(kept->data());
-    EXPECT_EQ(got[0], float(size));  // written by MPI after it was abandoned
-    EXPECT_EQ(got[n - 1], float(size));
-    kept.reset();
-    EXPECT_TRUE(weak.expired());
+    EXPECT_EQ(abandoned_call_bytes(), before) << "the completed calls' memory was not let go";
+    const float* got_a = static_cast<const float*>(kept_a->data());  // written after abandoning
+    const float* got_b = static_cast<const float*>(kept_b->data());
+    EXPECT_EQ(got_a[n - 1], float(size));
+    EXPECT_EQ(got_b[n - 1], float(2 * size));
+    kept_a.reset();
+    kept_b.reset();
+    EXPECT_TRUE(weak_a.expired() && weak_b.expired());
   } else {
+    // Nonblocking as rank 0's (MPI matches no blocking collective with them).
+    at::Tensor a = at::ones({n}), b = at::full({n}, 2.0f);
+    MPI_Request r = MPI_REQUEST_NULL;
     MPI_Barrier(MPI_COMM_WORLD);
-    at::Tensor t = at::ones({n});
-    // Nonblocking as rank 0's (MPI matches no blocking collective with it).
-    MPI_Request req = MPI_REQUEST_NULL;
-    MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), n, MPI_FLOAT, MPI_SUM, comm, &req);
-    MPI_Wait(&req, MPI_STATUS_IGNORE);
-    EXPECT_TRUE(at::equal(t, at::full({n}, float(size))));
+    MPI_Iallreduce(MPI_IN_PLACE, a.data_ptr(), n, MPI_FLOAT, MPI_SUM, comm, &r);
+    MPI_Wait(&r, MPI_STATUS_IGNORE);
+    MPI_Barrier(MPI_COMM_WORLD);
+    MPI_Barrier(MPI_COMM_WORLD);
+    MPI_Iallreduce(MPI_IN_PLACE, b.data_ptr(), n, MPI_FLOAT, MPI_SUM, comm, &r);
+    MPI_Wait(&r, MPI_STATUS_IGNORE);
+    EXPECT_TRUE(at::equal(a, at::full({n}, float(size))));
+    EXPECT_TRUE(at::equal(b, at::full({n}, float(2 * size))));
   }
   MPI_Comm_free(&comm);
   still_works();
 }
 
 // A backend destroyed while a receive it posted was never matched: its
-// worker stops without waiting for it, and the destructor returns (it used to
-// detach the already joined thread: std::terminate).
+// worker stops without waiting for it, the destructor returns (it used to
+// detach the already joined thread: std::terminate), and the receive's
+// Future fails (one held alone would have waited forever).
 TEST(Errors, DestroyedWithAnUnmatchedRecv) {
   auto& pg = world();
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
   {
     auto other = ddpx::comm::make_mpi_backend({}, std::chrono::milliseconds(5000));
     std::vector<at::Tensor> t{at::zeros({1 << 12})};
-    if (other->getRank() == 0) other->recv(t, 1, 77);  // rank 1 sends nothing
+    if (other->getRank() == 0) fut = other->recv(t, 1, 77)->getFuture();  // never sent
+  }
+  if (fut) {
+    // (completed on the completion queue's thread: its Future was handed out)
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!fut->completed() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_TRUE(fut->completed());
+    ASSERT_TRUE(fut->hasError());
+    EXPECT_NE(fut->tryRetrieveErrorMessage().find("destroyed before this send or receive was "
+                                                  "matched"),
+              std::string::npos)
+        << fut->tryRetrieveErrorMessage();
   }
   pg->barrier()->wait();
   still_works();
