@@ -117,6 +117,13 @@ void MpiBackend::shutdown() {
     } catch (const std::exception&) {
       // The worker is already stopped (process exit): MPI_Finalize frees them.
     }
+  } else if (!finalized) {
+    // The calls posted before still use this object (its communicator, rank
+    // and size) when they run, and the worker may outlive it (the shared
+    // worker, or one held by a post waiting for its turn). Broken, they fail
+    // at once (await_request): let them, within a bound (a call stuck inside
+    // MPI for good never runs them).
+    drain_posted(std::chrono::seconds(5));
   }
   // Their completions (Future callbacks) run before the interpreter can
   // finalise (mpi_work.h, quiesce).
@@ -183,6 +190,23 @@ void MpiBackend::run_in_order(const std::function<void()>& fn) {
       },
       nullptr);
   fut.get();
+}
+
+bool MpiBackend::drain_posted(std::chrono::milliseconds limit) {
+  // Shared: the marker may run after this call has given up waiting.
+  auto done = std::make_shared<std::promise<void>>();
+  auto fut = done->get_future();
+  order_->post(
+      nullptr,
+      [done, worker = worker_](uint64_t) {
+        try {
+          worker->enqueue({}, [done](MpiWorker::Progress&) { done->set_value(); });
+        } catch (...) {
+          done->set_value();  // the worker is stopped: nothing more runs on it
+        }
+      },
+      nullptr);
+  return fut.wait_for(limit) == std::future_status::ready;
 }
 
 std::string MpiBackend::what(c10d::OpType type, uint64_t seq) const {

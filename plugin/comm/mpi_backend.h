@@ -157,6 +157,9 @@ class MpiBackend final : public c10d::Backend {
   // Runs `fn` on the worker in this group's post order (post_order.h),
   // after every collective posted before it; waits for it.
   void run_in_order(const std::function<void()>& fn);
+  // Waits (at most `limit`) until every call posted before has left the
+  // worker; false on timeout.
+  bool drain_posted(std::chrono::milliseconds limit);
   c10::intrusive_ptr<MpiWork> post_recv(std::vector<at::Tensor>& tensors, int src, int tag);
   void check_tag(int tag) const;
 
