@@ -123,7 +123,11 @@ void MpiBackend::shutdown() {
     // worker, or one held by a post waiting for its turn). Broken, they fail
     // at once (await_request): let them, within a bound (a call stuck inside
     // MPI for good never runs them).
-    drain_posted(std::chrono::seconds(5));
+    try {
+      drain_posted(std::chrono::seconds(5));
+    } catch (...) {
+      // (a destructor: nothing escapes; the calls then run as they may)
+    }
   }
   // Their completions (Future callbacks) run before the interpreter can
   // finalise (mpi_work.h, quiesce).
@@ -262,8 +266,9 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
     work->set_record(fr.record(call));
   }
   if (p2p) {
-    work->set_diagnosis([diag = diag_, rank = rank_, size = size_, grace = diagnosis_grace()] {
-      return diag->describe(rank, size, kPointToPoint, grace);
+    work->set_diagnosis([diag = diag_, gen = diag_->generation(), rank = rank_, size = size_,
+                         grace = diagnosis_grace()] {
+      return diag->describe(gen, rank, size, kPointToPoint, grace);
     });
     worker_->enqueue(work, std::move(on_worker));
   } else {
@@ -273,9 +278,9 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post(c10d::OpType type,
     // the ranks compare after a timeout.
     order_->post(
         work.get(),
-        [work, on_worker, worker = worker_, diag = diag_, rank = rank_, size = size_,
-         grace = diagnosis_grace()](uint64_t n) {
-          work->set_diagnosis([=] { return diag->describe(rank, size, n, grace); });
+        [work, on_worker, worker = worker_, diag = diag_, gen = diag_->generation(), rank = rank_,
+         size = size_, grace = diagnosis_grace()](uint64_t n) {
+          work->set_diagnosis([=] { return diag->describe(gen, rank, size, n, grace); });
           // Numbered in the order MPI sees: the same on every rank.
           FlightRecorder::get().set_seq(work->record(), n + 1);
           try {

@@ -61,7 +61,7 @@ c10::intrusive_ptr<MpiWork> MpiBackend::post_recv(std::vector<at::Tensor>& tenso
                   ": sender and receiver tensors differ in size");
       h->write_back();
       work->set_source_rank(status.MPI_SOURCE);
-    });
+    }, /*receive=*/true);
   }, std::nullopt, src == MPI_ANY_SOURCE ? -1 : src);
 }
 

@@ -11,9 +11,10 @@ namespace {
 constexpr int kAliveTag = 1;  // the roll call; mpi_monitored_barrier.cpp uses 2 and 3
 }  // namespace
 
-std::string DiagComm::describe(int rank, int size, uint64_t seq,
+std::string DiagComm::describe(uint64_t generation, int rank, int size, uint64_t seq,
                                std::chrono::milliseconds grace) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (generation != generation_.load()) return "";
   return describe_peers(comm_, rank, size, seq, grace);
 }
 
@@ -21,6 +22,7 @@ void DiagComm::replace(MPI_Comm next) {
   std::lock_guard<std::mutex> lock(mu_);
   if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   comm_ = next;
+  generation_.fetch_add(1);
 }
 
 MPI_Comm DiagComm::get() {

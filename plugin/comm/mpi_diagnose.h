@@ -4,6 +4,7 @@
 // on a communicator kept for this alone.
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <mutex>
@@ -28,15 +29,19 @@ std::string describe_peers(MPI_Comm diag, int rank, int size, uint64_t seq,
 // A backend's diagnosis communicator, shared with its Works' diagnoses. The
 // backend frees or replaces it (shutdown, reconfigure) while a send or
 // receive may still be pending, and that Work's timeout asks the peers later
-// from another thread: under the lock, on the communicator of the moment,
-// and nobody once it is freed.
+// from another thread: under the lock, on the communicator the Work was
+// posted with (its generation), and nobody once that one is gone.
 class DiagComm {
  public:
   explicit DiagComm(MPI_Comm comm) : comm_(comm) {}
   DiagComm(const DiagComm&) = delete;
   DiagComm& operator=(const DiagComm&) = delete;
-  // describe_peers on it; "" once freed (or never made).
-  std::string describe(int rank, int size, uint64_t seq, std::chrono::milliseconds grace);
+  // Which communicator it holds now (a Work notes it when posted).
+  uint64_t generation() const { return generation_.load(); }
+  // describe_peers on it, `rank` and `size` being the Work's in `generation`;
+  // "" once that communicator is freed or replaced (or was never made).
+  std::string describe(uint64_t generation, int rank, int size, uint64_t seq,
+                       std::chrono::milliseconds grace);
   // Frees the communicator it holds and holds `next` (MPI_COMM_NULL: none).
   void replace(MPI_Comm next);
   // For the worker's own calls (monitored barrier), which replace() runs
@@ -46,6 +51,7 @@ class DiagComm {
  private:
   std::mutex mu_;
   MPI_Comm comm_;
+  std::atomic<uint64_t> generation_{0};
 };
 
 }  // namespace ddpx::comm::detail

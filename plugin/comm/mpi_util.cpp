@@ -100,10 +100,15 @@ int64_t bytes_of(const std::vector<at::Tensor>& memory) {
 
 }  // namespace
 
-void keep_until_complete(std::vector<MPI_Request> requests, c10::ArrayRef<at::Tensor> memory) {
-  requests.erase(std::remove(requests.begin(), requests.end(), MPI_REQUEST_NULL), requests.end());
-  if (requests.empty() || memory.empty()) return;
-  Abandoned a{std::move(requests), memory.vec()};
+namespace {
+
+void keep(const MPI_Request* requests, int n, c10::ArrayRef<at::Tensor> memory) {
+  std::vector<MPI_Request> live;
+  for (int i = 0; i < n; ++i) {
+    if (requests[i] != MPI_REQUEST_NULL) live.push_back(requests[i]);
+  }
+  if (live.empty() || memory.empty()) return;
+  Abandoned a{std::move(live), memory.vec()};
   const int64_t bytes = bytes_of(a.memory);
   std::lock_guard<std::mutex> lock(abandoned_mu);
   abandoned_calls().push_back(std::move(a));
@@ -111,12 +116,21 @@ void keep_until_complete(std::vector<MPI_Request> requests, c10::ArrayRef<at::Te
   abandoned_bytes.fetch_add(bytes);
 }
 
-namespace {
-
 // Lets go of the memory of abandoned calls that have completed since. One
 // thread at a time tests them (a request is tested by one thread only).
 void release_completed_abandoned() {
   if (abandoned_count.load(std::memory_order_relaxed) == 0) return;
+  // At most every 100 ms: after a shrink, calls of the lost group may never
+  // complete, and every later call would test them all.
+  static std::atomic<int64_t> last_ns{0};
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  int64_t last = last_ns.load(std::memory_order_relaxed);
+  if (now - last < int64_t{100'000'000} ||
+      !last_ns.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
+    return;
+  }
   std::lock_guard<std::mutex> lock(abandoned_mu);
   auto& calls = abandoned_calls();
   for (auto it = calls.begin(); it != calls.end();) {
@@ -133,7 +147,49 @@ void release_completed_abandoned() {
   }
 }
 
+// Completes the calls of `requests`, or keeps them with `memory` and throws.
+void await_all(MPI_Request* requests, int n, c10::ArrayRef<at::Tensor> memory) {
+  release_completed_abandoned();
+  using Clock = WaitPacer::Clock;
+  WaitPacer pacer(Clock::now());
+  const uint64_t epoch = MpiEnv::get().epoch();
+  for (;;) {
+    const auto t0 = Clock::now();
+    int done = 0;
+    const int rc = MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS) {
+      keep(requests, n, memory);  // (the failed and completed ones are null now)
+      throw_mpi_error(rc, "MPI_Testall", __FILE__, __LINE__);
+    }
+    if (done) return;
+    const auto nap = pacer.after_test(t0, Clock::now());
+    if (nap.count() == 0) continue;
+    // The first failure's message rides along: the watchdog may have timed
+    // out another Work than the one the user waits on, and this error may be
+    // the only one the user sees (naming the rank that stopped answering).
+    if (MpiEnv::get().epoch() != epoch) {
+      // Posted before a shrink, on a communicator with lost ranks: it will
+      // never complete, and MPI goes on without it.
+      keep(requests, n, memory);
+      C10_THROW_ERROR(DistBackendError,
+                      "ddpx_mpi: abandoning a collective of a group that lost ranks (shrunk)");
+    }
+    if (MpiEnv::get().broken()) {
+      keep(requests, n, memory);
+      C10_THROW_ERROR(DistBackendError,
+                      "ddpx_mpi: abandoning a collective: an earlier call timed out or failed: " +
+                          MpiEnv::get().broken_why());
+    }
+    std::this_thread::sleep_for(nap);
+  }
+}
+
 }  // namespace
+
+void keep_until_complete(const std::vector<MPI_Request>& requests,
+                         c10::ArrayRef<at::Tensor> memory) {
+  keep(requests.data(), static_cast<int>(requests.size()), memory);
+}
 
 int64_t abandoned_call_bytes() {
   release_completed_abandoned();
@@ -147,42 +203,11 @@ at::Tensor int_array(const std::vector<int>& values) {
 }
 
 void await_request(MPI_Request& request, c10::ArrayRef<at::Tensor> memory) {
-  std::vector<MPI_Request> one{request};
-  request = MPI_REQUEST_NULL;  // (MPI_Test frees a completed request and nulls its handle)
-  await_requests(one, memory);
+  await_all(&request, 1, memory);
 }
 
 void await_requests(std::vector<MPI_Request>& requests, c10::ArrayRef<at::Tensor> memory) {
-  release_completed_abandoned();
-  using Clock = WaitPacer::Clock;
-  WaitPacer pacer(Clock::now());
-  const uint64_t epoch = MpiEnv::get().epoch();
-  for (;;) {
-    const auto t0 = Clock::now();
-    int done = 0;
-    DDPX_MPI_CHECK(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                               MPI_STATUSES_IGNORE));
-    if (done) return;
-    const auto nap = pacer.after_test(t0, Clock::now());
-    if (nap.count() == 0) continue;
-    // The first failure's message rides along: the watchdog may have timed
-    // out another Work than the one the user waits on, and this error may be
-    // the only one the user sees (naming the rank that stopped answering).
-    if (MpiEnv::get().epoch() != epoch) {
-      // Posted before a shrink, on a communicator with lost ranks: it will
-      // never complete, and MPI goes on without it.
-      keep_until_complete(requests, memory);
-      C10_THROW_ERROR(DistBackendError,
-                      "ddpx_mpi: abandoning a collective of a group that lost ranks (shrunk)");
-    }
-    if (MpiEnv::get().broken()) {
-      keep_until_complete(requests, memory);
-      C10_THROW_ERROR(DistBackendError,
-                      "ddpx_mpi: abandoning a collective: an earlier call timed out or failed: " +
-                          MpiEnv::get().broken_why());
-    }
-    std::this_thread::sleep_for(nap);
-  }
+  await_all(requests.data(), static_cast<int>(requests.size()), memory);
 }
 
 void check_agreement(MPI_Comm comm, std::initializer_list<int64_t> fingerprint,

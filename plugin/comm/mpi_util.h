@@ -81,7 +81,8 @@ void await_request(MPI_Request& request, c10::ArrayRef<at::Tensor> memory);
 void await_requests(std::vector<MPI_Request>& requests, c10::ArrayRef<at::Tensor> memory);
 // Keeps `memory` until every one of `requests` (posted, never awaited: an
 // error came between) has completed.
-void keep_until_complete(std::vector<MPI_Request> requests, c10::ArrayRef<at::Tensor> memory);
+void keep_until_complete(const std::vector<MPI_Request>& requests,
+                         c10::ArrayRef<at::Tensor> memory);
 
 // Bytes of abandoned calls' memory kept now (see await_request).
 int64_t abandoned_call_bytes();

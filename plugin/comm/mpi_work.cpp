@@ -163,10 +163,14 @@ void MpiWork::time_out(std::chrono::milliseconds limit) {
     if (completing_) return;
   }
   // Only the process's first timeout asks the peers: after it, MPI is
-  // broken and the job is ending.
+  // broken and the job is ending. Only where several threads may call MPI
+  // at once: the worker may be inside MPI now.
   static std::atomic<bool> asked{false};
   std::string who;
-  if (diagnose_ && !MpiEnv::get().broken() && !asked.exchange(true)) who = diagnose_();
+  if (diagnose_ && MpiEnv::get().multiple() && !MpiEnv::get().broken() &&
+      !asked.exchange(true)) {
+    who = diagnose_();
+  }
   const std::string msg =
       "ddpx_mpi: rank " + std::to_string(rank_) + " timed out after " +
       std::to_string(limit.count()) + " ms waiting for " + what_ + ": " +
@@ -226,14 +230,17 @@ MpiWorker::~MpiWorker() {
   // Their Works fail now: a holder of their Future alone would wait forever
   // (here, not at exit, where a Future's callbacks may need an interpreter
   // that is gone).
-  std::exception_ptr error;
   try {
     C10_THROW_ERROR(DistBackendError,
                     "ddpx_mpi: the backend was destroyed before this send or receive was matched");
   } catch (...) {
-    error = std::current_exception();
+    const std::exception_ptr error = std::current_exception();
+    try {
+      for (auto& work : unmatched_) work->complete(error);
+    } catch (...) {
+      // (no thread for the completion queue: they time out if waited on)
+    }
   }
-  for (auto& work : unmatched_) work->complete(error);
 }
 
 bool MpiWorker::stop(std::chrono::milliseconds grace) {
@@ -366,20 +373,46 @@ void MpiWorker::loop() {
 }
 
 void MpiWorker::keep_unmatched() {
-  // A late peer may still match them: MPI then writes a receive's buffer or
-  // reads a send's, which their completions own. So the requests and their
-  // completions live as long as the process; their Works fail when the
-  // worker is destroyed.
-  static std::mutex mu;
-  static auto* kept = new std::vector<Progress::Item>();  // leaked on purpose
-  std::lock_guard<std::mutex> lock(mu);
+  // A receive is cancelled: once its cancel has completed (locally), MPI
+  // writes its buffer no more. A send cannot be (MPI 4 deprecates it, and
+  // Open MPI does not cancel sends) and a late peer may still match it, when
+  // MPI reads its buffer, which its completion owns: it and its completion
+  // live as long as the process, and one still unmatched at exit ends the
+  // job with MPI_Abort (MPI_Finalize may wait for it forever). Their Works
+  // fail when the worker is destroyed.
+  static auto* mu = new std::mutex();                       // leaked on purpose: used at exit
+  static auto* kept = new std::vector<Progress::Item>();  // the same
+  std::lock_guard<std::mutex> lock(*mu);
   for (auto& p : pending_) {
     for (auto& item : p.items) {
-      if (item.request != MPI_REQUEST_NULL) kept->push_back(std::move(item));
+      if (item.request == MPI_REQUEST_NULL) continue;
+      if (item.receive) {
+        MPI_Cancel(&item.request);
+        MPI_Wait(&item.request, MPI_STATUS_IGNORE);
+        continue;
+      }
+      int done = 0;
+      if (MPI_Test(&item.request, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) continue;
+      kept->push_back(std::move(item));
     }
     unmatched_.push_back(std::move(p.work));
   }
   pending_.clear();
+  static bool checked_at_exit = false;
+  if (!kept->empty() && !checked_at_exit) {
+    checked_at_exit = true;
+    MpiEnv::get().on_shutdown([] {
+      std::lock_guard<std::mutex> lock(*mu);
+      for (auto& item : *kept) {
+        int done = 0;
+        if (MPI_Test(&item.request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) {
+          MpiEnv::get().mark_broken("a send of a destroyed ddpx_mpi backend was never received");
+          break;
+        }
+      }
+      return true;
+    });
+  }
 }
 
 bool MpiWorker::wait_idle(std::chrono::milliseconds limit) {

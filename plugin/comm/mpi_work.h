@@ -152,12 +152,15 @@ class MpiWorker {
  public:
   // A task posts a request it wants tested later with Progress::defer.
   struct Progress {
-    void defer(MPI_Request request, std::function<void(const MPI_Status&)> on_done) {
-      deferred.push_back({request, std::move(on_done)});
+    // `receive`: a receive, which a stopped worker cancels (keep_unmatched).
+    void defer(MPI_Request request, std::function<void(const MPI_Status&)> on_done,
+               bool receive = false) {
+      deferred.push_back({request, std::move(on_done), receive});
     }
     struct Item {
       MPI_Request request;
       std::function<void(const MPI_Status&)> on_done;
+      bool receive = false;
     };
     std::vector<Item> deferred;
     MpiWork* work = nullptr;  // the Work this task completes (alive until then)
@@ -191,7 +194,8 @@ class MpiWorker {
   };
   void loop();
   void poll_pending();
-  // Stopped with requests never matched: keeps them and their memory.
+  // Stopped with requests never matched: cancels the receives and keeps the
+  // sends with their memory.
   void keep_unmatched();
 
   std::string name_;
