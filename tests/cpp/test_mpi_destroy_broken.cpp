@@ -13,17 +13,14 @@
 #include <cstdio>
 #include <thread>
 
+#include "stall_test_util.h"
+
 int main() {
   int provided = 0;
   MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
   auto other = ddpx::comm::make_mpi_backend({}, std::chrono::milliseconds(1500));  // holds the worker
   auto pg = ddpx::comm::make_mpi_backend({}, std::chrono::milliseconds(1500));
-  std::vector<at::Tensor> first{at::ones({16})};
-  pg->allreduce(first)->wait();  // everyone is alive here
-  if (pg->getRank() != 0) {
-    std::this_thread::sleep_for(std::chrono::seconds(120));
-    return 0;
-  }
+  ddpx::test::stall_all_but_rank0(pg);
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<std::vector<at::Tensor>> tensors(20, std::vector<at::Tensor>{at::ones({1024})});
   for (auto& t : tensors) works.push_back(pg->allreduce(t));
