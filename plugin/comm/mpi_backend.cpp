@@ -173,44 +173,34 @@ std::chrono::milliseconds MpiBackend::diagnosis_grace() const {
                     std::chrono::milliseconds(10000));
 }
 
-void MpiBackend::run_in_order(const std::function<void()>& fn) {
-  std::promise<void> done;
-  auto fut = done.get_future();
-  order_->post(
-      nullptr,
-      [&](uint64_t) {
-        try {
-          worker_->enqueue({}, [&](MpiWorker::Progress&) {
-            try {
-              fn();
-              done.set_value();
-            } catch (...) {
-              done.set_exception(std::current_exception());
-            }
-          });
-        } catch (...) {
-          done.set_exception(std::current_exception());
-        }
-      },
-      nullptr);
-  fut.get();
-}
-
-bool MpiBackend::drain_posted(std::chrono::milliseconds limit) {
-  // Shared: the marker may run after this call has given up waiting.
+std::future<void> MpiBackend::post_in_order(std::function<void()> fn) {
+  // Shared: a caller that waits with a bound may be gone when it runs.
   auto done = std::make_shared<std::promise<void>>();
   auto fut = done->get_future();
   order_->post(
       nullptr,
-      [done, worker = worker_](uint64_t) {
+      [done, fn = std::move(fn), worker = worker_](uint64_t) {
         try {
-          worker->enqueue({}, [done](MpiWorker::Progress&) { done->set_value(); });
+          worker->enqueue({}, [done, fn](MpiWorker::Progress&) {
+            try {
+              fn();
+              done->set_value();
+            } catch (...) {
+              done->set_exception(std::current_exception());
+            }
+          });
         } catch (...) {
-          done->set_value();  // the worker is stopped: nothing more runs on it
+          done->set_exception(std::current_exception());  // the worker is stopped
         }
       },
       nullptr);
-  return fut.wait_for(limit) == std::future_status::ready;
+  return fut;
+}
+
+void MpiBackend::run_in_order(const std::function<void()>& fn) { post_in_order(fn).get(); }
+
+bool MpiBackend::drain_posted(std::chrono::milliseconds limit) {
+  return post_in_order([] {}).wait_for(limit) == std::future_status::ready;
 }
 
 std::string MpiBackend::what(c10d::OpType type, uint64_t seq) const {

@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -157,6 +158,8 @@ class MpiBackend final : public c10d::Backend {
   // Runs `fn` on the worker in this group's post order (post_order.h),
   // after every collective posted before it; waits for it.
   void run_in_order(const std::function<void()>& fn);
+  // What run_in_order waits for: `fn` posted in order; its future.
+  std::future<void> post_in_order(std::function<void()> fn);
   // Waits (at most `limit`) until every call posted before has left the
   // worker; false on timeout.
   bool drain_posted(std::chrono::milliseconds limit);

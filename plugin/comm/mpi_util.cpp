@@ -98,10 +98,6 @@ int64_t bytes_of(const std::vector<at::Tensor>& memory) {
   return n;
 }
 
-}  // namespace
-
-namespace {
-
 void keep(const MPI_Request* requests, int n, c10::ArrayRef<at::Tensor> memory) {
   std::vector<MPI_Request> live;
   for (int i = 0; i < n; ++i) {
