@@ -15,7 +15,7 @@ GruCudaPath gru_cuda_path_choice() {
   if (unset) {
     // torch.backends.cudnn.benchmark: "measure for my shapes", which then
     // covers cuDNN against ours too (as for tiled_conv2d).
-    return at::globalContext().benchmarkCuDNN() ? GruCudaPath::kBenchmark : GruCudaPath::kCudnn;
+    return at::globalContext().benchmarkCuDNN() ? GruCudaPath::kBenchmark : GruCudaPath::kAuto;
   }
   if (std::strcmp(env, "cudnn") == 0) return GruCudaPath::kCudnn;
   if (std::strcmp(env, "step") == 0) return GruCudaPath::kStep;
@@ -27,7 +27,33 @@ GruCudaPath gru_cuda_path_choice() {
 
 namespace {
 std::atomic<bool (*)(c10::Device)> capture_query{nullptr};
+std::atomic<bool (*)(int, int64_t, int64_t, c10::ScalarType)> persistent_query{nullptr};
 }  // namespace
+
+bool gru_persistent_beats_cudnn(int64_t hidden, int64_t batch, c10::ScalarType dtype, bool tf32) {
+  if (dtype != at::kFloat || hidden < 128 || batch < 1) return false;
+  if (batch <= 4) return true;
+  return !tf32 && batch <= 16 && hidden <= 512;
+}
+
+GruCudaPath gru_auto_path(const at::Tensor& input, int64_t hidden, bool batch_first) {
+  if (input.dim() != 2 && input.dim() != 3) return GruCudaPath::kCudnn;  // (at::gru says why)
+  const int64_t batch = input.dim() == 2 ? 1 : input.size(batch_first ? 0 : 1);
+  // (asked for the RNN op: without one, the getter throws once conv's and
+  // RNN's flags differ)
+  const bool tf32 = at::globalContext().allowTF32CuDNN(at::Float32Op::RNN);
+  if (!gru_persistent_beats_cudnn(hidden, batch, input.scalar_type(), tf32)) {
+    return GruCudaPath::kCudnn;
+  }
+  auto* fits = persistent_query.load();
+  const bool ours = fits != nullptr && input.numel() > 0 &&
+                    fits(input.get_device(), hidden, batch, input.scalar_type());
+  return ours ? GruCudaPath::kFused : GruCudaPath::kCudnn;
+}
+
+void set_gru_persistent_query(bool (*query)(int, int64_t, int64_t, c10::ScalarType)) {
+  persistent_query.store(query);
+}
 
 bool gru_stream_capturing(c10::Device device) {
   bool (*query)(c10::Device) = capture_query.load();

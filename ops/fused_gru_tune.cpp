@@ -86,6 +86,12 @@ GruOutputs gru_on_cuda_path(const at::Tensor& input, const std::optional<at::Ten
                              bidirectional, batch_first);
   };
   switch (gru_cuda_path_choice()) {
+    case GruCudaPath::kAuto:
+      if (params.size() < 2 ||
+          gru_auto_path(input, params[1].size(1), batch_first) == GruCudaPath::kCudnn) {
+        return cudnn();
+      }
+      break;
     case GruCudaPath::kCudnn:
       return cudnn();
     case GruCudaPath::kBenchmark:

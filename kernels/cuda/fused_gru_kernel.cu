@@ -151,7 +151,9 @@ std::string fused_gru_path_cuda(const at::Tensor& input, int64_t hidden_size, bo
   // at::gru runs cuDNN's RNN where ATen's own test lets it (cuDNN enabled;
   // float32, float64 or float16; not empty); otherwise ATen's GRU of
   // per-step kernels: bfloat16, or torch.backends.cudnn.enabled = False.
-  if (choice == detail::GruCudaPath::kCudnn) {
+  if (choice == detail::GruCudaPath::kCudnn ||
+      (choice == detail::GruCudaPath::kAuto &&
+       detail::gru_auto_path(input, hidden_size, batch_first) == detail::GruCudaPath::kCudnn)) {
     return at::cudnn_is_acceptable(input) ? "cudnn" : "aten";
   }
   if (choice == detail::GruCudaPath::kStep) return "step";
@@ -171,6 +173,7 @@ bool capturing(c10::Device device) {
 }
 [[maybe_unused]] const bool capture_query_installed = [] {
   detail::set_gru_stream_capture_query(&capturing);
+  detail::set_gru_persistent_query(&detail::gru_persistent_serves);
   return true;
 }();
 

@@ -3,7 +3,8 @@
 // only; tests/python/test_fused_gru_cuda.py runs it there): the faster
 // candidate wins and is kept, the measuring call returns outputs whose own
 // backward still works, the measurement's backward leaves .grad alone, an
-// inference call runs no backward, and the key tells problems apart.
+// inference call runs no backward, and the key tells problems apart. And
+// `auto`'s rule on CUDA (GruAutoPath).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -12,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "ops/fused_gru_cuda_path.h"
 #include "ops/fused_gru_tune.h"
 
 namespace ddpx::detail {
@@ -102,6 +104,44 @@ TEST(GruTune, KeyTellsProblemsApart) {
                gru_tune_key(g.x.to(at::kFloat), g.params, true, 1, false, false, false, true));
   // (tiled_conv2d's keys start with a device type, never with -2)
   EXPECT_EQ(base.fields.front(), -2);
+}
+
+// `auto` on CUDA (ops/fused_gru_cuda_path.h): the H200's measurements as a
+// rule, and our kernel only where its plan fits the device (asked of the
+// query libddpx_cuda.so installs; here one that records what it was asked).
+TEST(GruAutoPath, FollowsTheMeasuredRuleAndAsksWhetherThePlanFits) {
+  EXPECT_TRUE(gru_persistent_beats_cudnn(256, 1, at::kFloat, false));
+  EXPECT_TRUE(gru_persistent_beats_cudnn(1024, 4, at::kFloat, true));  // (latency-bound)
+  EXPECT_TRUE(gru_persistent_beats_cudnn(512, 16, at::kFloat, false));
+  EXPECT_FALSE(gru_persistent_beats_cudnn(512, 16, at::kFloat, true));
+  EXPECT_FALSE(gru_persistent_beats_cudnn(1024, 16, at::kFloat, false));
+  EXPECT_FALSE(gru_persistent_beats_cudnn(256, 64, at::kFloat, false));
+  EXPECT_FALSE(gru_persistent_beats_cudnn(64, 1, at::kFloat, false));
+  EXPECT_FALSE(gru_persistent_beats_cudnn(256, 1, at::kHalf, false));  // (not measured)
+  EXPECT_FALSE(gru_persistent_beats_cudnn(256, 0, at::kFloat, false));
+
+  static int64_t asked_hidden = 0, asked_batch = 0;
+  static bool fits = true;
+  set_gru_persistent_query([](int, int64_t hidden, int64_t batch, c10::ScalarType) {
+    asked_hidden = hidden;
+    asked_batch = batch;
+    return fits;
+  });
+  const auto x = [](std::vector<int64_t> shape) { return at::zeros(shape, at::kFloat); };
+  EXPECT_EQ(gru_auto_path(x({7, 3, 5}), 256, false), GruCudaPath::kFused);
+  EXPECT_EQ(asked_hidden, 256);
+  EXPECT_EQ(asked_batch, 3);
+  EXPECT_EQ(gru_auto_path(x({3, 7, 5}), 256, true), GruCudaPath::kFused);  // batch first
+  EXPECT_EQ(asked_batch, 3);
+  EXPECT_EQ(gru_auto_path(x({7, 5}), 1024, false), GruCudaPath::kFused);  // unbatched
+  EXPECT_EQ(asked_batch, 1);
+  EXPECT_EQ(gru_auto_path(x({7, 64, 5}), 256, false), GruCudaPath::kCudnn);
+  EXPECT_EQ(gru_auto_path(x({0, 3, 5}), 256, false), GruCudaPath::kCudnn);  // (empty)
+  fits = false;
+  EXPECT_EQ(gru_auto_path(x({7, 3, 5}), 256, false), GruCudaPath::kCudnn);
+  set_gru_persistent_query(nullptr);
+  fits = true;
+  EXPECT_EQ(gru_auto_path(x({7, 3, 5}), 256, false), GruCudaPath::kCudnn);  // (no query)
 }
 
 }  // namespace
