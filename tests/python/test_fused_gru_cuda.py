@@ -187,7 +187,7 @@ def test_cuda_gradcheck(layers, bidirectional, batch_first, bias, unbatched):
     gradcheck_case(layers, bidirectional, batch_first, bias, unbatched, "cuda")
 
 
-# ---- the path rule (ops/fused_gru_cuda_path.h): cuDNN on CUDA -------------------------------
+# ---- the path rule (ops/fused_gru_cuda_path.h): cuDNN below hidden 128 ----------------------
 
 @pytest.mark.auto_path
 @pytest.mark.parametrize("cfg", CONFIGS[:12], ids=[_cfg_id(c) for c in CONFIGS[:12]])
