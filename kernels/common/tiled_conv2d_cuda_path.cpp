@@ -21,12 +21,18 @@ const char* choice_name(Choice c) {
 
 }  // namespace
 
-bool rule_aten(const Conv2dShape& s, Pass pass) {
-  const bool single_filter = s.groups == 1 && s.c_in.expect_int() == 1 &&
-                             s.c_out.expect_int() <= 2;
-  if (!single_filter) return true;
-  if (pass == Pass::kForward) return false;
-  return s.kh.expect_int() * s.kw.expect_int() < 25;
+// (the measurements and the reasons: tiled_conv2d_cuda_path.h)
+bool rule_aten(const Conv2dShape& s, at::ScalarType dtype, Pass pass) {
+  const int64_t c_in = s.c_in.expect_int(), c_out = s.c_out.expect_int();
+  if (s.groups == 1 && c_in == 1) return pass == Pass::kBackward && c_out > 2;
+  const bool depthwise = c_in > 1 && s.groups == c_in && c_out == c_in;
+  const int64_t k = s.kh.expect_int();
+  const bool measured = depthwise && dtype == at::kFloat && s.dilation[0] == 1 &&
+                        s.dilation[1] == 1 && k == s.kw.expect_int() && k >= 3 && k <= 7 &&
+                        s.stride[0] == s.stride[1] && s.stride[0] <= 2;
+  if (!measured) return true;
+  if (k >= 5) return false;
+  return !(k == 3 && s.stride[0] == 2 && s.layout == at::MemoryFormat::Contiguous);
 }
 
 ConvTuneKey cuda_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarType dtype,
@@ -44,7 +50,7 @@ Choice choose_by_override(const Conv2dShape& s, c10::Device device, at::ScalarTy
     const auto got = conv_tuned_choice(cuda_tune_key(s, device, dtype, pass));
     return got ? static_cast<Choice>(*got) : Choice::kMeasure;
   }
-  if (want == "auto") return rule_aten(s, pass) ? Choice::kAten : Choice::kOurs;
+  if (want == "auto") return rule_aten(s, dtype, pass) ? Choice::kAten : Choice::kOurs;
   // (tiled, direct, gemm: our kernels, which pick their own)
   return want == "aten" ? Choice::kAten : Choice::kOurs;
 }

@@ -21,20 +21,36 @@
 //   resnet 8x64x56 .. 32x256x14, k3           8-23        13-99
 //
 // (Our kernels then: the general direct path, one thread per output with
-// run-time loops, and a weight gradient of one block per tap. The small-filter
-// kernels that replaced them (conv_small_kernel.cu: 3x3/5x5/7x7 at stride 1
-// and 2, channels_last depthwise in NHWC, the weight gradient as partial sums
-// on the forward's blocks) have not run on a GPU yet; the rule stays until the
-// device check measures them: the bench's own_fwd_ratio / own_ratio /
-// own_bwd_ratio columns, and its --graphs run for the kernels alone.)
+// run-time loops, and a weight gradient of one block per tap.) The
+// small-filter kernels that replaced them (conv_small_kernel.cu: 3x3/5x5/7x7
+// at stride 1 and 2, channels_last depthwise in NHWC, the weight gradient as
+// partial sums on the forward's blocks) first ran on a lent H200
+// (bench_results/gpu/2026-11-30-h200/: conv2d-cuda.json, eager calls, and
+// resume/conv2d-cuda-graphs.json, the kernels alone in CUDA graphs), ours /
+// cuDNN or ATen's own kernel, forward + backward (eager; graphs):
 //
-// So the rule (auto): the forward of a single filter over single-channel
-// images (the seed's case: groups 1, one input and at most two output
-// channels) is ours, every other forward cuDNN's; the backward is ours only
-// for those with filters of 25 taps or more (5x5), where cuDNN's
-// single-channel weight gradient is slow; cuDNN's elsewhere. LeNet's batch-1
-// calls (within 8% either way) go to cuDNN: a rule tuned to noise would not
-// hold on the next card. Other dtypes follow the float32 rule (unmeasured).
+//   seed 1x1x512..2048 -> 1, k3               0.29-0.52; 0.16-0.35  (backward 0.20-0.54)
+//   seed 1x1x512..2048 -> 1, k5               0.01-0.19 either way
+//   lenet conv1 1..64x1x28 -> 6, k5           forward 0.52-0.54, backward 1.01-1.03
+//   lenet conv2 1..64x6x14 -> 16, k5          0.78, 1.84
+//   depthwise k3 stride 1 (NCHW, cl)          1.25-1.43 (ATen: 0.98-1.69)
+//   depthwise k3 stride 2 NCHW                0.84; 1.43 (ATen: 1.0; 1.76)
+//   depthwise k3 stride 2 channels_last       1.01 (ATen: 1.0)
+//   depthwise k5 stride 1 NCHW                0.99; 1.39 (ATen: 1.09; 1.70)
+//   depthwise k5 stride 2 channels_last       0.91 (ATen: 1.0)
+//   depthwise k7 NCHW, channels_last          0.50, 0.86 (ATen: 1.0, 2.14: cuDNN's NHWC)
+//   resnet 8x64x56 .. 32x256x14, k3           18-122
+//
+// (the depthwise peer: the better of ATen's own NCHW kernel and cuDNN on
+// channels_last input, as PyTorch picks.) So the rule (auto): ours for the
+// forward over single-channel images (groups 1, one input channel), and for
+// their backward with one or two filters; for float32 depthwise convolution
+// (one filter per channel, dilation 1, square 3..7 filters, equal strides 1
+// or 2) with 5x5 or 7x7 filters, and 3x3 at stride 2 in NCHW; cuDNN (ATen)
+// for everything else, where no ratio of ours was below its peer's by more
+// than the noise. Other dtypes follow the float32 rule for single-channel
+// images and take cuDNN for depthwise (unmeasured: cuDNN serves half
+// precision depthwise itself).
 // DDPX_CONV_PATH (read on every call): `aten` forces cuDNN, `tiled` (or the
 // CPU's direct/gemm) forces ours, `auto` or unset is the rule, and
 // `benchmark` (or `auto` with torch.backends.cudnn.benchmark set) measures
@@ -59,7 +75,7 @@ Choice choose(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pa
 
 // The fixed rule's answer (what a call to be measured takes when it cannot
 // be: under CUDA graph capture, where syncing is not allowed).
-bool rule_aten(const Conv2dShape& s, Pass pass);
+bool rule_aten(const Conv2dShape& s, at::ScalarType dtype, Pass pass);
 
 ConvTuneKey cuda_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarType dtype,
                           Pass pass);

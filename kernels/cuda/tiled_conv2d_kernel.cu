@@ -271,7 +271,7 @@ Choice choose_here(const Conv2dShape& s, const at::Tensor& input, Pass pass) {
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
     return c;
   }
-  return rule_aten(s, pass) ? Choice::kAten : Choice::kOurs;
+  return rule_aten(s, input.scalar_type(), pass) ? Choice::kAten : Choice::kOurs;
 }
 
 // Whether a channels_last pass takes the NHWC depthwise kernels

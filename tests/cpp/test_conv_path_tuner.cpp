@@ -5,6 +5,9 @@
 // measuring on. Candidates here sleep for set times, far apart, so the order
 // cannot flip with a busy machine's noise; the real paths are measured in
 // tests/python/test_tiled_conv2d_paths.py (and test_tiled_conv2d_cuda.py).
+// And the CUDA rule (kernels/common/tiled_conv2d_cuda_path.h) asked of shapes
+// made on the CPU (ConvCudaRule).
+#include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "kernels/common/conv_path_tuner.h"
+#include "kernels/common/tiled_conv2d_cuda_path.h"
 
 namespace ddpx::detail {
 namespace {
@@ -149,6 +153,61 @@ TEST(ConvPathTuner, TheSwitches) {
   } else {
     unsetenv("DDPX_CONV_PATH");
   }
+}
+
+// What the H200 measured (2026-11-30), case by case as the header's table.
+TEST(ConvCudaRule, OursWhereTheH200MeasuredItFaster) {
+  struct Case {
+    std::vector<int64_t> x, w;
+    int64_t stride = 1, groups = 1, dilation = 1;
+    bool channels_last = false;
+    at::ScalarType dtype = at::kFloat;
+  };
+  const auto aten = [](const Case& c, cuda::Pass pass) {
+    // (the shape made of float32 CPU tensors: the CPU has no float16 conv)
+    const auto o = at::TensorOptions().memory_format(
+        c.channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
+    const int64_t pad = c.w[2] / 2 * c.dilation;
+    const Conv2dShape s = check_tiled_conv2d_args(at::empty(c.x, o), at::empty(c.w, o),
+                                                  std::nullopt, {c.stride, c.stride}, {pad, pad},
+                                                  {c.dilation, c.dilation}, c.groups);
+    return cuda::rule_aten(s, c.dtype, pass);
+  };
+  const auto fwd = cuda::Pass::kForward, bwd = cuda::Pass::kBackward;
+  const Case seed3{{1, 1, 512, 512}, {1, 1, 3, 3}}, seed5{{1, 1, 64, 64}, {2, 1, 5, 5}};
+  const Case lenet1{{64, 1, 28, 28}, {6, 1, 5, 5}}, lenet2{{64, 6, 14, 14}, {16, 6, 5, 5}};
+  for (const Case& c : {seed3, seed5}) {
+    EXPECT_FALSE(aten(c, fwd));
+    EXPECT_FALSE(aten(c, bwd));
+  }
+  EXPECT_FALSE(aten(lenet1, fwd));
+  EXPECT_TRUE(aten(lenet1, bwd));
+  EXPECT_TRUE(aten(lenet2, fwd));
+  EXPECT_TRUE(aten({{8, 64, 56, 56}, {64, 64, 3, 3}}, fwd));  // resnet
+  const auto dw = [](int64_t k, int64_t stride, bool cl) {
+    return Case{{8, 32, 28, 28}, {32, 1, k, k}, stride, 32, 1, cl};
+  };
+  for (const bool cl : {false, true}) {
+    EXPECT_TRUE(aten(dw(3, 1, cl), fwd));
+    EXPECT_TRUE(aten(dw(3, 1, cl), bwd));
+    EXPECT_FALSE(aten(dw(5, 1, cl), fwd));
+    EXPECT_FALSE(aten(dw(5, 2, cl), bwd));
+    EXPECT_FALSE(aten(dw(7, 1, cl), fwd));
+    EXPECT_FALSE(aten(dw(7, 1, cl), bwd));
+  }
+  EXPECT_FALSE(aten(dw(3, 2, false), fwd));
+  EXPECT_FALSE(aten(dw(3, 2, false), bwd));
+  EXPECT_TRUE(aten(dw(3, 2, true), fwd));
+  // Outside what was measured: cuDNN.
+  Case c = dw(7, 1, false);
+  c.dtype = at::kHalf;
+  EXPECT_TRUE(aten(c, fwd));
+  c = dw(7, 1, false);
+  c.dilation = 2;
+  EXPECT_TRUE(aten(c, fwd));
+  EXPECT_TRUE(aten(dw(7, 3, false), fwd));
+  EXPECT_TRUE(aten(dw(9, 1, false), fwd));
+  EXPECT_TRUE(aten({{8, 32, 28, 28}, {64, 1, 5, 5}, 1, 32}, fwd));  // (two filters per channel)
 }
 
 }  // namespace

@@ -284,26 +284,32 @@ def test_cuda_opcheck_float64_channels_last():
 
 # ---- the path rule (kernels/common/tiled_conv2d_cuda_path.h) --------------------------------
 
-RULE = [  # (N, Cin, H=W, Cout, k, groups) -> forward/backward path
-    ((1, 1, 512, 1, 3, 1), "tiled/aten"),
-    ((1, 1, 300, 1, 5, 1), "tiled"),
-    ((1, 1, 64, 2, 7, 1), "tiled"),
-    ((2, 1, 28, 6, 5, 1), "aten"),
-    ((2, 32, 20, 32, 3, 32), "aten"),
-    ((2, 16, 14, 16, 3, 1), "aten"),
+RULE = [  # (N, Cin, H=W, Cout, k, groups, stride, channels_last) -> forward/backward path
+    ((1, 1, 512, 1, 3, 1, 1, False), "tiled"),
+    ((1, 1, 300, 1, 5, 1, 1, False), "tiled"),
+    ((1, 1, 64, 2, 7, 1, 1, False), "tiled"),
+    ((2, 1, 28, 6, 5, 1, 1, False), "tiled/aten"),
+    ((2, 32, 20, 32, 3, 32, 1, False), "aten"),
+    ((2, 32, 20, 32, 3, 32, 2, False), "tiled"),
+    ((2, 32, 20, 32, 3, 32, 2, True), "aten"),
+    ((2, 24, 21, 24, 5, 24, 2, True), "tiled"),
+    ((2, 16, 19, 16, 7, 16, 1, False), "tiled"),
+    ((2, 16, 19, 16, 7, 16, 1, True), "tiled"),
+    ((2, 16, 14, 16, 3, 1, 1, False), "aten"),
 ]
 
 
 @pytest.mark.auto_path
 @pytest.mark.parametrize("shape,path", RULE, ids=[p + str(s) for s, p in RULE])
 def test_cuda_auto_path_rule_and_results(shape, path):
-    n, c, hw, oc, k, g = shape
-    x = torch.randn(n, c, hw, hw, device="cuda", requires_grad=True)
-    w = torch.randn(oc, c // g, k, k, device="cuda", requires_grad=True)
+    n, c, hw, oc, k, g, s, cl = shape
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    x = torch.randn(n, c, hw, hw, device="cuda").to(memory_format=fmt).requires_grad_()
+    w = torch.randn(oc, c // g, k, k, device="cuda").to(memory_format=fmt).requires_grad_()
     b = torch.randn(oc, device="cuda", requires_grad=True)
-    args = ([1, 1], [k // 2, k // 2], [1, 1], g)
+    args = ([s, s], [k // 2, k // 2], [1, 1], g)
     assert torch.ops.ddpx.tiled_conv2d_path(x, w, *args) == path
-    y, r = op(x, w, b, *args), F.conv2d(x, w, b, 1, k // 2, 1, g)
+    y, r = op(x, w, b, *args), F.conv2d(x, w, b, s, k // 2, 1, g)
     _close(y, r, torch.float32, "output")
     go = torch.randn_like(r)
     for name, got, ref in zip(["grad_input", "grad_weight", "grad_bias"],
