@@ -36,9 +36,8 @@ std::vector<at::Tensor> gru_weights(const torch::jit::Module& gru, int64_t layer
   return w;
 }
 
-// Each GRU of the model whose weights cuDNN can take (one CUDA device, one of
-// its dtypes): its weights made views of one buffer (ATen's
-// _cudnn_rnn_flatten_weight, which nn.GRU's flatten_parameters calls).
+}  // namespace
+
 void flatten_gru_weights(torch::jit::Module& model) {
   if (!at::globalContext().userEnabledCuDNN() || !at::detail::getCUDAHooks().compiledWithCuDNN()) {
     return;
@@ -53,8 +52,9 @@ void flatten_gru_weights(torch::jit::Module& model) {
     const bool bias = gru.attr("bias").toBool(), bidirectional = gru.attr("bidirectional").toBool();
     const std::vector<at::Tensor> w = gru_weights(gru, layers, bias, bidirectional);
     if (w.empty()) continue;
+    // (cuDNN's dtypes as at::gru asks for them: bfloat16 too in newer torch)
     const auto dtype = w[0].scalar_type();
-    bool fits = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kDouble;
+    bool fits = at::cudnn_is_acceptable(w[0]);
     for (const at::Tensor& t : w) {
       fits = fits && t.is_cuda() && t.device() == w[0].device() && t.scalar_type() == dtype;
     }
@@ -66,8 +66,6 @@ void flatten_gru_weights(torch::jit::Module& model) {
                                   bidirectional);
   }
 }
-
-}  // namespace
 
 void move_model(torch::jit::Module& model, const at::Device& device) {
   model.to(device);

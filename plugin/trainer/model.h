@@ -27,4 +27,11 @@ ScriptedModel load_model(const std::string& path);
 // call. The parameters stay the same tensors.
 void move_model(torch::jit::Module& model, const at::Device& device);
 
+// Each GRU of the model whose weights cuDNN can take (one CUDA device, a dtype
+// at::gru hands to cuDNN): its weights made views of one buffer (ATen's
+// _cudnn_rnn_flatten_weight, which nn.GRU's flatten_parameters calls). Also
+// after the parameters change dtype in place (GradSync's mixed_precision),
+// which leaves each in a buffer of its own.
+void flatten_gru_weights(torch::jit::Module& model);
+
 }  // namespace ddpx::trainer

@@ -168,6 +168,7 @@ std::string run(const Options& o) {
   }
   // (next-forward: gates the model's reads of its parameters)
   auto sync = std::make_unique<GradSync>(model, pg, so);
+  if (device.is_cuda() && param_dtype != at::kFloat) flatten_gru_weights(model);
   const auto give_optimizer = [&] {
     if (!stepped_by_sync) return;
     if (scaler) {
