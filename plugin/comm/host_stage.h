@@ -45,8 +45,13 @@ using CopyFn = std::function<void(const at::Tensor& dst, const at::Tensor& src)>
 // pinned host memory.
 CopyFn async_copy();
 
-// How many chunks of at most `chunk` elements cover `numel` (at least one).
+// How many chunks cover `numel` elements (at least one): chunks of `chunk`
+// elements, the last one longer by a tail under chunk / 8, which is not
+// worth a collective of its own.
 int64_t stage_chunk_count(int64_t numel, int64_t chunk);
+
+// The length of chunk k of those (k * chunk is where it starts).
+int64_t stage_chunk_length(int64_t numel, int64_t chunk, int64_t k);
 
 // Runs `reduce` on the host copy of each chunk of `dev` (a contiguous device
 // tensor) in order, staged through `host` (a contiguous host tensor of the

@@ -380,10 +380,14 @@ TEST_F(StreamHandoff, AChannelHasOneStreamPerDevice) {
 // by a second reduction. Streams drained adversarially: the consumer and the
 // channel before the writer, and a host wait runs the other streams first.
 TEST_F(StreamHandoff, StagedChunksArePipelinedAndOrderedByTheirEvents) {
-  for (const int64_t chunk : {3, 4, 10, 64}) {
+  // (chunk 9: the tail of 1 element, under 1/8 of a chunk, rides with the
+  // first chunk)
+  for (const auto& c : std::vector<std::pair<int64_t, int64_t>>{
+           {3, 4}, {4, 3}, {9, 1}, {10, 1}, {64, 1}}) {
+    const int64_t chunk = c.first, want_chunks = c.second;
     sim() = Sim{};
     const int64_t n = 10, chunks = ddpx::comm::detail::stage_chunk_count(n, chunk);
-    EXPECT_EQ(chunks, (n + chunk - 1) / chunk);
+    EXPECT_EQ(chunks, want_chunks) << "chunk " << chunk;
     const c10::Stream writer = ddpx::hooks::pool_stream(kDev);
     const c10::Stream comm = ddpx::hooks::pool_stream(kDev);
     const c10::Stream consumer = ddpx::hooks::current_stream(kDev);
@@ -428,7 +432,7 @@ TEST_F(StreamHandoff, StagedChunksArePipelinedAndOrderedByTheirEvents) {
       // right after its reduction.
       ASSERT_EQ(log.size(), static_cast<size_t>(3 * chunks));
       for (int64_t k = 0; k < chunks; ++k) {
-        const int64_t len = std::min(chunk, n - k * chunk);
+        const int64_t len = k + 1 < chunks ? chunk : n - k * chunk;
         EXPECT_EQ(log[k], "queue out " + std::to_string(len));
         EXPECT_EQ(log[chunks + 2 * k], "reduce " + std::to_string(len));
         EXPECT_EQ(log[chunks + 2 * k + 1], "queue back " + std::to_string(len));
