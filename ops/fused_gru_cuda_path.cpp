@@ -30,8 +30,9 @@ std::atomic<bool (*)(c10::Device)> capture_query{nullptr};
 std::atomic<bool (*)(int, int64_t, int64_t, c10::ScalarType)> persistent_query{nullptr};
 }  // namespace
 
-bool gru_persistent_beats_cudnn(int64_t hidden, int64_t batch, c10::ScalarType dtype, bool tf32) {
-  if (dtype != at::kFloat || hidden < 128 || batch < 1) return false;
+bool gru_persistent_beats_cudnn(int64_t hidden, int64_t batch, int64_t steps,
+                                c10::ScalarType dtype, bool tf32) {
+  if (dtype != at::kFloat || hidden < 128 || batch < 1 || steps < 16) return false;
   if (batch <= 4) return true;
   return !tf32 && batch <= 16 && hidden <= 512;
 }
@@ -39,10 +40,11 @@ bool gru_persistent_beats_cudnn(int64_t hidden, int64_t batch, c10::ScalarType d
 GruCudaPath gru_auto_path(const at::Tensor& input, int64_t hidden, bool batch_first) {
   if (input.dim() != 2 && input.dim() != 3) return GruCudaPath::kCudnn;  // (at::gru says why)
   const int64_t batch = input.dim() == 2 ? 1 : input.size(batch_first ? 0 : 1);
+  const int64_t steps = input.dim() == 2 ? input.size(0) : input.size(batch_first ? 1 : 0);
   // (asked for the RNN op: without one, the getter throws once conv's and
   // RNN's flags differ)
   const bool tf32 = at::globalContext().allowTF32CuDNN(at::Float32Op::RNN);
-  if (!gru_persistent_beats_cudnn(hidden, batch, input.scalar_type(), tf32)) {
+  if (!gru_persistent_beats_cudnn(hidden, batch, steps, input.scalar_type(), tf32)) {
     return GruCudaPath::kCudnn;
   }
   auto* fits = persistent_query.load();

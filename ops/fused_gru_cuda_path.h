@@ -30,7 +30,9 @@
 // up, ours keeps only batch <= 4, where each step is a matrix-vector product
 // bound by latency, not by the multiply rate (inferred, not yet measured:
 // scripts/device/check.sh's grufull group has the TF32 run). Half precision
-// was not measured: cuDNN.
+// was not measured: cuDNN. Nor were forward-only calls (inference: the same
+// rule) or sequences under 32 steps: under 16, where the launches per step
+// that ours saves are few, cuDNN.
 // DDPX_GRU_PATH (read on every call): auto (or unset); cudnn; fused (ours:
 // persistent where its plan fits the device, else per step); step (ours, per
 // step: the tests' and the benchmark's second column); benchmark (cuDNN or
@@ -51,7 +53,8 @@ GruCudaPath gru_cuda_path_choice();
 
 // The measured rule above: whether our persistent kernel beats cuDNN's GRU
 // for this problem (`tf32`: cuDNN's RNN may use TF32).
-bool gru_persistent_beats_cudnn(int64_t hidden, int64_t batch, c10::ScalarType dtype, bool tf32);
+bool gru_persistent_beats_cudnn(int64_t hidden, int64_t batch, int64_t steps,
+                                c10::ScalarType dtype, bool tf32);
 
 // What `auto` runs for this problem: kFused (our persistent kernel: the rule
 // says it wins and its plan fits the device) or kCudnn.

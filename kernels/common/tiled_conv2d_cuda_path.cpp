@@ -4,6 +4,8 @@
 
 #include <cstring>
 
+#include "kernels/common/conv_tile_small.h"
+
 namespace ddpx::detail::cuda {
 namespace {
 
@@ -21,18 +23,39 @@ const char* choice_name(Choice c) {
 
 }  // namespace
 
+tile::ConvGeom conv_geom(const Conv2dShape& s) {
+  tile::ConvGeom g;
+  g.n = s.n.expect_int();
+  g.c = s.c_in.expect_int();
+  g.h = s.h.expect_int();
+  g.w = s.w.expect_int();
+  g.cout = s.c_out.expect_int();
+  g.kh = s.kh.expect_int();
+  g.kw = s.kw.expect_int();
+  g.oh = s.oh.expect_int();
+  g.ow = s.ow.expect_int();
+  g.sh = s.stride[0];
+  g.sw = s.stride[1];
+  g.ph = s.padding[0];
+  g.pw = s.padding[1];
+  g.dh = s.dilation[0];
+  g.dw = s.dilation[1];
+  g.groups = s.groups;
+  g.cig = g.c / g.groups;
+  g.cog = g.cout / g.groups;
+  return g;
+}
+
 // (the measurements and the reasons: tiled_conv2d_cuda_path.h)
 bool rule_aten(const Conv2dShape& s, at::ScalarType dtype, Pass pass) {
-  const int64_t c_in = s.c_in.expect_int(), c_out = s.c_out.expect_int();
-  if (s.groups == 1 && c_in == 1) return pass == Pass::kBackward && c_out > 2;
-  const bool depthwise = c_in > 1 && s.groups == c_in && c_out == c_in;
-  const int64_t k = s.kh.expect_int();
-  const bool measured = depthwise && dtype == at::kFloat && s.dilation[0] == 1 &&
-                        s.dilation[1] == 1 && k == s.kw.expect_int() && k >= 3 && k <= 7 &&
-                        s.stride[0] == s.stride[1] && s.stride[0] <= 2;
-  if (!measured) return true;
-  if (k >= 5) return false;
-  return !(k == 3 && s.stride[0] == 2 && s.layout == at::MemoryFormat::Contiguous);
+  const tile::ConvGeom g = conv_geom(s);
+  const tile::SmallFilter small = tile::small_filter(g);
+  if (!small) return true;
+  if (g.groups == 1 && g.c == 1) return g.cout > (pass == Pass::kForward ? 8 : 2);
+  const bool depthwise = g.c > 1 && g.groups == g.c && g.cout == g.c;
+  if (!depthwise || dtype != at::kFloat) return true;
+  if (small.k >= 5) return false;
+  return !(small.s == 2 && s.layout == at::MemoryFormat::Contiguous);
 }
 
 ConvTuneKey cuda_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarType dtype,

@@ -42,13 +42,15 @@
 //   resnet 8x64x56 .. 32x256x14, k3           18-122
 //
 // (the depthwise peer: the better of ATen's own NCHW kernel and cuDNN on
-// channels_last input, as PyTorch picks.) So the rule (auto): ours for the
-// forward over single-channel images (groups 1, one input channel), and for
-// their backward with one or two filters; for float32 depthwise convolution
-// (one filter per channel, dilation 1, square 3..7 filters, equal strides 1
-// or 2) with 5x5 or 7x7 filters, and 3x3 at stride 2 in NCHW; cuDNN (ATen)
-// for everything else, where no ratio of ours was below its peer's by more
-// than the noise. Other dtypes follow the float32 rule for single-channel
+// channels_last input, as PyTorch picks.) So the rule (auto), only where our
+// small-filter kernels serve (square 3x3, 5x5 or 7x7 filters, stride 1 or 2
+// both ways, dilation 1; elsewhere ours are the general kernels, 8-122x
+// cuDNN): ours for the forward over single-channel images (groups 1, one
+// input channel, up to 8 filters) and for their backward with one or two
+// filters; for float32 depthwise convolution (one filter per channel) with
+// 5x5 or 7x7 filters, and 3x3 at stride 2 in NCHW; cuDNN (ATen) for
+// everything else, where no ratio of ours was below its peer's by more than
+// the noise. Other dtypes follow the float32 rule for single-channel
 // images and take cuDNN for depthwise (unmeasured: cuDNN serves half
 // precision depthwise itself).
 // DDPX_CONV_PATH (read on every call): `aten` forces cuDNN, `tiled` (or the
@@ -60,6 +62,7 @@
 #include <string>
 
 #include "kernels/common/conv_path_tuner.h"
+#include "kernels/common/conv_tile.h"
 #include "kernels/common/tiled_conv2d_args.h"
 
 namespace ddpx::detail::cuda {
@@ -76,6 +79,9 @@ Choice choose(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pa
 // The fixed rule's answer (what a call to be measured takes when it cannot
 // be: under CUDA graph capture, where syncing is not allowed).
 bool rule_aten(const Conv2dShape& s, at::ScalarType dtype, Pass pass);
+
+// The geometry our kernels (and the rule) work with.
+tile::ConvGeom conv_geom(const Conv2dShape& s);
 
 ConvTuneKey cuda_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarType dtype,
                           Pass pass);

@@ -177,29 +177,6 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
-ConvGeom make_geom(const Conv2dShape& s) {
-  ConvGeom g;
-  g.n = s.n.expect_int();
-  g.c = s.c_in.expect_int();
-  g.h = s.h.expect_int();
-  g.w = s.w.expect_int();
-  g.cout = s.c_out.expect_int();
-  g.kh = s.kh.expect_int();
-  g.kw = s.kw.expect_int();
-  g.oh = s.oh.expect_int();
-  g.ow = s.ow.expect_int();
-  g.sh = s.stride[0];
-  g.sw = s.stride[1];
-  g.ph = s.padding[0];
-  g.pw = s.padding[1];
-  g.dh = s.dilation[0];
-  g.dw = s.dilation[1];
-  g.groups = s.groups;
-  g.cig = g.c / g.groups;
-  g.cog = g.cout / g.groups;
-  return g;
-}
-
 // c_filter is one per device: a copy into it must wait until the last kernel
 // that read it (on any stream) is done. Each device keeps the event recorded
 // after that kernel; the lock keeps copy -> launch -> record in one piece.
@@ -284,7 +261,7 @@ at::Tensor ours_forward(const Conv2dShape& s, const at::Tensor& input, const at:
                         const std::optional<at::Tensor>& bias) {
   const c10::cuda::CUDAGuard device_guard(input.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const ConvGeom g = make_geom(s);
+  const ConvGeom g = conv_geom(s);
   const auto fmt = conv2d_output_memory_format(input, weight);
   const bool nhwc = use_nhwc(s, g, fmt);
   at::Tensor out = at::empty({g.n, g.cout, g.oh, g.ow},
@@ -331,7 +308,7 @@ Grads ours_backward(const Conv2dShape& s, const at::Tensor& grad_output, const a
                     const at::Tensor& weight, std::array<bool, 3> output_mask) {
   const c10::cuda::CUDAGuard device_guard(input.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const ConvGeom g = make_geom(s);
+  const ConvGeom g = conv_geom(s);
   const auto fmt = conv2d_output_memory_format(input, weight);
   const bool nhwc = use_nhwc(s, g, fmt);
   const auto layout = nhwc ? fmt : at::MemoryFormat::Contiguous;

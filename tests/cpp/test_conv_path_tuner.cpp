@@ -205,8 +205,14 @@ TEST(ConvCudaRule, OursWhereTheH200MeasuredItFaster) {
   c = dw(7, 1, false);
   c.dilation = 2;
   EXPECT_TRUE(aten(c, fwd));
+  // (no small-filter kernel for these: ours would be the general kernels)
   EXPECT_TRUE(aten(dw(7, 3, false), fwd));
+  EXPECT_TRUE(aten(dw(6, 1, false), fwd));
   EXPECT_TRUE(aten(dw(9, 1, false), fwd));
+  EXPECT_TRUE(aten({{1, 1, 64, 64}, {1, 1, 1, 1}}, fwd));
+  EXPECT_TRUE(aten({{1, 1, 64, 64}, {1, 1, 4, 4}}, bwd));
+  EXPECT_TRUE(aten({{1, 1, 64, 64}, {1, 1, 3, 3}, 1, 1, 2}, fwd));  // dilated
+  EXPECT_TRUE(aten({{1, 1, 64, 64}, {16, 1, 3, 3}}, fwd));  // (up to 8 filters measured)
   EXPECT_TRUE(aten({{8, 32, 28, 28}, {64, 1, 5, 5}, 1, 32}, fwd));  // (two filters per channel)
 }
 

@@ -110,15 +110,17 @@ TEST(GruTune, KeyTellsProblemsApart) {
 // rule, and our kernel only where its plan fits the device (asked of the
 // query libddpx_cuda.so installs; here one that records what it was asked).
 TEST(GruAutoPath, FollowsTheMeasuredRuleAndAsksWhetherThePlanFits) {
-  EXPECT_TRUE(gru_persistent_beats_cudnn(256, 1, at::kFloat, false));
-  EXPECT_TRUE(gru_persistent_beats_cudnn(1024, 4, at::kFloat, true));  // (latency-bound)
-  EXPECT_TRUE(gru_persistent_beats_cudnn(512, 16, at::kFloat, false));
-  EXPECT_FALSE(gru_persistent_beats_cudnn(512, 16, at::kFloat, true));
-  EXPECT_FALSE(gru_persistent_beats_cudnn(1024, 16, at::kFloat, false));
-  EXPECT_FALSE(gru_persistent_beats_cudnn(256, 64, at::kFloat, false));
-  EXPECT_FALSE(gru_persistent_beats_cudnn(64, 1, at::kFloat, false));
-  EXPECT_FALSE(gru_persistent_beats_cudnn(256, 1, at::kHalf, false));  // (not measured)
-  EXPECT_FALSE(gru_persistent_beats_cudnn(256, 0, at::kFloat, false));
+  EXPECT_TRUE(gru_persistent_beats_cudnn(256, 1, 32, at::kFloat, false));
+  EXPECT_TRUE(gru_persistent_beats_cudnn(1024, 4, 32, at::kFloat, true));  // (latency-bound)
+  EXPECT_TRUE(gru_persistent_beats_cudnn(512, 16, 32, at::kFloat, false));
+  EXPECT_FALSE(gru_persistent_beats_cudnn(512, 16, 32, at::kFloat, true));
+  EXPECT_FALSE(gru_persistent_beats_cudnn(1024, 16, 32, at::kFloat, false));
+  EXPECT_FALSE(gru_persistent_beats_cudnn(256, 64, 32, at::kFloat, false));
+  EXPECT_FALSE(gru_persistent_beats_cudnn(64, 1, 32, at::kFloat, false));
+  EXPECT_FALSE(gru_persistent_beats_cudnn(256, 1, 32, at::kHalf, false));  // (not measured)
+  EXPECT_FALSE(gru_persistent_beats_cudnn(256, 0, 32, at::kFloat, false));
+  EXPECT_TRUE(gru_persistent_beats_cudnn(256, 1, 16, at::kFloat, false));
+  EXPECT_FALSE(gru_persistent_beats_cudnn(256, 1, 15, at::kFloat, false));  // (few launches saved)
 
   static int64_t asked_hidden = 0, asked_batch = 0;
   static bool fits = true;
@@ -128,20 +130,21 @@ TEST(GruAutoPath, FollowsTheMeasuredRuleAndAsksWhetherThePlanFits) {
     return fits;
   });
   const auto x = [](std::vector<int64_t> shape) { return at::zeros(shape, at::kFloat); };
-  EXPECT_EQ(gru_auto_path(x({7, 3, 5}), 256, false), GruCudaPath::kFused);
+  EXPECT_EQ(gru_auto_path(x({17, 3, 5}), 256, false), GruCudaPath::kFused);
   EXPECT_EQ(asked_hidden, 256);
   EXPECT_EQ(asked_batch, 3);
-  EXPECT_EQ(gru_auto_path(x({3, 7, 5}), 256, true), GruCudaPath::kFused);  // batch first
+  EXPECT_EQ(gru_auto_path(x({3, 17, 5}), 256, true), GruCudaPath::kFused);  // batch first
   EXPECT_EQ(asked_batch, 3);
-  EXPECT_EQ(gru_auto_path(x({7, 5}), 1024, false), GruCudaPath::kFused);  // unbatched
+  EXPECT_EQ(gru_auto_path(x({17, 5}), 1024, false), GruCudaPath::kFused);  // unbatched
   EXPECT_EQ(asked_batch, 1);
-  EXPECT_EQ(gru_auto_path(x({7, 64, 5}), 256, false), GruCudaPath::kCudnn);
+  EXPECT_EQ(gru_auto_path(x({17, 64, 5}), 256, false), GruCudaPath::kCudnn);
+  EXPECT_EQ(gru_auto_path(x({3, 2, 5}), 256, false), GruCudaPath::kCudnn);  // 3 steps
   EXPECT_EQ(gru_auto_path(x({0, 3, 5}), 256, false), GruCudaPath::kCudnn);  // (empty)
   fits = false;
-  EXPECT_EQ(gru_auto_path(x({7, 3, 5}), 256, false), GruCudaPath::kCudnn);
+  EXPECT_EQ(gru_auto_path(x({17, 3, 5}), 256, false), GruCudaPath::kCudnn);
   set_gru_persistent_query(nullptr);
   fits = true;
-  EXPECT_EQ(gru_auto_path(x({7, 3, 5}), 256, false), GruCudaPath::kCudnn);  // (no query)
+  EXPECT_EQ(gru_auto_path(x({17, 3, 5}), 256, false), GruCudaPath::kCudnn);  // (no query)
 }
 
 }  // namespace

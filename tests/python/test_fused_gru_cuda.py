@@ -213,12 +213,12 @@ def test_cuda_auto_path_names_atens_own_gru(monkeypatch):
 @pytest.mark.auto_path
 def test_cuda_auto_path_follows_the_measured_rule(monkeypatch):
     """`auto` runs our persistent kernel where the H200's measurements say it
-    beats cuDNN (ops/fused_gru_cuda_path.h: float32, hidden >= 128, batch <= 4;
-    batch <= 16 up to hidden 512 with TF32 off), cuDNN elsewhere; its result
-    is nn.GRU's, gradients too."""
+    beats cuDNN (ops/fused_gru_cuda_path.h: float32, 16 steps or more, hidden
+    >= 128, batch <= 4; batch <= 16 up to hidden 512 with TF32 off), cuDNN
+    elsewhere; its result is nn.GRU's, gradients too."""
     monkeypatch.delenv("DDPX_GRU_PATH", raising=False)
     path = torch.ops.ddpx.fused_gru_path
-    x = lambda b: torch.randn(6, b, 3, device="cuda")  # noqa: E731
+    x = lambda b, t=20: torch.randn(t, b, 3, device="cuda")  # noqa: E731
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         assert path(x(2), 256, False) == "persistent"
         assert path(x(16), 512, False) == "persistent"
@@ -226,7 +226,8 @@ def test_cuda_auto_path_follows_the_measured_rule(monkeypatch):
         assert path(x(64), 256, False) == "cudnn"
         assert path(x(2), 64, False) == "cudnn"
         assert path(x(2).half(), 256, False) == "cudnn"
-        _check_against_cudnn_gru((2, True, True, True, 9, 3, 5, 130, True, False, False,
+        assert path(x(2, 8), 256, False) == "cudnn"
+        _check_against_cudnn_gru((2, True, True, True, 17, 3, 5, 130, True, False, False,
                                   torch.float32), "persistent")
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
         assert path(x(2), 256, False) == "persistent"
