@@ -15,7 +15,7 @@
 # minimum time left is recorded as "not run: out of time" instead of being cut.
 # DDPX_CHECK_GROUPS (default build,tests,bench,sanitize,ddp,pip,ncu; also
 # benchmode, the conv suite with measured paths, ddpfull, the whole DDP
-# suite, and grufull, the whole GRU suite and its TF32 and bfloat16 runs):
+# suite, and grufull, the whole GRU suite and its bfloat16 run):
 # which groups run. DDPX_CHECK_RESUME=1: a second call on the warm machine,
 # which runs only what the first had no time for. At most 8 files come back
 # from a device call: at the end every file in OUT_DIR but the log and
@@ -199,9 +199,9 @@ build_targets() {
 # DDPX_CHECK_GROUPS: which groups run (default build,tests,bench,sanitize,
 # ddp,pip,ncu). The steps run in the order of what they are worth to the
 # open issues, whatever their group, so that the budget cuts the least
-# valuable: the tests, the ops' quick benchmarks, GradSync's DDP bench, the
-# wheel, memcheck, the training runs, the graph replays, racecheck, the hooks
-# bench, ncu.
+# valuable: the tests, the ops' quick benchmarks, ncu over their kernels, the
+# GRU's with TF32, GradSync's DDP bench, the wheel, memcheck, the training
+# runs, the graph replays, racecheck, the hooks bench.
 groups=",${DDPX_CHECK_GROUPS:-build,tests,bench,sanitize,ddp,pip,ncu},"
 want() { [[ "$groups" == *",$1,"* ]]; }
 # (A machine without the build -- a second call that found a fresh one --
@@ -237,11 +237,12 @@ if want pip && [ "$has_gpu" = 1 ] && [ ! -f /tmp/ddpx-pip.rc ] && ! pgrep -f ddp
   (pip_build >/tmp/ddpx-pip.log 2>&1; echo $? >/tmp/ddpx-pip.rc) &
 fi
 
-# The tests labelled gpu, four at a time, the trainer's (the longest; COST)
-# first; each ends by the step's deadline (reported as a timeout, with its
-# output) rather than the step's kill taking ctest's report with it.
+# The tests labelled gpu, four at a time beside the trainer's two halves
+# (the longest; COST: started first); each ends by the step's deadline
+# (reported as a timeout, with its output) rather than the step's kill
+# taking ctest's report with it.
 gpu_tests() {
-  ctest --test-dir "$build" -L gpu -j 4 --output-on-failure \
+  ctest --test-dir "$build" -L gpu -j 6 --output-on-failure \
     --stop-time "$(date -d "@$DDPX_STEP_DEADLINE" +%H:%M:%S)"
 }
 # compute-sanitizer over the op kernels' tests (the cases marked `sanitizer`:
@@ -288,6 +289,29 @@ if want bench; then
   # the persistent kernels (persist_ratio) and the per-step ones (step_ratio)
   # beside the rule's choice, 16 cases of issue 59's grid
   gpu_step "bench gru --cuda --quick" 60 150 python3 "$here/scripts/bench/gru" --cuda --quick
+fi
+# --- Nsight Compute, after the ops' quick benchmarks (it never had time at the end
+# of two lent sessions' budget, 2026-11-28 and 2026-11-30): speed of light, occupancy, warp stalls, memory, in the log; the clocks left
+# as they are (the card is shared: METHOD.md); the second call of each case,
+# which the workloads bracket with cudaProfilerStart/Stop ---------------------------------------
+if want ncu; then
+  # the persistent GRU kernels at H256 and H1024
+  gpu_step "ncu persistent GRU" 60 120 ncu --clock-control none --profile-from-start off \
+    --target-processes all -k regex:persistent --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 "$here/scripts/device/ncu_gru.py"
+  # the small-filter conv kernels: the seed's 3x3 2048^2 and a channels_last
+  # depthwise 7x7, forward + backward (achieved bandwidth, stalls)
+  gpu_step "ncu conv small kernels" 60 120 ncu --clock-control none --profile-from-start off \
+    --target-processes all -k "regex:small_|nhwc_|sum_partials" --section SpeedOfLight \
+    --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 "$here/scripts/device/ncu_conv.py"
+fi
+
+if want bench; then
+  # The GRU rule's choice with cuDNN's TF32 on (PyTorch's default), which the
+  # rule's batch <= 4 cases assume still favour ours (ops/fused_gru_cuda_path.h)
+  gpu_step "bench gru --cuda --quick --tf32" 30 120 python3 "$here/scripts/bench/gru" --cuda --quick --tf32
 fi
 # --- speed, GradSync on CUDA buckets against DDP (issue 60) ---------------------------------
 if want ddp; then
@@ -340,7 +364,7 @@ fi
 # left time (DDPX_CHECK_GROUPS=benchmode,ddpfull,grufull): the conv suite with
 # the path measured per case (DDPX_CONV_PATH=benchmark, cuDNN's benchmark mode
 # on for F.conv2d too), the whole DDP suite on CUDA, the whole GRU suite and
-# its TF32 and bfloat16 runs.
+# its bfloat16 run.
 if want benchmode; then
   gpu_step "bench conv2d --device cuda --path benchmark" 30 150 \
     python3 "$here/scripts/bench/conv2d" --device cuda --path benchmark
@@ -349,28 +373,9 @@ if want ddpfull; then
   gpu_step "bench ddp --device cuda" 60 540 python3 "$here/scripts/bench/ddp" --device cuda
 fi
 if want grufull; then
-  gpu_step "bench gru --cuda --quick --tf32" 30 120 python3 "$here/scripts/bench/gru" --cuda --quick --tf32
   gpu_step "bench gru --cuda --quick --dtype bfloat16" 30 120 python3 "$here/scripts/bench/gru" --cuda --quick --dtype bfloat16
   gpu_step "bench gru --cuda" 60 420 python3 "$here/scripts/bench/gru" --cuda
 fi
-# --- Nsight Compute (last: it runs only when the steps before left it time):
-# speed of light, occupancy, warp stalls, memory, in the log; the clocks left
-# as they are (the card is shared: METHOD.md); the second call of each case,
-# which the workloads bracket with cudaProfilerStart/Stop ---------------------------------------
-if want ncu; then
-  # the persistent GRU kernels at H256 and H1024
-  gpu_step "ncu persistent GRU" 60 120 ncu --clock-control none --profile-from-start off \
-    --target-processes all -k regex:persistent --section SpeedOfLight --section Occupancy \
-    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-    python3 "$here/scripts/device/ncu_gru.py"
-  # the small-filter conv kernels: the seed's 3x3 2048^2 and a channels_last
-  # depthwise 7x7, forward + backward (achieved bandwidth, stalls)
-  gpu_step "ncu conv small kernels" 60 120 ncu --clock-control none --profile-from-start off \
-    --target-processes all -k "regex:small_|nhwc_|sum_partials" --section SpeedOfLight \
-    --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-    python3 "$here/scripts/device/ncu_conv.py"
-fi
-
 python3 "$here/scripts/device/summarize.py" "$out" "$steps"
 rc=$?
 pack_results
