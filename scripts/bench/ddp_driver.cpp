@@ -140,6 +140,7 @@ std::vector<at::Tensor> comm_buffers(const std::vector<at::Tensor>& params, doub
 
 struct Groups {
   ProcessGroupPtr mpi, gloo, solo;
+  ProcessGroupPtr gloo2;  // a second Gloo group: gradsync_gloo_2ch's second channel
 };
 
 nlohmann::json run_variant(const Args& a, const std::string& model, const std::string& variant,
@@ -174,18 +175,22 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
   if (variant.rfind("gradsync_", 0) == 0) {
     const bool mpi = variant.rfind("gradsync_mpi", 0) == 0;
     const bool unstaged = variant.size() > 9 && variant.substr(variant.size() - 9) == "_unstaged";
-    sync.emplace(m, mpi ? g.mpi : variant == "gradsync_solo" ? g.solo : g.gloo,
-                 ddpx::GradSyncOptions()
-                     .bucket_cap_mb(a.bucket_cap_mb)
-                     .stage_chunk_bytes(unstaged ? 0 : ddpx::GradSyncOptions{}.stage_chunk_bytes_)
-                     .gradient_as_bucket_view(variant != "gradsync_copy")
-                     .unused(exact ? ddpx::Unused::Exact : ddpx::Unused::Predict)
-                     .overlap(gated   ? ddpx::Overlap::NextForward
-                              : stale ? ddpx::Overlap::Optimizer
-                                      : ddpx::Overlap::None)
-                     .staleness(stale ? 1 : 0)
-                     .stale_lookahead(variant != "gradsync_stale_plain")
-                     .stale_warmup(0));  // (the untimed warm-up steps are stale too)
+    ddpx::GradSyncOptions o;
+    o.bucket_cap_mb(a.bucket_cap_mb)
+        .stage_chunk_bytes(unstaged ? 0 : ddpx::GradSyncOptions{}.stage_chunk_bytes_)
+        .gradient_as_bucket_view(variant != "gradsync_copy")
+        .unused(exact ? ddpx::Unused::Exact : ddpx::Unused::Predict)
+        .overlap(gated   ? ddpx::Overlap::NextForward
+                 : stale ? ddpx::Overlap::Optimizer
+                         : ddpx::Overlap::None)
+        .staleness(stale ? 1 : 0)
+        .stale_lookahead(variant != "gradsync_stale_plain")
+        .stale_warmup(0);  // (the untimed warm-up steps are stale too)
+    // gradsync_gloo_2ch: buckets alternate between two Gloo groups, two calls
+    // in flight as DDP's one group with two threads has (issue 60: each Gloo
+    // call cost 0.25-3 ms of fixed time on the H200's machine).
+    if (variant == "gradsync_gloo_2ch") o.channels.push_back(g.gloo2);
+    sync.emplace(m, mpi ? g.mpi : variant == "gradsync_solo" ? g.solo : g.gloo, o);
     if (by_sync) sync->set_optimizer(*sgd);
   }
   ddpx::GradSync* exact_sync = sync && exact ? &*sync : nullptr;
@@ -370,6 +375,9 @@ int main(int argc, char** argv) {
   solo.size = 1;
   solo.name = "solo";
   g.solo = ddpx::comm::make("gloo", solo);
+  ddpx::comm::MakeOptions second;
+  second.name = "gloo2";
+  g.gloo2 = ddpx::comm::make("gloo", second);
   for (const auto& model : a.models) {
     for (const auto& variant : a.variants) {
       auto j = run_variant(a, model, variant, g);
