@@ -170,4 +170,27 @@ std::string conv_path_override() {
   return want;
 }
 
+tile::ConvGeom conv_geom(const Conv2dShape& s) {
+  tile::ConvGeom g;
+  g.n = s.n.expect_int();
+  g.c = s.c_in.expect_int();
+  g.h = s.h.expect_int();
+  g.w = s.w.expect_int();
+  g.cout = s.c_out.expect_int();
+  g.kh = s.kh.expect_int();
+  g.kw = s.kw.expect_int();
+  g.oh = s.oh.expect_int();
+  g.ow = s.ow.expect_int();
+  g.sh = s.stride[0];
+  g.sw = s.stride[1];
+  g.ph = s.padding[0];
+  g.pw = s.padding[1];
+  g.dh = s.dilation[0];
+  g.dw = s.dilation[1];
+  g.groups = s.groups;
+  g.cig = g.c / g.groups;
+  g.cog = g.cout / g.groups;
+  return g;
+}
+
 }  // namespace ddpx::detail

@@ -14,6 +14,8 @@
 #include <optional>
 #include <string>
 
+#include "kernels/common/conv_tile.h"
+
 namespace ddpx::detail {
 
 // The resolved geometry of one (batched, 4-D) convolution.
@@ -30,6 +32,10 @@ struct Conv2dShape {
   // and their speeds differ by layout (benchmark mode measures each apart).
   at::MemoryFormat layout = at::MemoryFormat::Contiguous;
 };
+
+// The geometry as plain integers (concrete sizes only), as the kernels, the
+// CUDA path rule and the CPU paths work with it.
+tile::ConvGeom conv_geom(const Conv2dShape& s);
 
 // Checks every argument of tiled_conv2d (one TORCH_CHECK per condition, each
 // naming the argument) and returns the geometry.

@@ -23,29 +23,6 @@ const char* choice_name(Choice c) {
 
 }  // namespace
 
-tile::ConvGeom conv_geom(const Conv2dShape& s) {
-  tile::ConvGeom g;
-  g.n = s.n.expect_int();
-  g.c = s.c_in.expect_int();
-  g.h = s.h.expect_int();
-  g.w = s.w.expect_int();
-  g.cout = s.c_out.expect_int();
-  g.kh = s.kh.expect_int();
-  g.kw = s.kw.expect_int();
-  g.oh = s.oh.expect_int();
-  g.ow = s.ow.expect_int();
-  g.sh = s.stride[0];
-  g.sw = s.stride[1];
-  g.ph = s.padding[0];
-  g.pw = s.padding[1];
-  g.dh = s.dilation[0];
-  g.dw = s.dilation[1];
-  g.groups = s.groups;
-  g.cig = g.c / g.groups;
-  g.cog = g.cout / g.groups;
-  return g;
-}
-
 // (the measurements and the reasons: tiled_conv2d_cuda_path.h)
 bool rule_aten(const Conv2dShape& s, at::ScalarType dtype, Pass pass) {
   const tile::ConvGeom g = conv_geom(s);

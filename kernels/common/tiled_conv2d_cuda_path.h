@@ -62,7 +62,6 @@
 #include <string>
 
 #include "kernels/common/conv_path_tuner.h"
-#include "kernels/common/conv_tile.h"
 #include "kernels/common/tiled_conv2d_args.h"
 
 namespace ddpx::detail::cuda {
@@ -79,9 +78,6 @@ Choice choose(const Conv2dShape& s, c10::Device device, at::ScalarType dtype, Pa
 // The fixed rule's answer (what a call to be measured takes when it cannot
 // be: under CUDA graph capture, where syncing is not allowed).
 bool rule_aten(const Conv2dShape& s, at::ScalarType dtype, Pass pass);
-
-// The geometry our kernels (and the rule) work with.
-tile::ConvGeom conv_geom(const Conv2dShape& s);
 
 ConvTuneKey cuda_tune_key(const Conv2dShape& s, c10::Device device, at::ScalarType dtype,
                           Pass pass);

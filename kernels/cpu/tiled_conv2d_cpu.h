@@ -24,34 +24,12 @@
 namespace ddpx::detail::cpu {
 
 // The geometry as plain integers, batched (an unbatched input is one sample).
-struct CpuConv {
-  int64_t n, c, h, w;
-  int64_t cout, kh, kw, oh, ow;
-  int64_t sh, sw, ph, pw, dh, dw;
-  int64_t groups, cig, cog;  // channels per group: input, output
-  int64_t kc;                // GEMM reduction length cig * kh * kw
+struct CpuConv : tile::ConvGeom {
+  int64_t kc;  // GEMM reduction length cig * kh * kw
 };
 
 inline CpuConv make_cpu_conv(const Conv2dShape& s) {
-  CpuConv p;
-  p.n = s.n.expect_int();
-  p.c = s.c_in.expect_int();
-  p.h = s.h.expect_int();
-  p.w = s.w.expect_int();
-  p.cout = s.c_out.expect_int();
-  p.kh = s.kh.expect_int();
-  p.kw = s.kw.expect_int();
-  p.oh = s.oh.expect_int();
-  p.ow = s.ow.expect_int();
-  p.sh = s.stride[0];
-  p.sw = s.stride[1];
-  p.ph = s.padding[0];
-  p.pw = s.padding[1];
-  p.dh = s.dilation[0];
-  p.dw = s.dilation[1];
-  p.groups = s.groups;
-  p.cig = p.c / p.groups;
-  p.cog = p.cout / p.groups;
+  CpuConv p{conv_geom(s), 0};
   p.kc = p.cig * p.kh * p.kw;
   return p;
 }
