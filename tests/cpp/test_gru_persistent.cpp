@@ -261,6 +261,39 @@ TEST(GruPersistentTypes, FloatAndBFloat16CloseToDouble) {
   EXPECT_TRUE(at::allclose(run(c10::BFloat16{}, at::kBFloat16), ref, 0, 6e-2));
 }
 
+// copy_cells: thread th copies cells th, th + kThreads, ... in that order
+// (loads in that order, and each store after its load), as the division it
+// replaces would give them, each cell once: grids narrower and wider than
+// the block, a multiple of it, a column or none, a ragged last batch.
+TEST(GruPersistentCells, EachCellOnceInThreadOrder) {
+  for (int cols : {1, 2, 3, 63, 64, 100, 511, 512, 513, 1024, 1500, 3072}) {
+    for (int rows : {0, 1, 5, 16}) {
+      const int64_t n = int64_t{rows} * cols;
+      std::vector<int64_t> copied(static_cast<size_t>(n), -1);
+      for (int th = 0; th < kThreads; ++th) {
+        int64_t next_load = th, next_store = th;
+        copy_cells(
+            rows, cols, th,
+            [&](int r, int c) {
+              EXPECT_EQ(int64_t{r} * cols + c, next_load) << rows << "x" << cols << " th " << th;
+              next_load += kThreads;
+              return int64_t{r} * cols + c;
+            },
+            [&](int r, int c, int64_t v) {
+              EXPECT_EQ(int64_t{r} * cols + c, next_store) << rows << "x" << cols << " th " << th;
+              EXPECT_LT(next_store, next_load);
+              next_store += kThreads;
+              ASSERT_TRUE(r >= 0 && r < rows && c >= 0 && c < cols);
+              EXPECT_EQ(copied[static_cast<size_t>(v)], -1) << "cell " << v << " twice";
+              copied[static_cast<size_t>(v)] = v;
+            });
+        EXPECT_GE(next_store, n) << rows << "x" << cols << " thread " << th;
+      }
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(copied[static_cast<size_t>(i)], i);
+    }
+  }
+}
+
 // What the H200 gets: one block per SM at most, whole weights on chip.
 TEST(GruPersistentPlan, H200Limits) {
   const Plan f1024 = make_plan(1024, 16, 4, 4, kH200Sms, kH200Smem, false);
