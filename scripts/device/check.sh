@@ -199,8 +199,8 @@ build_targets() {
 # DDPX_CHECK_GROUPS: which groups run (default build,tests,bench,sanitize,
 # ddp,pip,ncu). The steps run in the order of what they are worth to the
 # open issues, whatever their group, so that the budget cuts the least
-# valuable: the tests, the ops' quick benchmarks, ncu over their kernels, the
-# GRU's with TF32, GradSync's DDP bench, the wheel, memcheck, the training
+# valuable: the tests, each op's quick benchmark and ncu over its kernels
+# (the GRU's, then the conv's), the GRU's with TF32, GradSync's DDP bench, the wheel, memcheck, the training
 # runs, the graph replays, racecheck, the hooks bench.
 groups=",${DDPX_CHECK_GROUPS:-build,tests,bench,sanitize,ddp,pip,ncu},"
 want() { [[ "$groups" == *",$1,"* ]]; }
@@ -280,26 +280,35 @@ wait_for_wheel() {
   echo "=== (waited $((SECONDS - t0)) s for the wheel's build to end before the benchmarks)"
 }
 if [ "$has_gpu" = 1 ] && want bench && want pip; then wait_for_wheel; fi
-# --- speed, ops: ours vs cuDNN on the same card, ratios per case (issue 59) ----------------
+# --- speed, ops: ours vs cuDNN on the same card, ratios per case (issue 59), each
+# op's quick benchmark then Nsight Compute over its kernels (ncu never had time at the
+# end of two lent sessions' budget, 2026-11-28 and 2026-11-30): speed of light,
+# occupancy, warp stalls, memory, in the log; the clocks left as they are (the card
+# is shared: METHOD.md); the second call of each case, which the workloads bracket
+# with cudaProfilerStart/Stop. The GRU first: after the 2026-11-30 run its staging
+# keeps 8 loads in flight per thread instead of one, without a division per element
+# (kernels/common/gru_persistent.h: by our count, L2 latency was most of batch 16's
+# time; ncu's warp stalls say); with a 480 s first call the GRU's two steps fit after
+# the tests, the conv's open the second call ------------------------------------------------
 if want bench; then
-  # The quick suite as users call the op (host overhead included): the
-  # rule's ratios and our kernels' own where the rule hands a pass to cuDNN
-  gpu_step "bench conv2d --device cuda --quick" 40 120 python3 "$here/scripts/bench/conv2d" \
-    --device cuda --quick
   # the persistent kernels (persist_ratio) and the per-step ones (step_ratio)
   # beside the rule's choice, 16 cases of issue 59's grid
   gpu_step "bench gru --cuda --quick" 60 150 python3 "$here/scripts/bench/gru" --cuda --quick
 fi
-# --- Nsight Compute, after the ops' quick benchmarks (it never had time at the end
-# of two lent sessions' budget, 2026-11-28 and 2026-11-30): speed of light, occupancy, warp stalls, memory, in the log; the clocks left
-# as they are (the card is shared: METHOD.md); the second call of each case,
-# which the workloads bracket with cudaProfilerStart/Stop ---------------------------------------
 if want ncu; then
   # the persistent GRU kernels at H256 and H1024
   gpu_step "ncu persistent GRU" 60 120 ncu --clock-control none --profile-from-start off \
     --target-processes all -k regex:persistent --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     python3 "$here/scripts/device/ncu_gru.py"
+fi
+if want bench; then
+  # The quick suite as users call the op (host overhead included): the
+  # rule's ratios and our kernels' own where the rule hands a pass to cuDNN
+  gpu_step "bench conv2d --device cuda --quick" 40 120 python3 "$here/scripts/bench/conv2d" \
+    --device cuda --quick
+fi
+if want ncu; then
   # the small-filter conv kernels: the seed's 3x3 2048^2 and a channels_last
   # depthwise 7x7, forward + backward (achieved bandwidth, stalls)
   gpu_step "ncu conv small kernels" 60 120 ncu --clock-control none --profile-from-start off \
@@ -315,11 +324,12 @@ if want bench; then
 fi
 # --- speed, GradSync on CUDA buckets against DDP (issue 60) ---------------------------------
 if want ddp; then
-  # --trace: GradSync's own trace of gradsync_gloo per model (2 files, 25 KB
-  # for the cnn on the CPU), for the cnn's 2.12x over DDP on the H200 that
-  # nothing on the CPU explains.
-  gpu_step "bench ddp --device cuda --quick" 60 200 python3 "$here/scripts/bench/ddp" --quick \
-    --device cuda --trace "$out"
+  # --focus: DDP, GradSync over Gloo on one and two groups and over
+  # ddpx_mpi, 20 timed steps x 3 rounds (--quick's 3 steps x 1 round on
+  # 2026-11-30 swung more than the differences); --trace: GradSync's own
+  # trace of gradsync_gloo per model (2 files).
+  gpu_step "bench ddp --device cuda --focus" 60 240 python3 "$here/scripts/bench/ddp" --focus \
+    --models cnn,many520 --device cuda --trace "$out"
 fi
 if want pip; then
   gpu_step "pip wheel (CUDA) + import" 20 200 pip_check
@@ -370,6 +380,8 @@ if want benchmode; then
     python3 "$here/scripts/bench/conv2d" --device cuda --path benchmark
 fi
 if want ddpfull; then
+  gpu_step "bench ddp --device cuda --focus (suite)" 60 400 python3 "$here/scripts/bench/ddp" \
+    --focus --device cuda
   gpu_step "bench ddp --device cuda" 60 540 python3 "$here/scripts/bench/ddp" --device cuda
 fi
 if want grufull; then
