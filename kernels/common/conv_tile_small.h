@@ -114,16 +114,40 @@ DDPX_HD int64_t small_origin_x(const ConvGeom& g, int64_t bx) {
 }
 
 // Thread (tx, ty)'s share of a patch load: rows ty, ty + kThreadsY, ...;
-// columns tx, tx + kThreadsX, ... (no division); zero in the padding.
+// columns tx, tx + kThreadsX, ... (no division); zero in the padding. All
+// of a thread's loads go out before its first store to shared memory: the
+// plane's pointer may alias shared memory as far as the compiler knows, so
+// a loop that stores each value before loading the next kept one load per
+// thread in flight -- up to 27 of them a patch, each a memory latency (the
+// seed's 3x3 forward at 2048^2 ran at 3.1x the copy floor on the H200,
+// 2026-11-30; not profiled yet).
 template <int K, int S, typename T, typename Acc>
 DDPX_HD void small_load_patch(const T* plane, int64_t h, int64_t w, int64_t iy0, int64_t ix0,
                               Acc (*patch)[SmallPatch<K, S>::kW], int tx, int ty) {
-  for (int r = ty; r < SmallPatch<K, S>::kH; r += SmallTile::kThreadsY) {
+  using P = SmallPatch<K, S>;
+  constexpr int kRowIts = (P::kH + SmallTile::kThreadsY - 1) / SmallTile::kThreadsY;
+  constexpr int kColIts = (P::kW + SmallTile::kThreadsX - 1) / SmallTile::kThreadsX;
+  Acc v[kRowIts][kColIts];
+  DDPX_UNROLL
+  for (int i = 0; i < kRowIts; ++i) {
+    const int r = ty + i * SmallTile::kThreadsY;
     const int64_t iy = iy0 + r;
-    const bool row_in = iy >= 0 && iy < h;
-    for (int c = tx; c < SmallPatch<K, S>::kW; c += SmallTile::kThreadsX) {
+    const bool row_in = r < P::kH && iy >= 0 && iy < h;
+    DDPX_UNROLL
+    for (int j = 0; j < kColIts; ++j) {
+      const int c = tx + j * SmallTile::kThreadsX;
       const int64_t ix = ix0 + c;
-      patch[r][c] = row_in && ix >= 0 && ix < w ? static_cast<Acc>(plane[iy * w + ix]) : Acc(0);
+      v[i][j] = row_in && c < P::kW && ix >= 0 && ix < w ? static_cast<Acc>(plane[iy * w + ix])
+                                                         : Acc(0);
+    }
+  }
+  DDPX_UNROLL
+  for (int i = 0; i < kRowIts; ++i) {
+    const int r = ty + i * SmallTile::kThreadsY;
+    DDPX_UNROLL
+    for (int j = 0; j < kColIts; ++j) {
+      const int c = tx + j * SmallTile::kThreadsX;
+      if (r < P::kH && c < P::kW) patch[r][c] = v[i][j];
     }
   }
 }
