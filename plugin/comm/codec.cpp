@@ -187,7 +187,12 @@ int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t, int64_t stage_chunk
         std::max<int64_t>(1, stage_chunk_bytes / static_cast<int64_t>(t.element_size()));
     if (auto* span = thread_wire_span()) span->staged_chunks += stage_chunk_count(t.numel(), chunk);
     const c10::Stream stream = c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
-    staged_reduce(stream, t, thread_host_buffer(t, stream), chunk, async_copy(), waited);
+    staged_reduce(stream, t, thread_host_buffer(t, stream), chunk, async_copy(),
+                  [&pg](at::Tensor& x) -> std::function<void()> {
+                    std::vector<at::Tensor> v{x};
+                    auto work = pg.allreduce(v, c10d::AllreduceOptions{});
+                    return [work] { detail::wait_named(work); };
+                  });
   } else {
     waited(t);
   }

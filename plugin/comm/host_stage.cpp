@@ -4,6 +4,7 @@
 #include <c10/core/Event.h>
 #include <c10/util/Exception.h>
 
+#include <deque>
 #include <optional>
 #include <unordered_map>
 #include <vector>
@@ -31,10 +32,11 @@ int64_t stage_chunk_length(int64_t numel, int64_t chunk, int64_t k) {
 }
 
 void staged_reduce(const c10::Stream& stream, const at::Tensor& dev, const at::Tensor& host,
-                   int64_t chunk, const CopyFn& copy,
-                   const std::function<void(at::Tensor&)>& reduce) {
+                   int64_t chunk, const CopyFn& copy, const StartReduceFn& start,
+                   int in_flight) {
   TORCH_INTERNAL_ASSERT(dev.is_contiguous() && host.is_contiguous() && host.is_cpu());
   TORCH_INTERNAL_ASSERT(host.scalar_type() == dev.scalar_type() && host.numel() >= dev.numel());
+  TORCH_INTERNAL_ASSERT(in_flight >= 1);
   const int64_t numel = dev.numel(), chunks = stage_chunk_count(numel, chunk);
   auto piece = [&](const at::Tensor& t, int64_t k) {
     return t.view({-1}).narrow(0, k * chunk, stage_chunk_length(numel, chunk, k));
@@ -46,11 +48,30 @@ void staged_reduce(const c10::Stream& stream, const at::Tensor& dev, const at::T
     out.emplace_back(stream.device_type());
     out.back().record(stream);
   }
-  for (int64_t k = 0; k < chunks; ++k) {
-    out[static_cast<size_t>(k)].synchronize();
-    at::Tensor h = piece(host, k);
-    reduce(h);
-    copy(piece(dev, k), h);
+  // Started and not yet waited for, oldest first: (chunk, its wait).
+  std::deque<std::pair<int64_t, std::function<void()>>> started;
+  auto finish_oldest = [&] {
+    auto [k, wait] = std::move(started.front());
+    started.pop_front();
+    wait();
+    copy(piece(dev, k), piece(host, k));
+  };
+  try {
+    for (int64_t k = 0; k < chunks; ++k) {
+      out[static_cast<size_t>(k)].synchronize();
+      at::Tensor h = piece(host, k);
+      started.emplace_back(k, start(h));
+      if (static_cast<int>(started.size()) >= in_flight) finish_oldest();
+    }
+    while (!started.empty()) finish_oldest();
+  } catch (...) {
+    for (auto& s : started) {
+      try {
+        s.second();
+      } catch (...) {  // (the first error is the one reported)
+      }
+    }
+    throw;
   }
 }
 

@@ -8,8 +8,9 @@
 // Here the tensor is cut into chunks. Every chunk's copy out (into a pinned
 // host buffer, asynchronous) is queued at once on the caller's stream, each
 // followed by an event; the calling thread waits for chunk k's event alone,
-// reduces chunk k on the host and queues its copy back. So chunk k is on the
-// wire while later chunks still come out and earlier ones go back. The
+// starts chunk k's reduction on the host (two at a time on the wire) and,
+// once it is done, queues its copy back. So chunk k is on the wire while
+// later chunks still come out and earlier ones go back. The
 // callers run it off the thread that runs backward: GradSync on a channel
 // thread (the consumer's stream waits on the channel stream's fence), DDP's
 // comm hooks (ddpx.distributed) on their worker thread and a stream of its
@@ -53,17 +54,31 @@ int64_t stage_chunk_count(int64_t numel, int64_t chunk);
 // The length of chunk k of those (k * chunk is where it starts).
 int64_t stage_chunk_length(int64_t numel, int64_t chunk, int64_t k);
 
-// Runs `reduce` on the host copy of each chunk of `dev` (a contiguous device
+// Starts a chunk's reduction (in place, on the host copy) and returns the
+// wait for it: the chunk is reduced, and may be copied back, once the wait
+// returns.
+using StartReduceFn = std::function<std::function<void()>(at::Tensor& chunk)>;
+
+// Chunks on the wire at once: two, as PyTorch's Gloo group runs two
+// collectives at a time on its two threads (DDP has two buckets in flight
+// that way). A collective's fixed cost -- 0.25-3 ms for Gloo on the H200's VM
+// (bench_results/gpu/2026-11-30-h200) -- then overlaps the next chunk's
+// instead of adding to it. Backends that run one collective at a time
+// (ddpx_mpi) take them in the order started, as every rank starts them.
+constexpr int kStageInFlight = 2;
+
+// Runs `start` on the host copy of each chunk of `dev` (a contiguous device
 // tensor) in order, staged through `host` (a contiguous host tensor of the
 // same dtype and at least as many elements; pinned, for the copies to be
-// asynchronous), and copies each chunk back. `stream`: the calling thread's
-// current stream of dev's device, where `copy` queues and the chunks' events
-// are recorded. Returns once the last chunk is reduced and its copy back
-// queued. `reduce` changes the chunk in place and blocks until it is done (a
-// collective and its wait).
+// asynchronous), at most `in_flight` of them started and not yet waited
+// for, and copies each chunk back after its wait. `stream`: the calling
+// thread's current stream of dev's device, where `copy` queues and the
+// chunks' events are recorded. Returns once the last chunk is reduced and
+// its copy back queued; when a start, a wait or a copy throws, every
+// reduction started is waited for first (they write into `host`).
 void staged_reduce(const c10::Stream& stream, const at::Tensor& dev, const at::Tensor& host,
-                   int64_t chunk, const CopyFn& copy,
-                   const std::function<void(at::Tensor&)>& reduce);
+                   int64_t chunk, const CopyFn& copy, const StartReduceFn& start,
+                   int in_flight = kStageInFlight);
 
 // The calling thread's pinned host buffer for `like`'s device, grown to hold
 // like.numel() elements of its dtype (a view of it); one per thread and

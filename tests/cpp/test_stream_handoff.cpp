@@ -374,71 +374,117 @@ TEST_F(StreamHandoff, AChannelHasOneStreamPerDevice) {
 
 // Chunked staging of a "device" bucket (a CPU tensor whose reads and writes
 // the simulator queues on streams): every chunk's copy out is queued before
-// the first reduction, each chunk is reduced only after its own copy out ran,
-// and its copy back is queued before the next chunk's reduction; the bucket
-// the consumer reads is the reduced one, also when the host buffer is reused
-// by a second reduction. Streams drained adversarially: the consumer and the
+// the first reduction starts, each chunk's reduction starts only after its
+// own copy out ran, at most `in_flight` are started and not waited for, and
+// a chunk's copy back is queued only after its wait (the reduction writes
+// the host chunk when it completes, at the wait here); the bucket the
+// consumer reads is the reduced one, also when the host buffer is reused by
+// a second reduction. Streams drained adversarially: the consumer and the
 // channel before the writer, and a host wait runs the other streams first.
 TEST_F(StreamHandoff, StagedChunksArePipelinedAndOrderedByTheirEvents) {
   // (chunk 9: the tail of 1 element, under 1/8 of a chunk, rides with the
   // first chunk)
-  for (const auto& c : std::vector<std::pair<int64_t, int64_t>>{
-           {3, 4}, {4, 3}, {9, 1}, {10, 1}, {64, 1}}) {
-    const int64_t chunk = c.first, want_chunks = c.second;
-    sim() = Sim{};
-    const int64_t n = 10, chunks = ddpx::comm::detail::stage_chunk_count(n, chunk);
-    EXPECT_EQ(chunks, want_chunks) << "chunk " << chunk;
-    const c10::Stream writer = ddpx::hooks::pool_stream(kDev);
-    const c10::Stream comm = ddpx::hooks::pool_stream(kDev);
-    const c10::Stream consumer = ddpx::hooks::current_stream(kDev);
-    sim().host_wait_priority = {consumer.id(), writer.id()};
-    at::Tensor dev = torch::zeros({n}), host = torch::full({n + 5}, -1.0);
-    std::vector<std::string> log;
-    // Copies run when the simulator drains the stream they were queued on.
-    const ddpx::comm::detail::CopyFn copy = [&](const at::Tensor& dst, const at::Tensor& src) {
-      const bool out = dst.data_ptr() >= host.data_ptr() &&
-                       dst.data_ptr() < static_cast<char*>(host.data_ptr()) + host.nbytes();
-      log.push_back(std::string(out ? "queue out " : "queue back ") + std::to_string(src.numel()));
-      enqueue([dst, src]() mutable { dst.copy_(src); });
-    };
-    for (int round = 1; round <= 2; ++round) {
-      ddpx::hooks::StreamFence before, done;
-      {
-        c10::StreamGuard g(writer);  // backward's stream fills the bucket
-        enqueue([&dev, round] { dev.copy_(torch::arange(10.0) + 100 * round); });
-        before.add(writer);
-      }
-      std::vector<at::Tensor> seen;
-      log.clear();
-      ddpx::hooks::run_on_stream(
-          comm, before, {},
-          [&] {
-            ddpx::comm::detail::staged_reduce(comm, dev, host, chunk, copy, [&](at::Tensor& h) {
-              log.push_back("reduce " + std::to_string(h.numel()));
-              seen.push_back(h.clone());
-              h.mul_(2);
-            });
-          },
-          &done);
-      at::Tensor read;
-      done.block(consumer);
-      enqueue([&] { read = dev.clone(); });
-      sim().drain({consumer.id(), comm.id(), writer.id()});
-      const at::Tensor want = torch::arange(10.0) + 100 * round;
-      ASSERT_EQ(static_cast<int64_t>(seen.size()), chunks);
-      EXPECT_TRUE(torch::equal(torch::cat(seen), want)) << "a chunk reduced before its copy out";
-      EXPECT_TRUE(torch::equal(read, want * 2)) << "chunk " << chunk << ", round " << round;
-      // Every copy out queued before the first reduction; each copy back
-      // right after its reduction.
-      ASSERT_EQ(log.size(), static_cast<size_t>(3 * chunks));
-      for (int64_t k = 0; k < chunks; ++k) {
-        const int64_t len = k + 1 < chunks ? chunk : n - k * chunk;
-        EXPECT_EQ(log[k], "queue out " + std::to_string(len));
-        EXPECT_EQ(log[chunks + 2 * k], "reduce " + std::to_string(len));
-        EXPECT_EQ(log[chunks + 2 * k + 1], "queue back " + std::to_string(len));
+  for (const int in_flight : {1, 2, 3}) {
+    for (const auto& c : std::vector<std::pair<int64_t, int64_t>>{
+             {3, 4}, {4, 3}, {9, 1}, {10, 1}, {64, 1}}) {
+      const int64_t chunk = c.first, want_chunks = c.second;
+      sim() = Sim{};
+      const int64_t n = 10, chunks = ddpx::comm::detail::stage_chunk_count(n, chunk);
+      EXPECT_EQ(chunks, want_chunks) << "chunk " << chunk;
+      const c10::Stream writer = ddpx::hooks::pool_stream(kDev);
+      const c10::Stream comm = ddpx::hooks::pool_stream(kDev);
+      const c10::Stream consumer = ddpx::hooks::current_stream(kDev);
+      sim().host_wait_priority = {consumer.id(), writer.id()};
+      at::Tensor dev = torch::zeros({n}), host = torch::full({n + 5}, -1.0);
+      std::vector<std::string> log;
+      // Copies run when the simulator drains the stream they were queued on.
+      const ddpx::comm::detail::CopyFn copy = [&](const at::Tensor& dst, const at::Tensor& src) {
+        const bool out = dst.data_ptr() >= host.data_ptr() &&
+                         dst.data_ptr() < static_cast<char*>(host.data_ptr()) + host.nbytes();
+        log.push_back(std::string(out ? "queue out " : "queue back ") +
+                      std::to_string(src.numel()));
+        enqueue([dst, src]() mutable { dst.copy_(src); });
+      };
+      auto len = [&](int64_t k) { return std::to_string(k + 1 < chunks ? chunk : n - k * chunk); };
+      for (int round = 1; round <= 2; ++round) {
+        ddpx::hooks::StreamFence before, done;
+        {
+          c10::StreamGuard g(writer);  // backward's stream fills the bucket
+          enqueue([&dev, round] { dev.copy_(torch::arange(10.0) + 100 * round); });
+          before.add(writer);
+        }
+        std::vector<at::Tensor> seen;
+        log.clear();
+        ddpx::hooks::run_on_stream(
+            comm, before, {},
+            [&] {
+              ddpx::comm::detail::staged_reduce(
+                  comm, dev, host, chunk, copy,
+                  [&](at::Tensor& h) -> std::function<void()> {
+                    log.push_back("start " + std::to_string(h.numel()));
+                    seen.push_back(h.clone());
+                    return [&log, h]() mutable {
+                      log.push_back("wait " + std::to_string(h.numel()));
+                      h.mul_(2);
+                    };
+                  },
+                  in_flight);
+            },
+            &done);
+        at::Tensor read;
+        done.block(consumer);
+        enqueue([&] { read = dev.clone(); });
+        sim().drain({consumer.id(), comm.id(), writer.id()});
+        const at::Tensor want = torch::arange(10.0) + 100 * round;
+        ASSERT_EQ(static_cast<int64_t>(seen.size()), chunks);
+        EXPECT_TRUE(torch::equal(torch::cat(seen), want)) << "a chunk reduced before its copy out";
+        EXPECT_TRUE(torch::equal(read, want * 2))
+            << "chunk " << chunk << ", in flight " << in_flight << ", round " << round;
+        // Every copy out queued before the first start; then `in_flight`
+        // started ahead of the oldest's wait, each copy back right after it.
+        std::vector<std::string> order;
+        for (int64_t k = 0; k < chunks; ++k) order.push_back("queue out " + len(k));
+        int64_t waited = 0;
+        auto finish = [&] {
+          order.push_back("wait " + len(waited));
+          order.push_back("queue back " + len(waited));
+          ++waited;
+        };
+        for (int64_t k = 0; k < chunks; ++k) {
+          order.push_back("start " + len(k));
+          if (k + 1 - waited >= in_flight) finish();
+        }
+        while (waited < chunks) finish();
+        EXPECT_EQ(log, order) << "chunk " << chunk << ", in flight " << in_flight;
       }
     }
   }
+}
+
+// A failed chunk: the reductions already started are waited for (they write
+// into the host buffer) before the error leaves, and no later chunk starts.
+TEST_F(StreamHandoff, StagedChunkErrorWaitsForTheStartedOnes) {
+  const c10::Stream comm = ddpx::hooks::pool_stream(kDev);
+  c10::StreamGuard g(comm);
+  at::Tensor dev = torch::arange(8.0), host = torch::zeros({8});
+  std::vector<std::string> log;
+  const ddpx::comm::detail::CopyFn copy = [](const at::Tensor& dst, const at::Tensor& src) {
+    enqueue([dst, src]() mutable { dst.copy_(src); });
+  };
+  EXPECT_THROW(ddpx::comm::detail::staged_reduce(
+                   comm, dev, host, 2, copy,
+                   [&](at::Tensor& h) -> std::function<void()> {
+                     const std::string k = std::to_string(log.size());
+                     log.push_back("start " + k);
+                     return [&log, k] {
+                       log.push_back("wait " + k);
+                       TORCH_CHECK(k != "0", "chunk 0 failed");
+                     };
+                   },
+                   /*in_flight=*/2),
+               c10::Error);
+  EXPECT_EQ(log, (std::vector<std::string>{"start 0", "start 1", "wait 0", "wait 1"}));
+  sim().drain({comm.id()});
 }
 
 // The thread's staging buffer used on one stream, then on another (a user
@@ -458,9 +504,9 @@ TEST_F(StreamHandoff, AHostBufferUsedOnAnotherStreamWaitsForItsLastUse) {
     at::Tensor dev_a = torch::arange(6.0), dev_b = torch::arange(6.0) + 100;
     for (const auto& [stream, dev] : {std::pair{a, dev_a}, std::pair{b, dev_b}}) {
       c10::StreamGuard g(stream);
-      ddpx::comm::detail::staged_reduce(stream, dev,
-                                        ddpx::comm::detail::thread_host_buffer(dev, stream), 4,
-                                        copy, [](at::Tensor& h) { h.mul_(2); });
+      ddpx::comm::detail::staged_reduce(
+          stream, dev, ddpx::comm::detail::thread_host_buffer(dev, stream), 4, copy,
+          [](at::Tensor& h) -> std::function<void()> { return [h]() mutable { h.mul_(2); }; });
     }
     sim().drain({b.id(), a.id()});
     EXPECT_TRUE(torch::equal(dev_a, want_a)) << dev_a;

@@ -190,7 +190,8 @@ struct GradSyncOptions {
   // CUDA buckets over a backend that reduces host memory only (Gloo;
   // ddpx_mpi unless MPI is CUDA-aware), exact path (codec "none"): staged
   // through a pinned host buffer in chunks of this many bytes, copies out
-  // and back pipelined with the chunks' reductions on the channel's stream
+  // and back pipelined with the chunks' reductions (two on the wire at a
+  // time) on the channel's stream
   // (0: the bucket goes to the backend as it is, which stages it whole). The
   // trace's `staged_chunks` says which path each bucket took.
   DDPX_OPT(int64_t, stage_chunk_bytes, int64_t{4} << 20)
