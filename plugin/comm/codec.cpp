@@ -176,9 +176,11 @@ std::vector<int64_t> agree_on_part_numels(c10d::ProcessGroup& pg, const at::Tens
 int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t, int64_t stage_chunk_bytes) {
   TORCH_INTERNAL_ASSERT(t.is_contiguous());
   WireScope wire;
-  const auto waited = [&pg](at::Tensor& x) {
+  // Starts x's all-reduce; returns the wait for it.
+  const auto start = [&pg](at::Tensor& x) -> std::function<void()> {
     std::vector<at::Tensor> v{x};
-    detail::wait_named(pg.allreduce(v, c10d::AllreduceOptions{}));
+    auto work = pg.allreduce(v, c10d::AllreduceOptions{});
+    return [work] { detail::wait_named(work); };
   };
   // (One rank: nothing goes on the wire, so nothing to stage.)
   if (stage_chunk_bytes > 0 && t.numel() > 0 && pg.getSize() > 1 && !t.is_cpu() &&
@@ -187,14 +189,9 @@ int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t, int64_t stage_chunk
         std::max<int64_t>(1, stage_chunk_bytes / static_cast<int64_t>(t.element_size()));
     if (auto* span = thread_wire_span()) span->staged_chunks += stage_chunk_count(t.numel(), chunk);
     const c10::Stream stream = c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
-    staged_reduce(stream, t, thread_host_buffer(t, stream), chunk, async_copy(),
-                  [&pg](at::Tensor& x) -> std::function<void()> {
-                    std::vector<at::Tensor> v{x};
-                    auto work = pg.allreduce(v, c10d::AllreduceOptions{});
-                    return [work] { detail::wait_named(work); };
-                  });
+    staged_reduce(stream, t, thread_host_buffer(t, stream), chunk, async_copy(), start);
   } else {
-    waited(t);
+    start(t)();
   }
   return t.nbytes();
 }

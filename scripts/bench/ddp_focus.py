@@ -21,18 +21,13 @@ COLUMNS = ["model", "tensors", "MB", "compute_ms", "comm_ms", "limit_ms", "ddp_m
 RATIOS = ("two_channel_ratio", "mpi_ratio")
 
 
-def _per_round(records, name, variant):
-    return [r["step_ms"] for r in records if r["model"] == name and r["variant"] == variant]
-
-
-def row(by, records, name):
-    """One model's row (KeyError: a variant has no record)."""
+def row(by, name, rounds):
+    """One model's row (KeyError: a variant has no record); rounds: each
+    round's gradsync_gloo / ddp."""
     get = lambda v: by[(name, v)]["step_ms"]  # noqa: E731
     gs = by[(name, "gradsync_gloo")]
     ddp = get("ddp")
     compute = get("compute")
-    rounds = [g / d for g, d in zip(_per_round(records, name, "gradsync_gloo"),
-                                    _per_round(records, name, "ddp"))]
     return {
         "model": name, "tensors": gs["tensors"], "MB": gs["numel"] * 4 / 2**20,
         "compute_ms": compute, "comm_ms": get("comm_gloo"),
@@ -48,17 +43,9 @@ def row(by, records, name):
     }
 
 
-def report(name, records, models, combine, extra):
-    """Prints the focused table and the targets; saves `name`.json."""
-    by = combine(records)
-    rows = benchlib.Rows()
-    for m in models:
-        try:
-            rows.append(row(by, records, m))
-        except KeyError as e:
-            rows.append({"model": m, "error": f"no record of {e}"})
-        except (ArithmeticError, ValueError) as e:
-            rows.append({"model": m, "error": f"{type(e).__name__}: {e}"})
+def report(name, rows, extra):
+    """Prints the focused rows (row()'s, or errors) and the targets; saves
+    `name`.json."""
     full = [r for r in rows if "error" not in r]
     for key, label in (("ratio", "Gloo, one group"), ("two_channel_ratio", "Gloo, two groups"),
                        ("mpi_ratio", "ddpx_mpi")):
