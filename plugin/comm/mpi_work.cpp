@@ -6,7 +6,9 @@
 #include <sys/prctl.h>
 
 #include <algorithm>
+#include <mutex>
 #include <optional>
+#include <string>
 
 #include "plugin/comm/flight_recorder.h"
 #include "plugin/comm/flight_triggers.h"
@@ -164,12 +166,21 @@ void MpiWork::time_out(std::chrono::milliseconds limit) {
   }
   // Only the process's first timeout asks the peers: after it, MPI is
   // broken and the job is ending. Only where several threads may call MPI
-  // at once: the worker may be inside MPI now.
-  static std::atomic<bool> asked{false};
+  // at once: the worker may be inside MPI now. Calls that time out together
+  // (GradSync has two buckets in flight) wait for that answer and carry it
+  // too: whichever the caller waits on first is the error it reports.
+  static std::mutex ask_mu;
+  static bool asked = false;
+  static std::string answer;
   std::string who;
-  if (diagnose_ && MpiEnv::get().multiple() && !MpiEnv::get().broken() &&
-      !asked.exchange(true)) {
-    who = diagnose_();
+  {
+    std::lock_guard<std::mutex> lock(ask_mu);
+    if (asked) {
+      who = answer;
+    } else if (diagnose_ && MpiEnv::get().multiple() && !MpiEnv::get().broken()) {
+      asked = true;
+      who = answer = diagnose_();
+    }
   }
   const std::string msg =
       "ddpx_mpi: rank " + std::to_string(rank_) + " timed out after " +
