@@ -3,20 +3,26 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
+
 #include "hooks/stream_handoff.h"
+#include "plugin/comm/issue_notice.h"
 
 namespace ddpx::hooks {
 
-Channel::Channel(comm::ProcessGroupPtr pg) : pg_(std::move(pg)) {
-  thread_ = std::thread([this] {
-    // SCHED_BATCH: waking this thread never preempts the waker. The waker is
-    // backward, in a gradient hook, launching a bucket; on a busy core it
-    // should finish its backward time slice (the critical path) rather than
-    // yield to the reduction at once. Best effort: ignored if refused.
-    sched_param sp{};
-    pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp);
-    loop();
-  });
+Channel::Channel(comm::ProcessGroupPtr pg, int in_flight) : pg_(std::move(pg)) {
+  TORCH_CHECK(in_flight >= 1, "Channel: in_flight must be at least 1, got ", in_flight);
+  for (int i = 0; i < in_flight; ++i) {
+    threads_.emplace_back([this] {
+      // SCHED_BATCH: waking this thread never preempts the waker. The waker
+      // is backward, in a gradient hook, launching a bucket; on a busy core
+      // it should finish its backward time slice (the critical path) rather
+      // than yield to the reduction at once. Best effort: ignored if refused.
+      sched_param sp{};
+      pthread_setschedparam(pthread_self(), SCHED_BATCH, &sp);
+      loop();
+    });
+  }
 }
 
 Channel::~Channel() {
@@ -25,17 +31,19 @@ Channel::~Channel() {
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
+  for (auto& t : threads_) t.join();
 }
 
-std::future<void> Channel::submit(std::function<void(c10d::ProcessGroup&)> fn) {
+std::future<void> Channel::submit(std::function<void(c10d::ProcessGroup&)> fn, Tail tail) {
   std::packaged_task<void()> task([this, fn = std::move(fn)] { fn(*pg_); });
   auto fut = task.get_future();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(task));
+    const bool overlaps = tail == Tail::kOverlaps && threads_.size() > 1;
+    queue_.push_back({std::move(task), next_id_++, overlaps && last_overlaps_, overlaps});
+    last_overlaps_ = overlaps;
   }
-  cv_.notify_one();
+  cv_.notify_all();
   return fut;
 }
 
@@ -48,17 +56,48 @@ c10::Stream Channel::stream(c10::Device d) {
   return streams_.back();
 }
 
+bool Channel::may_start(const Job& job) const {
+  return job.after_issue ? issued_upto_ >= job.id : done_below_ >= job.id;
+}
+
+void Channel::issued(uint64_t id) { issued_upto_ = std::max(issued_upto_, id + 1); }
+
 void Channel::loop() {
   for (;;) {
-    std::packaged_task<void()> task;
+    Job job;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;
-      task = std::move(queue_.front());
+      job = std::move(queue_.front());
       queue_.pop_front();
+      // (Taken in queue order, so the jobs this one waits for are running.)
+      cv_.wait(lock, [&] { return may_start(job); });
     }
-    task();  // exceptions land in the task's future
+    std::function<void()> notice = [this, id = job.id] {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        issued(id);
+      }
+      cv_.notify_all();
+    };
+    auto* outer = comm::detail::set_issue_notice(job.tells ? &notice : nullptr);
+    job.task();  // exceptions land in the task's future
+    comm::detail::set_issue_notice(outer);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      issued(job.id);
+      if (job.id == done_below_) {
+        ++done_below_;
+        while (!done_ahead_.empty() && *done_ahead_.begin() == done_below_) {
+          done_ahead_.erase(done_ahead_.begin());
+          ++done_below_;
+        }
+      } else {
+        done_ahead_.insert(job.id);
+      }
+    }
+    cv_.notify_all();
   }
 }
 

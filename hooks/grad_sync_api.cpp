@@ -72,11 +72,13 @@ GradSync::GradSync(const torch::OrderedDict<std::string, at::Tensor>& named_para
         {(name.empty() ? std::string("default") : name) + ":gradsync", "GradSync buckets", ranks,
          "gradsync"});
   }
-  I.channels.push_back(std::make_unique<hooks::Channel>(pg));
+  TORCH_CHECK(options.calls_in_flight_ >= 1, "GradSync: calls_in_flight must be at least 1, got ",
+              options.calls_in_flight_);
+  I.channels.push_back(std::make_unique<hooks::Channel>(pg, options.calls_in_flight_));
   for (auto& c : options.channels) {
     TORCH_CHECK(c && c->getSize() == pg->getSize() && c->getRank() == pg->getRank(),
                 "GradSync: every channel must span the same ranks as pg");
-    I.channels.push_back(std::make_unique<hooks::Channel>(c));
+    I.channels.push_back(std::make_unique<hooks::Channel>(c, options.calls_in_flight_));
   }
   hooks::require_backends(*pg, options.channels, all_params);
   hooks::verify_same_tensors(*pg, all_names, all_params, hooks::kParameters);

@@ -405,10 +405,12 @@ struct GradSync::Impl : hooks::ShardedState, hooks::StaleState {
   // made on other streams that body uses) marked in use there.
   // `op`: the flight recorder's name for it; its end is the bucket's
   // complete_us, but a sharded bucket's gather's (kAllGather; gather_body
-  // times it).
+  // times it). `tail`: kOverlaps for a body that is one allreduce_sum (the
+  // next one may start once it is on the wire; channel.h).
   void submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
                      std::vector<c10::Storage> keep, std::future<void>* into = nullptr,
-                     comm::detail::FrOp op = comm::detail::FrOp::kAllReduce);
+                     comm::detail::FrOp op = comm::detail::FrOp::kAllReduce,
+                     hooks::Channel::Tail tail = hooks::Channel::Tail::kSerial);
 
   // (slot, residual) of the parameters in bucket b's `runs` that owe a
   // residual from before a re-plan; they owe nothing afterwards.

@@ -96,6 +96,7 @@ void GradSync::Impl::launch_locked(int b, std::vector<Run> runs, std::future<voi
       }
     }
   }
+  const size_t n_runs = runs.size();
   auto owed = take_carries_locked(b, runs);
   std::vector<c10::Storage> keep;  // device residuals: made on this stream, freed on the channel's
   for (const auto& o : owed) keep.push_back(o.second.storage());
@@ -118,7 +119,15 @@ void GradSync::Impl::launch_locked(int b, std::vector<Run> runs, std::future<voi
       }
     }
   };
-  submit_locked(b, std::move(body), std::move(keep), into);
+  // Exact path, one run: the body is one allreduce_sum (reduce_fn.cpp), whose
+  // last start the channel hears of; a codec's collectives run alone. So do
+  // a priority launch's buckets (held, and the cut one's parts): they are to
+  // land in the order launched, each with the whole link.
+  const bool one_sum = !lossy && n_runs == 1;
+  const bool by_priority = priority_now && (plan[b].held || plan[b].held_from > 0);
+  submit_locked(
+      b, std::move(body), std::move(keep), into, comm::detail::FrOp::kAllReduce,
+      one_sum && !by_priority ? hooks::Channel::Tail::kOverlaps : hooks::Channel::Tail::kSerial);
 }
 
 void GradSync::Impl::launch_rest_locked() {
@@ -151,7 +160,7 @@ void GradSync::Impl::launch_sparse_locked(int b) {
 
 void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&)> body,
                                    std::vector<c10::Storage> keep, std::future<void>* into,
-                                   comm::detail::FrOp op) {
+                                   comm::detail::FrOp op, hooks::Channel::Tail tail) {
   if (fr_group >= 0) body = recorded_locked(fr_call(b, op), std::move(body));
   const bool gather = op == comm::detail::FrOp::kAllGather;  // (traced apart from the reduction)
   double* complete = gather ? nullptr : &stats.buckets[b].complete_us;
@@ -167,7 +176,8 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
             body(pg);
           }
           if (complete) *complete = hooks::us_since(start, Clock::now());
-        });
+        },
+        tail);
     return;
   }
   // A device bucket: its reduction runs on the channel's stream, after the
@@ -188,7 +198,8 @@ void GradSync::Impl::submit_locked(int b, std::function<void(c10d::ProcessGroup&
               comm, *before, keep, [&] { body(pg); }, done.get());
         }
         if (complete) *complete = hooks::us_since(start, Clock::now());
-      });
+      },
+      tail);
 }
 
 comm::detail::FlightRecorder::Call GradSync::Impl::fr_call(int b, comm::detail::FrOp op) const {

@@ -12,6 +12,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <numeric>
 
 namespace ddpx::hooks {
 namespace {
@@ -266,9 +268,28 @@ void Profiler::record_step_events(const StepStats& s, const FinalTimes& t, const
   }
 
   // Buckets on their channel's track: ready and launch instants, then the run.
-  for (const auto& b : s.buckets) {
+  // Runs in flight together on one channel (calls_in_flight) go to the
+  // channel's next free lane, 100 tids on, so every track nests properly.
+  std::vector<size_t> by_run(s.buckets.size());
+  std::iota(by_run.begin(), by_run.end(), size_t{0});
+  std::sort(by_run.begin(), by_run.end(), [&](size_t x, size_t y) {
+    return buckets_[s.buckets[x].index].run_begin_ns < buckets_[s.buckets[y].index].run_begin_ns;
+  });
+  std::vector<int> run_tid(s.buckets.size());
+  std::map<int, std::vector<int64_t>> run_lane_end;  // per channel
+  for (size_t i : by_run) {
+    const auto& bt = buckets_[s.buckets[i].index];
+    auto& ends = run_lane_end[s.buckets[i].channel];
+    size_t lane = 0;
+    while (lane < ends.size() && ends[lane] > bt.run_begin_ns) ++lane;
+    if (lane == ends.size()) ends.push_back(0);
+    ends[lane] = std::max(bt.run_end_ns, bt.gather_end_ns);
+    run_tid[i] = 1000 + s.buckets[i].channel + 100 * static_cast<int>(lane);
+  }
+  for (size_t i = 0; i < s.buckets.size(); ++i) {
+    const auto& b = s.buckets[i];
     const auto& bt = buckets_[b.index];
-    const int tid = 1000 + b.channel;
+    const int tid = run_tid[i];
     const std::string tag = "[bucket" + std::to_string(b.index) + "]";
     const int64_t ready = at_us(b.ready_us), launch = at_us(b.launch_us),
                   complete = at_us(b.complete_us);

@@ -34,7 +34,8 @@
 // event per bucket: first to last hook of the bucket, with the summed hook
 // CPU time and call count; overlapping buckets get another lane), 1000+c
 // "channel c" (per bucket: ready and launch instants, the reduction from the
-// start of its run to completion, with encode / wire / decode inside; on
+// start of its run to completion, with encode / wire / decode inside; runs
+// in flight together (calls_in_flight) on lanes 1100+c, 1200+c, ...; on
 // channel 0 also the step-end agreement, "ddpx::step_agreement").
 #include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>

@@ -92,7 +92,8 @@ void Profiler::flush(c10d::ProcessGroup* pg) {
       const std::string name =
           tid == 0     ? "step"
           : tid < 1000 ? "hooks" + (tid > 100 ? " lane " + std::to_string(tid - 99) : "")
-                       : "channel " + std::to_string(tid - 1000);
+                       : "channel " + std::to_string((tid - 1000) % 100) +
+                             (tid >= 1100 ? " lane " + std::to_string((tid - 1000) / 100 + 1) : "");
       events.push_back(meta("thread_name", pid, tid, {{"name", name}}));
       events.push_back(meta("thread_sort_index", pid, tid, {{"sort_index", tid}}));
     }

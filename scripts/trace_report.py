@@ -178,7 +178,8 @@ def plot(trace, png, plot_steps):
                             color="k" if "ready" in e["name"] else "r", markersize=3)
     labels = []
     for r, tid in rows:
-        name = "step" if tid == 0 else ("hooks" if tid < 1000 else f"channel {tid - 1000}")
+        name = ("step" if tid == 0 else "hooks" if tid < 1000 else f"channel {(tid - 1000) % 100}"
+                + (f" lane {(tid - 1000) // 100 + 1}" if tid >= 1100 else ""))
         labels.append(f"rank {r} {name}")
     ax.set_yticks(range(len(rows)), labels)
     ax.invert_yaxis()

@@ -12,6 +12,7 @@
 #include "plugin/comm/backend_registry.h"
 #include "plugin/comm/codec_util.h"
 #include "plugin/comm/host_stage.h"
+#include "plugin/comm/issue_notice.h"
 #include "plugin/comm/wire_span.h"
 #include "plugin/comm/work_wait.h"
 
@@ -187,11 +188,20 @@ int64_t allreduce_sum(c10d::ProcessGroup& pg, at::Tensor& t, int64_t stage_chunk
       stages_through_host(pg, t.device().type())) {
     const int64_t chunk =
         std::max<int64_t>(1, stage_chunk_bytes / static_cast<int64_t>(t.element_size()));
-    if (auto* span = thread_wire_span()) span->staged_chunks += stage_chunk_count(t.numel(), chunk);
+    const int64_t chunks = stage_chunk_count(t.numel(), chunk);
+    if (auto* span = thread_wire_span()) span->staged_chunks += chunks;
     const c10::Stream stream = c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
-    staged_reduce(stream, t, thread_host_buffer(t, stream), chunk, async_copy(), start);
+    int64_t started = 0;
+    const auto start_and_tell = [&](at::Tensor& x) {
+      auto wait = start(x);
+      if (++started == chunks) notify_last_issue();  // (issue_notice.h)
+      return wait;
+    };
+    staged_reduce(stream, t, thread_host_buffer(t, stream), chunk, async_copy(), start_and_tell);
   } else {
-    start(t)();
+    const auto wait = start(t);
+    notify_last_issue();
+    wait();
   }
   return t.nbytes();
 }

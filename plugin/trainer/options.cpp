@@ -160,6 +160,11 @@ Options parse_options(int argc, char** argv) {
   sync->add_option("--channels", o.channels, "process groups used round-robin for buckets")
       ->check(CLI::Range(1, 16))
       ->capture_default_str();
+  sync->add_option("--calls-in-flight", o.calls_in_flight,
+                   "buckets on the wire at once per process group (GradSyncOptions::"
+                   "calls_in_flight; 1: one at a time)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   sync->add_option("--timeout-s", o.timeout_s,
                    "collective timeout (default: DDPX_TIMEOUT_S, else 30 min)")
       ->check(CLI::NonNegativeNumber);

@@ -48,6 +48,7 @@ struct Options {
   std::string codec = "none";
   std::string unused = "predict";  // off | predict | exact
   int channels = 1;
+  int calls_in_flight = 2;  // GradSyncOptions::calls_in_flight
   std::string overlap = "none";  // none | optimizer | next-forward (GradSyncOptions::overlap)
   std::string shard = "none";    // none | optimizer | gradients (GradSyncOptions::shard)
   int staleness = 0;             // 1: each update one step late (implies --overlap optimizer)

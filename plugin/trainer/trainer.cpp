@@ -136,6 +136,7 @@ std::string run(const Options& o) {
   so.trace(o.trace).trace_steps(o.trace_steps);
   so.bucket_cap_mb(o.bucket_cap_mb)
       .first_bucket_mb(o.first_bucket_mb)
+      .calls_in_flight(o.calls_in_flight)
       .codec(o.codec)
       .unused(parse_unused(o.unused))
       .overlap(o.overlap == "optimizer" || (o.overlap == "none" && o.staleness > 0)

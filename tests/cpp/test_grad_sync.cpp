@@ -81,6 +81,29 @@ TEST(GradSync, CNNMatchesOneProcess) {
                                 16);
 }
 
+// Tiny buckets, so many are on the wire at once (calls_in_flight 3) or one
+// at a time (1); both equal the one process.
+TEST(GradSync, CNNWithBucketsInFlightOrOneAtATime) {
+  for (int in_flight : {3, 1}) {
+    SCOPED_TRACE(in_flight);
+    expect_matches_reference<CNN>(
+        [] { return CNN(); }, [](CNN& m, const at::Tensor& x, int) { return m(x).pow(2).mean(); },
+        16,
+        GradSyncOptions().bucket_cap_mb(0.0002).first_bucket_mb(0.0001).calls_in_flight(in_flight));
+  }
+  CNN m;
+  EXPECT_THROW(
+      {
+        try {
+          GradSync sync(m->named_parameters(), world(), GradSyncOptions().calls_in_flight(0));
+        } catch (const c10::Error& e) {
+          EXPECT_NE(std::string(e.what()).find("calls_in_flight"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      c10::Error);
+}
+
 // The hooks move a small contiguous gradient into its slot with memcpy and
 // anything else with copy_: channels-last convolution weights (gradients laid
 // out like them, not like the slot), a Linear of more than 32768 elements,

@@ -218,8 +218,9 @@ TEST(GradSyncOverlapPriority, HeldBucketsGoFirstLayerFirstAndChangeNothing) {
     }
     if (held.size() < 2) continue;
     ++prioritised;
-    // Launched in reverse plan order, and on one channel completed so: the
-    // last bucket of the plan (the first layer) first.
+    // Launched in reverse plan order, and on one channel completed so (a
+    // priority launch goes one bucket at a time, calls_in_flight
+    // notwithstanding): the last bucket of the plan (the first layer) first.
     for (size_t i = 1; i < held.size(); ++i) {
       EXPECT_LE(held[i]->launch_us, held[i - 1]->launch_us) << "step " << st.step;
       EXPECT_LE(held[i]->complete_us, held[i - 1]->complete_us) << "step " << st.step;

@@ -145,7 +145,10 @@ void expect_complete_step(const json& trace, int step, int buckets) {
       EXPECT_LE(c, end_of(fw) + kEps) << tag;  // the final wait saw it complete
       EXPECT_EQ(run["tid"], launch["tid"]);    // the bucket's channel track
       EXPECT_EQ(run["tid"], ready["tid"]);
-      if (run["tid"] == 1000) EXPECT_GE(agree["ts"].get<double>(), end_of(run) - kEps) << tag;
+      // (Channel 0, any lane: runs in flight together sit on 1000, 1100, ...)
+      if ((run["tid"].get<int>() - 1000) % 100 == 0) {
+        EXPECT_GE(agree["ts"].get<double>(), end_of(run) - kEps) << tag;
+      }
     }
     // encode -> wire -> decode inside each bucket's run: 3 per bucket.
     EXPECT_EQ(ev.count("ddpx::encode"), static_cast<size_t>(buckets));

@@ -195,6 +195,14 @@ struct GradSyncOptions {
   // (0: the bucket goes to the backend as it is, which stages it whole). The
   // trace's `staged_chunks` says which path each bucket took.
   DDPX_OPT(int64_t, stage_chunk_bytes, int64_t{4} << 20)
+  // Buckets on the wire at once per process group, exact path (codec
+  // "none"): the next bucket's all-reduce starts once the last one's has
+  // started, not ended, as DDP's buckets do on PyTorch's Gloo group (two
+  // threads), so a collective's fixed cost overlaps the next one's. Every
+  // rank starts them in the same order. A codec's reduction, the step-end
+  // agreement and a sharded bucket's collectives still run one at a time.
+  // 1: one bucket at a time.
+  DDPX_OPT(int, calls_in_flight, 2)
 #undef DDPX_OPT
   // Mixed precision (FSDP's MixedPrecision(param_dtype, reduce_dtype); each
   // float32, bfloat16 or float16). param_dtype below float32: GradSync
