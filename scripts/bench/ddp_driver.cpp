@@ -14,6 +14,8 @@
 //                  orchestrator runs them as a job of their own) the same with
 //                  stage_chunk_bytes(0): CUDA buckets handed to the backend,
 //                  which stages them whole
+//   gradsync_gloo_serial  the same with calls_in_flight(1): one bucket on
+//                  the wire at a time (--focus)
 //   gradsync_copy  GradSync over Gloo with gradient_as_bucket_view(false):
 //                  gradients copied into the buckets and back (the benefit
 //                  of views is gradsync_gloo vs this)
@@ -190,6 +192,9 @@ nlohmann::json run_variant(const Args& a, const std::string& model, const std::s
     // in flight as DDP's one group with two threads has (issue 60: each Gloo
     // call cost 0.25-3 ms of fixed time on the H200's machine).
     if (variant == "gradsync_gloo_2ch") o.channels.push_back(g.gloo2);
+    // gradsync_gloo_serial: one bucket on the wire at a time (what
+    // calls_in_flight's default of two gains).
+    if (variant == "gradsync_gloo_serial") o.calls_in_flight(1);
     sync.emplace(m, mpi ? g.mpi : variant == "gradsync_solo" ? g.solo : g.gloo, o);
     if (by_sync) sync->set_optimizer(*sgd);
   }

@@ -324,7 +324,8 @@ if want bench; then
 fi
 # --- speed, GradSync on CUDA buckets against DDP (issue 60) ---------------------------------
 if want ddp; then
-  # --focus: DDP, GradSync over Gloo on one and two groups and over
+  # --focus: DDP, GradSync over Gloo on one and two groups (two buckets
+  # in flight each) and one bucket at a time (serial_ratio), and over
   # ddpx_mpi, 20 timed steps x 3 rounds (--quick's 3 steps x 1 round on
   # 2026-11-30 swung more than the differences); --trace: GradSync's own
   # trace of gradsync_gloo per model (2 files).
