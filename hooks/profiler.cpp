@@ -20,6 +20,16 @@ namespace {
 
 constexpr size_t kMaxRecords = 100000;  // summary memory stays bounded on long runs
 
+// The first lane of a track whose last span ended by `begin` (a new lane if
+// none), now busy until `end`: spans taken in order of their begin nest.
+size_t take_lane(std::vector<int64_t>& lane_end, int64_t begin, int64_t end) {
+  size_t lane = 0;
+  while (lane < lane_end.size() && lane_end[lane] > begin) ++lane;
+  if (lane == lane_end.size()) lane_end.push_back(0);
+  lane_end[lane] = end;
+  return lane;
+}
+
 int64_t ns_of(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
 }
@@ -256,10 +266,7 @@ void Profiler::record_step_events(const StepStats& s, const FinalTimes& t, const
   std::vector<int64_t> lane_end;
   for (int b : by_first) {
     const auto& bt = buckets_[b];
-    size_t lane = 0;
-    while (lane < lane_end.size() && lane_end[lane] > bt.hook_first_ns) ++lane;
-    if (lane == lane_end.size()) lane_end.push_back(0);
-    lane_end[lane] = bt.hook_last_ns;
+    const size_t lane = take_lane(lane_end, bt.hook_first_ns, bt.hook_last_ns);
     auto& e = span("ddpx::hooks[bucket" + std::to_string(b) + "]", 100 + static_cast<int>(lane),
                    bt.hook_first_ns, bt.hook_last_ns);
     e.args.push_back({"bucket", b});
@@ -279,11 +286,8 @@ void Profiler::record_step_events(const StepStats& s, const FinalTimes& t, const
   std::map<int, std::vector<int64_t>> run_lane_end;  // per channel
   for (size_t i : by_run) {
     const auto& bt = buckets_[s.buckets[i].index];
-    auto& ends = run_lane_end[s.buckets[i].channel];
-    size_t lane = 0;
-    while (lane < ends.size() && ends[lane] > bt.run_begin_ns) ++lane;
-    if (lane == ends.size()) ends.push_back(0);
-    ends[lane] = std::max(bt.run_end_ns, bt.gather_end_ns);
+    const size_t lane = take_lane(run_lane_end[s.buckets[i].channel], bt.run_begin_ns,
+                                  std::max(bt.run_end_ns, bt.gather_end_ns));
     run_tid[i] = 1000 + s.buckets[i].channel + 100 * static_cast<int>(lane);
   }
   for (size_t i = 0; i < s.buckets.size(); ++i) {

@@ -169,17 +169,20 @@ void MpiWork::time_out(std::chrono::milliseconds limit) {
   // at once: the worker may be inside MPI now. Calls that time out together
   // (GradSync has two buckets in flight) wait for that answer and carry it
   // too: whichever the caller waits on first is the error it reports.
-  static std::mutex ask_mu;
-  static bool asked = false;
-  static std::string answer;
+  struct Asked {
+    std::mutex mu;
+    bool done = false;
+    std::string answer;
+  };
+  static auto* asked = new Asked();  // leaked on purpose: a timeout may come at exit
   std::string who;
   {
-    std::lock_guard<std::mutex> lock(ask_mu);
-    if (asked) {
-      who = answer;
+    std::lock_guard<std::mutex> lock(asked->mu);
+    if (asked->done) {
+      who = asked->answer;
     } else if (diagnose_ && MpiEnv::get().multiple() && !MpiEnv::get().broken()) {
-      asked = true;
-      who = answer = diagnose_();
+      asked->done = true;
+      who = asked->answer = diagnose_();
     }
   }
   const std::string msg =
