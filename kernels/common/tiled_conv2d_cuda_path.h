@@ -50,7 +50,12 @@
 // filters; for float32 depthwise convolution (one filter per channel) with
 // 5x5 or 7x7 filters, and 3x3 at stride 2 in NCHW; cuDNN (ATen) for
 // everything else, where no ratio of ours was below its peer's by more than
-// the noise. Other dtypes follow the float32 rule for single-channel
+// the noise. NCHW depthwise only where the output planes fill at least half
+// of our kernels' 32x32 tiles (tile::small_tile_fill): every plane measured
+// filled 77% (56x56 outputs); at 14x14 (ConvNeXt's third stage) a block
+// would idle 81% of its threads and at 7x7 95%, while ATen's kernel gives
+// each output a thread. Not measured yet: the bench's "depthwise 7x7 c384
+// 14" and "c768 7" cases time ours there (own_ratio). Other dtypes follow the float32 rule for single-channel
 // images and take cuDNN for depthwise (unmeasured: cuDNN serves half
 // precision depthwise itself).
 // DDPX_CONV_PATH (read on every call): `aten` forces cuDNN, `tiled` (or the

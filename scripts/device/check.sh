@@ -309,8 +309,9 @@ if want bench; then
     --device cuda --quick
 fi
 if want ncu; then
-  # the small-filter conv kernels: the seed's 3x3 2048^2 and a channels_last
-  # depthwise 7x7, forward + backward (achieved bandwidth, stalls)
+  # the small-filter conv kernels: the seed's 3x3 2048^2, a channels_last
+  # depthwise 7x7 and the NCHW depthwise 3x3 that lost to cuDNN (1.25-1.43x),
+  # forward + backward (achieved bandwidth, stalls)
   gpu_step "ncu conv small kernels" 60 120 ncu --clock-control none --profile-from-start off \
     --target-processes all -k "regex:small_|nhwc_|sum_partials" --section SpeedOfLight \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
@@ -359,7 +360,8 @@ if want bench; then
     --device cuda --graphs --aa --only "seed 3x3 512" "seed 5x5 512" "seed 3x3 1024" \
     "seed 5x5 1024" "seed 3x3 2048" "seed 5x5 2048" "depthwise 3x3 c32" "depthwise 3x3 c64" \
     "depthwise 5x5 c32" "depthwise 7x7 c96" "depthwise 7x7 c96 cl" "depthwise 3x3 c64 cl" \
-    "depthwise 3x3 s2 c96" "depthwise 3x3 s2 c96 cl" "depthwise 5x5 s2 c144 cl"
+    "depthwise 3x3 s2 c96" "depthwise 3x3 s2 c96 cl" "depthwise 5x5 s2 c144 cl" \
+    "depthwise 7x7 c384 14" "depthwise 7x7 c768 7"
 fi
 if want sanitize; then
   gpu_step "compute-sanitizer racecheck" 60 120 sanitizer_run racecheck

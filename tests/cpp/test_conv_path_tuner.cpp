@@ -185,7 +185,7 @@ TEST(ConvCudaRule, OursWhereTheH200MeasuredItFaster) {
   EXPECT_TRUE(aten(lenet2, fwd));
   EXPECT_TRUE(aten({{8, 64, 56, 56}, {64, 64, 3, 3}}, fwd));  // resnet
   const auto dw = [](int64_t k, int64_t stride, bool cl) {
-    return Case{{8, 32, 28, 28}, {32, 1, k, k}, stride, 32, 1, cl};
+    return Case{{8, 32, 56, 56}, {32, 1, k, k}, stride, 32, 1, cl};
   };
   for (const bool cl : {false, true}) {
     EXPECT_TRUE(aten(dw(3, 1, cl), fwd));
@@ -198,6 +198,24 @@ TEST(ConvCudaRule, OursWhereTheH200MeasuredItFaster) {
   EXPECT_FALSE(aten(dw(3, 2, false), fwd));
   EXPECT_FALSE(aten(dw(3, 2, false), bwd));
   EXPECT_TRUE(aten(dw(3, 2, true), fwd));
+  // NCHW planes under half our tile: ATen's kernel (channels_last: ours, a
+  // thread per channel).
+  for (const int64_t hw : {14, 7}) {
+    for (const bool cl : {false, true}) {
+      Case small = dw(7, 1, cl);
+      small.x[2] = small.x[3] = hw;
+      EXPECT_EQ(aten(small, fwd), !cl) << hw;
+      EXPECT_EQ(aten(small, bwd), !cl) << hw;
+    }
+  }
+  Case tall = dw(5, 1, false);  // (a 24x24 plane fills 56% of one tile)
+  tall.x[2] = tall.x[3] = 24;
+  EXPECT_FALSE(aten(tall, fwd));
+  tall.x[2] = tall.x[3] = 40;  // (two tiles each way, 39% filled)
+  EXPECT_TRUE(aten(tall, fwd));
+  Case down = dw(3, 2, false);  // (stride 2: the output plane counts, 14x14)
+  down.x[2] = down.x[3] = 28;
+  EXPECT_TRUE(aten(down, fwd));
   // Outside what was measured: cuDNN.
   Case c = dw(7, 1, false);
   c.dtype = at::kHalf;

@@ -456,6 +456,16 @@ TEST(ConvTilesDecisions, SmallFilterPath) {
   EXPECT_TRUE(tile::nhwc_depthwise(geom(Case{8, 32, 56, 56, 32, 7, 7, 2, 2, 3, 3, 1, 1, 32})));
   EXPECT_FALSE(tile::nhwc_depthwise(geom(Case{8, 32, 56, 56, 64, 3, 3, 1, 1, 1, 1, 1, 1, 32})));
   EXPECT_FALSE(tile::nhwc_depthwise(geom(Case{8, 32, 56, 56, 32, 3, 3, 1, 1, 1, 1, 1, 1, 16})));
+  // The share of a grid's threads with an output: 56x56 in four 32x32 tiles;
+  // 7x7 in one; stride 2 counts the output plane; an empty plane none.
+  const auto fill = [&](int64_t hw, int64_t s) {
+    return tile::small_tile_fill(geom(Case{8, 32, hw, hw, 32, 3, 3, s, s, 1, 1, 1, 1, 32}));
+  };
+  EXPECT_DOUBLE_EQ(fill(56, 1), 56.0 * 56 / (64 * 64));
+  EXPECT_DOUBLE_EQ(fill(7, 1), 49.0 / 1024);
+  EXPECT_DOUBLE_EQ(fill(112, 2), 56.0 * 56 / (64 * 64));
+  EXPECT_DOUBLE_EQ(fill(64, 1), 1.0);
+  EXPECT_EQ(tile::small_tile_fill(geom(Case{1, 1, 2, 2, 1, 3, 3, 1, 1, 0, 0, 1, 1, 1})), 0.0);
   // The seed's weight gradient on the forward's blocks: one partial per 32x32 tile.
   EXPECT_EQ(
       tile::small_grad_weight_splits(geom(Case{1, 1, 2048, 2048, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1})),

@@ -290,10 +290,12 @@ RULE = [  # (N, Cin, H=W, Cout, k, groups, stride, channels_last) -> forward/bac
     ((1, 1, 64, 2, 7, 1, 1, False), "tiled"),
     ((2, 1, 28, 6, 5, 1, 1, False), "tiled/aten"),
     ((2, 32, 20, 32, 3, 32, 1, False), "aten"),
-    ((2, 32, 20, 32, 3, 32, 2, False), "tiled"),
+    ((2, 32, 50, 32, 3, 32, 2, False), "tiled"),
+    ((2, 32, 20, 32, 3, 32, 2, False), "aten"),  # (NCHW, 10x10 outputs: under half a tile)
     ((2, 32, 20, 32, 3, 32, 2, True), "aten"),
     ((2, 24, 21, 24, 5, 24, 2, True), "tiled"),
-    ((2, 16, 19, 16, 7, 16, 1, False), "tiled"),
+    ((2, 16, 27, 16, 7, 16, 1, False), "tiled"),
+    ((2, 16, 19, 16, 7, 16, 1, False), "aten"),
     ((2, 16, 19, 16, 7, 16, 1, True), "tiled"),
     ((2, 16, 14, 16, 3, 1, 1, False), "aten"),
 ]
@@ -358,14 +360,15 @@ def test_cuda_benchmark_mode(shape, path, how, request, monkeypatch):
         request.getfixturevalue("cudnn_benchmark")
     else:
         monkeypatch.setenv("DDPX_CONV_PATH", "benchmark")
-    n, c, hw, oc, k, g = shape
+    n, c, hw, oc, k, g, s, cl = shape
+    fmt = torch.channels_last if cl else torch.contiguous_format
     wide = hw + (3 if how == "env" else 1)  # problems of their own: choices live for the process
-    x = torch.randn(n, c, hw, wide, device="cuda", requires_grad=True)
-    w = torch.randn(oc, c // g, k, k, device="cuda", requires_grad=True)
+    x = torch.randn(n, c, hw, wide, device="cuda").to(memory_format=fmt).requires_grad_()
+    w = torch.randn(oc, c // g, k, k, device="cuda").to(memory_format=fmt).requires_grad_()
     b = torch.randn(oc, device="cuda", requires_grad=True)
-    args = ([1, 1], [k // 2, k // 2], [1, 1], g)
+    args = ([s, s], [k // 2, k // 2], [1, 1], g)
     assert torch.ops.ddpx.tiled_conv2d_path(x, w, *args) == "measure"
-    r = F.conv2d(x, w, b, 1, k // 2, 1, g)
+    r = F.conv2d(x, w, b, s, k // 2, 1, g)
     go = torch.randn_like(r)
     refs = torch.autograd.grad(r, (x, w, b), go)
     for attempt in ("measuring", "measured"):
