@@ -27,10 +27,11 @@
 //
 // Weight gradient: each block of the forward's grid adds, for every tap, the
 // products of its outputs' grad_output with the input patch it already holds
-// (strip_grad_weight: one read of input and grad_output in all), reduces them
-// over its threads and writes one partial sum per tap; a second pass adds each
-// tap's partial sums in a fixed order (deterministic, no atomics). Other
-// geometries: per tap in row runs (grad_weight_rows).
+// (strip_grad_weight: one read of input and grad_output in all), over a few
+// images (small_grad_weight_images), reduces them over its threads and
+// writes one partial sum per tap; a second pass adds each tap's partial sums
+// in a fixed order (deterministic, no atomics). Other geometries: per tap in
+// row runs (grad_weight_rows).
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -355,14 +356,44 @@ DDPX_HD bool transposed_input(const ConvGeom& g, int64_t by, int64_t bx, int tx,
 
 // ---- weight gradient on the forward's blocks -------------------------------------------------
 
-// Partial sums per tap: one per forward block of each image, at
-// partial[tap * splits + slot] with tap = (oc*cig + icg)*K*K + i*K + j (the
-// weight's own layout).
-DDPX_HD int64_t small_grad_weight_splits(const ConvGeom& g) {
-  return g.n * ceil_div(g.oh, SmallTile::kTileH) * ceil_div(g.ow, SmallTile::kTileW);
+// Whether the weight-gradient kernel sums several images a block: where that
+// costs no registers. ptxas for sm_90 (CUDA 13): 3x3 at stride 1 uses 64
+// registers either way; 5x5 and 7x7 went from 64-80 to 100-153 (the K*K sums
+// live across the images' loads), 2 blocks of 256 threads an SM instead of
+// 3-4. (Those run at 0.50x ATen's kernel, 7x7, and near it, 5x5; the 3x3 at
+// stride 1 is the one that lost, 1.25-1.43x.)
+DDPX_HD constexpr bool small_grad_weight_batches(int k, int s) { return k == 3 && s == 1; }
+
+// A block sums `images` consecutive images' products in registers before its
+// one block-wide reduction: that reduction is a shuffle tree per tap (K*K of
+// them, 5 shuffles and adds each), more operations than a thread's 4 * K*K
+// multiply-adds of one image (by our count of the source; not profiled); on
+// the H200 (2026-11-30, CUDA graphs) the NCHW depthwise 3x3 c64 backward took
+// 63 us against its forward's 15, the input gradient being that same forward
+// kernel: about 48 us for the weight gradient, three forwards.
+// About `target_blocks` blocks in all (the NHWC kernel's rule,
+// nhwc_grad_weight_grid_z), never more images than the batch; one image
+// where the kernel does not sum several (small_grad_weight_batches).
+DDPX_HD int64_t small_grad_weight_images(const ConvGeom& g, int64_t target_blocks) {
+  if (!small_grad_weight_batches(static_cast<int>(g.kh), static_cast<int>(g.sh))) return 1;
+  const int64_t per_image =
+      g.cout * ceil_div(g.oh, SmallTile::kTileH) * ceil_div(g.ow, SmallTile::kTileW);
+  if (target_blocks < 1) target_blocks = 1;
+  const int64_t images = (g.n * per_image + target_blocks / 2) / target_blocks;  // (nearest)
+  if (images > g.n) return g.n < 1 ? 1 : g.n;
+  return images < 1 ? 1 : images;
 }
-DDPX_HD int64_t small_grad_weight_slot(const ConvGeom& g, int64_t nn, int64_t by, int64_t bx) {
-  return (nn * ceil_div(g.oh, SmallTile::kTileH) + by) * ceil_div(g.ow, SmallTile::kTileW) + bx;
+
+// Partial sums per tap: one per forward block of each group of `images`
+// images, at partial[tap * splits + slot] with tap = (oc*cig + icg)*K*K +
+// i*K + j (the weight's own layout).
+DDPX_HD int64_t small_grad_weight_splits(const ConvGeom& g, int64_t images) {
+  return ceil_div(g.n, images) * ceil_div(g.oh, SmallTile::kTileH) *
+         ceil_div(g.ow, SmallTile::kTileW);
+}
+// Slot of block (by, bx) of image group `ng` (images ng*images ..).
+DDPX_HD int64_t small_grad_weight_slot(const ConvGeom& g, int64_t ng, int64_t by, int64_t bx) {
+  return (ng * ceil_div(g.oh, SmallTile::kTileH) + by) * ceil_div(g.ow, SmallTile::kTileW) + bx;
 }
 
 // Thread (tx, ty)'s grad_output over its kRows outputs of plane `go_plane`

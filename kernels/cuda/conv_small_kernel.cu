@@ -111,28 +111,38 @@ __device__ Acc block_sum_taps(const Acc (&gw)[K][K], Acc (*red)[K * K]) {
   return s;
 }
 
+// Block (bx, by) of item z = (image group ng, filter oc): the weight
+// gradient's partial sums over images ng*images .. of its tile.
 template <typename T, typename Acc, int K, int S>
 __global__ void __launch_bounds__(SmallTile::kThreads)
-    small_grad_weight_kernel(const T* go, const T* x, const ConvGeom g, int64_t splits,
-                             Acc* partial) {
+    small_grad_weight_kernel(const T* go, const T* x, const ConvGeom g, int64_t images,
+                             int64_t splits, Acc* partial) {
   __shared__ Acc patch[tile::SmallPatch<K, S>::kH][tile::SmallPatch<K, S>::kW];
   __shared__ Acc red[SmallTile::kThreads / 32][K * K];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t iy0 = tile::small_origin_y(g, blockIdx.y);
   const int64_t ix0 = tile::small_origin_x(g, blockIdx.x);
-  for (int64_t plane = blockIdx.z; plane < g.n * g.cout; plane += gridDim.z) {
-    const int64_t nn = plane / g.cout, oc = plane % g.cout, grp = oc / g.cog;
-    const int64_t slot = tile::small_grad_weight_slot(g, nn, blockIdx.y, blockIdx.x);
-    Acc gv[SmallTile::kRows];
-    tile::small_load_grad_out(g, go + plane * g.oh * g.ow, blockIdx.y, blockIdx.x, tx, ty, gv);
+  // (Elsewhere images is 1, and the loop over them one pass the compiler sees.)
+  constexpr bool kBatches = tile::small_grad_weight_batches(K, S);
+  const int64_t items = tile::ceil_div(g.n, images) * g.cout;
+  for (int64_t item = blockIdx.z; item < items; item += gridDim.z) {
+    const int64_t ng = item / g.cout, oc = item % g.cout, grp = oc / g.cog;
+    const int64_t n0 = ng * images;
+    const int64_t n1 = !kBatches ? n0 + 1 : n0 + images < g.n ? n0 + images : g.n;
+    const int64_t slot = tile::small_grad_weight_slot(g, ng, blockIdx.y, blockIdx.x);
     for (int64_t icg = 0; icg < g.cig; ++icg) {
-      __syncthreads();  // everyone is done reading the previous patch
-      tile::small_load_patch<K, S>(x + (nn * g.c + grp * g.cig + icg) * g.h * g.w, g.h, g.w, iy0,
-                                   ix0, patch, tx, ty);
-      __syncthreads();
       Acc gw[K][K] = {};
-      tile::strip_grad_weight<K, S, SmallTile::kRows>(tile::PatchRows<K, S, Acc>(patch, tx, ty), gv,
-                                                      gw);
+      for (int64_t nn = n0; nn < n1; ++nn) {
+        Acc gv[SmallTile::kRows];
+        tile::small_load_grad_out(g, go + (nn * g.cout + oc) * g.oh * g.ow, blockIdx.y, blockIdx.x,
+                                  tx, ty, gv);
+        __syncthreads();  // everyone is done reading the previous patch
+        tile::small_load_patch<K, S>(x + (nn * g.c + grp * g.cig + icg) * g.h * g.w, g.h, g.w,
+                                     iy0, ix0, patch, tx, ty);
+        __syncthreads();
+        tile::strip_grad_weight<K, S, SmallTile::kRows>(tile::PatchRows<K, S, Acc>(patch, tx, ty),
+                                                        gv, gw);
+      }
       const Acc s = block_sum_taps<K>(gw, red);
       const int tid = ty * SmallTile::kThreadsX + tx;
       if (tid < K * K) partial[((oc * g.cig + icg) * K * K + tid) * splits + slot] = s;
@@ -202,15 +212,19 @@ bool small_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor
                        cudaStream_t stream) {
   const tile::SmallFilter f = tile::small_direct(g);
   if (!f) return false;
-  const int64_t splits = tile::small_grad_weight_splits(g), taps = gw.numel();
+  // About 8 blocks per SM in all, as the NHWC kernel's weight gradient.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t images = tile::small_grad_weight_images(g, 8 * sms);
+  const int64_t splits = tile::small_grad_weight_splits(g, images), taps = gw.numel();
   const at::Tensor partial =
       at::empty({taps * splits}, x.options().dtype(c10::CppTypeToScalarType<Acc>::value));
   const dim3 blocks(tile::ceil_div(g.ow, SmallTile::kTileW),
-                    tile::ceil_div(g.oh, SmallTile::kTileH), std::min(g.n * g.cout, kMaxGridZ));
+                    tile::ceil_div(g.oh, SmallTile::kTileH),
+                    std::min(tile::ceil_div(g.n, images) * g.cout, kMaxGridZ));
   const dim3 threads(SmallTile::kThreadsX, SmallTile::kThreadsY);
   tile::with_small(f, [&](auto k, auto s) {
     small_grad_weight_kernel<T, Acc, decltype(k)::value, decltype(s)::value>
-        <<<blocks, threads, 0, stream>>>(go.data_ptr<T>(), x.data_ptr<T>(), g, splits,
+        <<<blocks, threads, 0, stream>>>(go.data_ptr<T>(), x.data_ptr<T>(), g, images, splits,
                                          partial.data_ptr<Acc>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

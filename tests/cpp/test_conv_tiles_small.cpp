@@ -150,36 +150,47 @@ void sum_partials(const std::vector<double>& partial, int64_t splits, at::Tensor
   }
 }
 
-// small_grad_weight_kernel, then the sum pass.
+// small_grad_weight_kernel with `images` images a block, then the sum pass.
 template <int K, int S>
 void small_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor& x,
-                       const at::Tensor& ref) {
+                       int64_t images, const at::Tensor& ref) {
   using Patch = tile::SmallPatch<K, S>;
-  const int64_t splits = tile::small_grad_weight_splits(g);
+  const int64_t splits = tile::small_grad_weight_splits(g, images);
   std::vector<double> partial(ref.numel() * splits, kNan);
   std::vector<int> writes(partial.size(), 0);
   std::vector<double> store(Patch::kH * Patch::kW);
   auto* patch = reinterpret_cast<double(*)[Patch::kW]>(store.data());
-  each_small_block(g.n * g.cout, g.oh, g.ow, [&](int64_t plane, int64_t by, int64_t bx) {
-    const int64_t nn = plane / g.cout, oc = plane % g.cout, grp = oc / g.cog;
-    const int64_t slot = tile::small_grad_weight_slot(g, nn, by, bx);
+  const int64_t items = tile::ceil_div(g.n, images) * g.cout;
+  each_small_block(items, g.oh, g.ow, [&](int64_t item, int64_t by, int64_t bx) {
+    const int64_t ng = item / g.cout, oc = item % g.cout, grp = oc / g.cog;
+    const int64_t n1 = std::min((ng + 1) * images, g.n);
+    const int64_t slot = tile::small_grad_weight_slot(g, ng, by, bx);
     const int64_t iy0 = tile::small_origin_y(g, by), ix0 = tile::small_origin_x(g, bx);
     for (int64_t icg = 0; icg < g.cig; ++icg) {
-      std::fill(store.begin(), store.end(), kNan);
-      each_small_thread([&](int tx, int ty) {
-        tile::small_load_patch<K, S>(
-            x.data_ptr<double>() + (nn * g.c + grp * g.cig + icg) * g.h * g.w, g.h, g.w, iy0, ix0,
-            patch, tx, ty);
-      });
+      // Each thread's sums over the block's images, in registers.
+      std::vector<std::array<double, K * K>> mine(SmallTile::kThreads, std::array<double, K * K>{});
+      for (int64_t nn = ng * images; nn < n1; ++nn) {
+        std::fill(store.begin(), store.end(), kNan);
+        each_small_thread([&](int tx, int ty) {
+          tile::small_load_patch<K, S>(
+              x.data_ptr<double>() + (nn * g.c + grp * g.cig + icg) * g.h * g.w, g.h, g.w, iy0,
+              ix0, patch, tx, ty);
+        });
+        each_small_thread([&](int tx, int ty) {
+          double gv[R];
+          tile::small_load_grad_out(g, go.data_ptr<double>() + (nn * g.cout + oc) * g.oh * g.ow,
+                                    by, bx, tx, ty, gv);
+          double gw[K][K];
+          auto& acc = mine[ty * SmallTile::kThreadsX + tx];
+          for (int t = 0; t < K * K; ++t) gw[t / K][t % K] = acc[t];
+          tile::strip_grad_weight<K, S, R>(tile::PatchRows<K, S, double>(patch, tx, ty), gv, gw);
+          for (int t = 0; t < K * K; ++t) acc[t] = gw[t / K][t % K];
+        });
+      }
       double block[K][K] = {};
-      each_small_thread([&](int tx, int ty) {
-        double gv[R];
-        tile::small_load_grad_out(g, go.data_ptr<double>() + plane * g.oh * g.ow, by, bx, tx, ty,
-                                  gv);
-        double gw[K][K] = {};
-        tile::strip_grad_weight<K, S, R>(tile::PatchRows<K, S, double>(patch, tx, ty), gv, gw);
-        for (int t = 0; t < K * K; ++t) block[t / K][t % K] += gw[t / K][t % K];
-      });
+      for (const auto& acc : mine) {
+        for (int t = 0; t < K * K; ++t) block[t / K][t % K] += acc[t];
+      }
       for (int t = 0; t < K * K; ++t) {
         const int64_t at = ((oc * g.cig + icg) * K * K + t) * splits + slot;
         partial[at] = block[t / K][t % K];
@@ -228,9 +239,18 @@ TEST_P(ConvTilesSmall, GradWeight) {
   const tile::SmallFilter f = tile::small_direct(g);
   ASSERT_TRUE(f);
   const at::Tensor gw_ref = grad_ref(GetParam(), go, x, wt, 1);
-  tile::with_small(f, [&](auto k, auto s) {
-    small_grad_weight<decltype(k)::value, decltype(s)::value>(g, go, x, gw_ref);
-  });
+  // As the launch picks them (few blocks: several images a block, 3x3 at
+  // stride 1), and one, two, the whole batch where the kernel sums several.
+  std::vector<int64_t> each{tile::small_grad_weight_images(g, 8)};
+  if (tile::small_grad_weight_batches(static_cast<int>(g.kh), static_cast<int>(g.sh))) {
+    each.insert(each.end(), {1, 2, g.n});
+  }
+  for (const int64_t images : each) {
+    SCOPED_TRACE(images);
+    tile::with_small(f, [&](auto k, auto s) {
+      small_grad_weight<decltype(k)::value, decltype(s)::value>(g, go, x, images, gw_ref);
+    });
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -467,9 +487,22 @@ TEST(ConvTilesDecisions, SmallFilterPath) {
   EXPECT_DOUBLE_EQ(fill(64, 1), 1.0);
   EXPECT_EQ(tile::small_tile_fill(geom(Case{1, 1, 2, 2, 1, 3, 3, 1, 1, 0, 0, 1, 1, 1})), 0.0);
   // The seed's weight gradient on the forward's blocks: one partial per 32x32 tile.
-  EXPECT_EQ(
-      tile::small_grad_weight_splits(geom(Case{1, 1, 2048, 2048, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1})),
-      4096);
+  const ConvGeom seed3 = geom(Case{1, 1, 2048, 2048, 1, 3, 3, 1, 1, 1, 1, 1, 1, 1});
+  EXPECT_EQ(tile::small_grad_weight_images(seed3, 8 * 132), 1);
+  EXPECT_EQ(tile::small_grad_weight_splits(seed3, 1), 4096);
+  // Depthwise 3x3 c64 at 56x56, batch 8: 2048 blocks at an image each; two
+  // images a block (1024 blocks) come nearest 8 per SM of an H200.
+  const ConvGeom dw3 = geom(Case{8, 64, 56, 56, 64, 3, 3, 1, 1, 1, 1, 1, 1, 64});
+  EXPECT_EQ(tile::small_grad_weight_images(dw3, 8 * 132), 2);
+  EXPECT_EQ(tile::small_grad_weight_splits(dw3, 2), 4 * 4);
+  EXPECT_EQ(tile::small_grad_weight_images(dw3, 1), 8);  // (never more than the batch)
+  EXPECT_EQ(tile::small_grad_weight_images(dw3, 0), 8);
+  EXPECT_EQ(tile::small_grad_weight_images(dw3, 1 << 20), 1);
+  // Not 3x3 at stride 1: an image a block (small_grad_weight_batches).
+  EXPECT_EQ(tile::small_grad_weight_images(
+                geom(Case{8, 96, 56, 56, 96, 7, 7, 1, 1, 3, 3, 1, 1, 96}), 8 * 132), 1);
+  EXPECT_EQ(tile::small_grad_weight_images(
+                geom(Case{8, 96, 112, 112, 96, 3, 3, 2, 2, 1, 1, 1, 1, 96}), 8), 1);
   // Row runs (other geometries): never more runs than rows, never fewer than one.
   const ConvGeom seed = geom(Case{1, 1, 2048, 2048, 1, 5, 5, 1, 1, 2, 2, 1, 1, 1});
   EXPECT_EQ(tile::grad_weight_splits(seed, 1056), 43);
