@@ -51,6 +51,15 @@ namespace ddpx::detail::tile {
 struct SmallTile {
   static constexpr int kThreadsX = 32, kThreadsY = 8, kRows = 4;
   static constexpr int kThreads = kThreadsX * kThreadsY;
+  // Blocks per SM the forward-shaped kernels (forward, input gradient) of
+  // filter size K are compiled to fit (0: left to ptxas). With 7x7 taps
+  // ptxas gave them 135-182 registers (sm_90, CUDA 13): one block of 256
+  // threads an SM, whose loads then stall the SM between __syncthreads;
+  // capped at 128 registers for two (24-60 bytes spilled). Any bound on the
+  // smaller filters made ptxas take more registers than without (3x3
+  // forward: 63 -> 95), and the weight-gradient kernels keep theirs (80 for
+  // NCHW; NHWC would spill 208 bytes). Not measured on a GPU yet.
+  static constexpr int fwd_min_blocks(int k) { return k == 7 ? 2 : 0; }
   static constexpr int kTileW = kThreadsX, kTileH = kThreadsY * kRows;
   static constexpr int64_t kMaxGridY = 65535;
 };

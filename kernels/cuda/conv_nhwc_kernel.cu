@@ -36,7 +36,7 @@ __device__ bool nhwc_thread_taps(const T* wt, int64_t channels, int64_t cols, bo
 }
 
 template <typename T, typename Acc, int K, int S>
-__global__ void __launch_bounds__(NhwcTile::kThreads)
+__global__ void __launch_bounds__(NhwcTile::kThreads, tile::SmallTile::fwd_min_blocks(K))
     nhwc_fwd_kernel(const T* x, const T* wt, const T* bias, T* out, const ConvGeom g, bool flip) {
   __shared__ Acc staged[NhwcTile::kThreadsC * K * K];
   int64_t ch, col;

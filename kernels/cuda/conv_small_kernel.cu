@@ -33,7 +33,8 @@ struct SmallFwd {
 };
 
 template <typename T, typename Acc, int K, int S>
-__global__ void __launch_bounds__(SmallTile::kThreads) small_fwd_kernel(const SmallFwd<T> p) {
+__global__ void __launch_bounds__(SmallTile::kThreads, SmallTile::fwd_min_blocks(K))
+    small_fwd_kernel(const SmallFwd<T> p) {
   __shared__ Acc patch[tile::SmallPatch<K, S>::kH][tile::SmallPatch<K, S>::kW];
   const ConvGeom& g = p.g;
   const int tx = threadIdx.x, ty = threadIdx.y;
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(SmallTile::kThreads) small_fwd_kernel(const Sm
 }
 
 template <typename T, typename Acc, int K, int S>
-__global__ void __launch_bounds__(SmallTile::kThreads)
+__global__ void __launch_bounds__(SmallTile::kThreads, SmallTile::fwd_min_blocks(K))
     small_transposed_kernel(const T* go, const T* wt, T* gx, const ConvGeom g) {
   int64_t iy0, ix;
   if (!tile::transposed_input(g, blockIdx.y, blockIdx.x, threadIdx.x, threadIdx.y, &iy0, &ix)) {
