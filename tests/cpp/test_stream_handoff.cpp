@@ -11,17 +11,24 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <deque>
 #include <functional>
+#include <future>
 #include <map>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "hooks/channel.h"
 #include "plugin/comm/host_stage.h"
+#include "plugin/comm/issue_notice.h"
 #include "hooks/param_gate.h"
 #include "hooks/stream_handoff.h"
 
@@ -103,6 +110,14 @@ Sim& sim() {
   return s;
 }
 
+// Held by every call into the simulator: a channel's threads queue work and
+// wait for events at once (recursive: a host wait runs ops under it).
+std::recursive_mutex& sim_mu() {
+  static std::recursive_mutex m;
+  return m;
+}
+using SimLock = std::lock_guard<std::recursive_mutex>;
+
 thread_local c10::StreamId current_id = 0;
 
 struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
@@ -115,6 +130,7 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
     return c10::Stream(c10::Stream::UNSAFE, d, current_id);
   }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override {
+    SimLock lock(sim_mu());
     return c10::Stream(c10::Stream::UNSAFE, d, sim().next_pool++);
   }
   c10::Stream exchangeStream(c10::Stream s) const override {
@@ -125,6 +141,7 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceIndex deviceCount() const noexcept override { return 2; }
   void record(void** event, const c10::Stream& s, const c10::DeviceIndex,
               const c10::EventFlag) const override {
+    SimLock lock(sim_mu());
     if (!*event) *event = new SimEvent();
     auto* e = static_cast<SimEvent*>(*event);
     e->stream = s.id();
@@ -133,20 +150,24 @@ struct SimGuardImpl final : c10::impl::DeviceGuardImplInterface {
   void block(void* event, const c10::Stream& s) const override {
     if (!event) return;  // never recorded: nothing to wait for
     const auto* e = static_cast<const SimEvent*>(event);
+    SimLock lock(sim_mu());
     sim().push(s.id(), {{}, e->stream, e->position});
   }
   void synchronizeEvent(void* event) const override {
+    SimLock lock(sim_mu());
     if (const auto* e = static_cast<const SimEvent*>(event))
       sim().drain_until(e->stream, e->position);
   }
   bool queryEvent(void* event) const override {
     const auto* e = static_cast<const SimEvent*>(event);
+    SimLock lock(sim_mu());
     return !e || sim().ran[e->stream] >= e->position;
   }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
     delete static_cast<SimEvent*>(event);
   }
   void recordDataPtrOnStream(const c10::DataPtr& p, const c10::Stream& s) const override {
+    SimLock lock(sim_mu());
     sim().recorded_ptrs.emplace_back(p.get(), s.id());
   }
 };
@@ -155,7 +176,10 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, SimGuardImpl);
 const c10::Device kDev(kSim, 0);
 
 // Queues `fn` on the calling thread's current stream of the simulated device.
-void enqueue(std::function<void()> fn) { sim().push(current_id, {std::move(fn)}); }
+void enqueue(std::function<void()> fn) {
+  SimLock lock(sim_mu());
+  sim().push(current_id, {std::move(fn)});
+}
 
 class StreamHandoff : public ::testing::Test {
  protected:
@@ -513,6 +537,99 @@ TEST_F(StreamHandoff, AHostBufferUsedOnAnotherStreamWaitsForItsLastUse) {
     EXPECT_TRUE(torch::equal(dev_b, want_b)) << dev_b;
   });
   fresh.join();
+}
+
+// GradSync's two buckets in flight on one channel (hooks/channel.h,
+// calls_in_flight 2), as on a GPU: each a staged reduction on the channel's
+// one stream of the device, from its own channel thread and host buffer;
+// the second starts once the first has started its last chunk (the notice
+// allreduce_sum gives), and here starts all of its own while that chunk is
+// still on the wire (a host buffer shared by the two would have been
+// overwritten under it). Their copies interleave on the stream, host waits
+// drain it adversarially, and each bucket the consumer reads is its own,
+// reduced. Two rounds: the
+// threads' host buffers are reused, by whichever thread takes a bucket.
+TEST_F(StreamHandoff, TwoStagedBucketsInFlightShareTheChannelStream) {
+  namespace detail = ddpx::comm::detail;
+  ddpx::hooks::Channel ch(c10::make_intrusive<c10d::ProcessGroup>(0, 1), /*in_flight=*/2);
+  const c10::Stream comm = ch.stream(kDev);
+  const c10::Stream writer = ddpx::hooks::pool_stream(kDev);
+  const c10::Stream consumer = ddpx::hooks::current_stream(kDev);
+  {
+    SimLock lock(sim_mu());
+    sim().host_wait_priority = {consumer.id(), writer.id()};
+  }
+  const detail::CopyFn copy = [](const at::Tensor& dst, const at::Tensor& src) {
+    enqueue([dst, src]() mutable { dst.copy_(src); });
+  };
+  for (int round = 1; round <= 2; ++round) {
+    std::vector<at::Tensor> dev{torch::zeros({10}), torch::zeros({13})}, want;
+    ddpx::hooks::StreamFence before;
+    {
+      c10::StreamGuard g(writer);  // backward fills both buckets
+      for (size_t b = 0; b < dev.size(); ++b) {
+        want.push_back(torch::arange(static_cast<double>(dev[b].numel())) + 100 * round +
+                       1000 * static_cast<double>(b));
+        enqueue([d = dev[b], w = want[b]]() mutable { d.copy_(w); });
+      }
+      before.add(writer);
+    }
+    std::mutex log_mu;
+    std::vector<int> starts;  // the bucket of each chunk started, in order
+    std::atomic<bool> second_all_started{false};
+    bool first_saw_second = false;
+    std::vector<ddpx::hooks::StreamFence> done(2);
+    std::vector<std::future<void>> jobs;
+    for (int b = 0; b < 2; ++b) {
+      jobs.push_back(ch.submit(
+          [&, b](c10d::ProcessGroup&) {
+            const int64_t chunk = 3, chunks = detail::stage_chunk_count(dev[b].numel(), chunk);
+            int64_t started = 0;
+            const detail::StartReduceFn start = [&](at::Tensor& h) -> std::function<void()> {
+              {
+                std::lock_guard<std::mutex> lock(log_mu);
+                starts.push_back(b);
+              }
+              const bool last = ++started == chunks;
+              if (last) detail::notify_last_issue();
+              if (b == 1 && last) second_all_started = true;
+              return [&, h, last]() mutable {
+                if (b == 0 && last) {  // on the wire until the next bucket's are
+                  for (int i = 0; i < 5000 && !second_all_started; ++i) {
+                    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                  }
+                  first_saw_second = second_all_started;
+                }
+                h.mul_(2);
+              };
+            };
+            ddpx::hooks::run_on_stream(
+                comm, before, {},
+                [&] {
+                  detail::staged_reduce(comm, dev[b], detail::thread_host_buffer(dev[b], comm),
+                                        chunk, copy, start);
+                },
+                &done[b]);
+          },
+          ddpx::hooks::Channel::Tail::kOverlaps));
+    }
+    for (auto& j : jobs) j.get();
+    std::vector<at::Tensor> read(2);
+    for (int b = 0; b < 2; ++b) {
+      done[b].block(consumer);
+      enqueue([&read, &dev, b] { read[b] = dev[b].clone(); });
+    }
+    {
+      SimLock lock(sim_mu());
+      sim().drain({consumer.id(), comm.id(), writer.id()});
+    }
+    EXPECT_TRUE(first_saw_second) << "round " << round << ": the buckets were not both in flight";
+    EXPECT_EQ(starts, (std::vector<int>{0, 0, 0, 0, 1, 1, 1, 1, 1})) << "round " << round;
+    for (int b = 0; b < 2; ++b) {
+      EXPECT_TRUE(torch::equal(read[b], want[b] * 2)) << "round " << round << ", bucket " << b
+                                                      << ": " << read[b];
+    }
+  }
 }
 
 }  // namespace
