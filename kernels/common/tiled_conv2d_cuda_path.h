@@ -55,9 +55,9 @@
 // filled 77% (56x56 outputs); at 14x14 (ConvNeXt's third stage) a block
 // would idle 81% of its threads and at 7x7 95%, while ATen's kernel gives
 // each output a thread. Not measured yet: the bench's "depthwise 7x7 c384
-// 14" and "c768 7" cases time ours there (own_ratio). Other dtypes follow the float32 rule for single-channel
-// images and take cuDNN for depthwise (unmeasured: cuDNN serves half
-// precision depthwise itself).
+// 14" and "c768 7" cases time ours there (own_ratio). Other dtypes follow
+// the float32 rule for single-channel images and take cuDNN for depthwise
+// (unmeasured: cuDNN serves half precision depthwise itself).
 // DDPX_CONV_PATH (read on every call): `aten` forces cuDNN, `tiled` (or the
 // CPU's direct/gemm) forces ours, `auto` or unset is the rule, and
 // `benchmark` (or `auto` with torch.backends.cudnn.benchmark set) measures
