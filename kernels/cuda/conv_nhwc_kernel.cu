@@ -183,9 +183,7 @@ bool nhwc_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor&
                       cudaStream_t stream) {
   const tile::SmallFilter f = tile::nhwc_depthwise(g);
   if (!f) return false;
-  // About 8 blocks per SM in all, each summing its strips in registers first.
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t grid_z = tile::nhwc_grad_weight_grid_z(g, 8 * sms);
+  const int64_t grid_z = tile::nhwc_grad_weight_grid_z(g, grad_weight_target_blocks());
   const int64_t splits = tile::nhwc_grad_weight_splits(g, grid_z), taps = gw.numel();
   const at::Tensor partial =
       at::empty({taps * splits}, x.options().dtype(c10::CppTypeToScalarType<Acc>::value));

@@ -213,9 +213,7 @@ bool small_grad_weight(const ConvGeom& g, const at::Tensor& go, const at::Tensor
                        cudaStream_t stream) {
   const tile::SmallFilter f = tile::small_direct(g);
   if (!f) return false;
-  // About 8 blocks per SM in all, as the NHWC kernel's weight gradient.
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t images = tile::small_grad_weight_images(g, 8 * sms);
+  const int64_t images = tile::small_grad_weight_images(g, grad_weight_target_blocks());
   const int64_t splits = tile::small_grad_weight_splits(g, images), taps = gw.numel();
   const at::Tensor partial =
       at::empty({taps * splits}, x.options().dtype(c10::CppTypeToScalarType<Acc>::value));

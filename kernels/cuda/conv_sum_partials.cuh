@@ -4,6 +4,7 @@
 // tiled_conv2d_kernel.cu): each tap's partial sums (one per block of the
 // first pass, at partial[tap * splits + slot]) added in a fixed order.
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
@@ -13,6 +14,13 @@
 namespace ddpx::detail::cuda {
 
 constexpr int kSumThreads = 256;
+
+// Blocks the weight gradients' first passes aim at in all: about 8 per SM of
+// the current device (each block then sums in registers what is left over,
+// and writes fewer partial sums).
+inline int64_t grad_weight_target_blocks() {
+  return 8 * int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount};
+}
 
 // gw[tap] = the sum of tap's `splits` partial sums: one block per tap,
 // strided shares, then a tree (the same order every call).

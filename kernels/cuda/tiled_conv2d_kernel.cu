@@ -345,9 +345,8 @@ Grads ours_backward(const Conv2dShape& s, const at::Tensor& grad_output, const a
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }
           if (want_gw && !small_grad_weight<scalar_t, acc_t>(g, go, x, gw, stream)) {
-            // About 8 blocks per SM in all: 25 taps get ~40 runs each.
-            const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-            const int64_t splits = tile::grad_weight_splits(g, 8 * sms);
+            // (25 taps get ~40 runs each on an H200.)
+            const int64_t splits = tile::grad_weight_splits(g, grad_weight_target_blocks());
             const int64_t taps = gw.numel();
             at::Tensor partial = at::empty({taps * splits}, x.options().dtype(
                                                                  c10::CppTypeToScalarType<acc_t>::value));

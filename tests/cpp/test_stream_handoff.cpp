@@ -181,6 +181,12 @@ void enqueue(std::function<void()> fn) {
   sim().push(current_id, {std::move(fn)});
 }
 
+// staged_reduce's copy on the simulated device: queued on the calling
+// thread's current stream, run when the simulator drains it.
+void queued_copy(const at::Tensor& dst, const at::Tensor& src) {
+  enqueue([dst, src]() mutable { dst.copy_(src); });
+}
+
 class StreamHandoff : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -427,7 +433,7 @@ TEST_F(StreamHandoff, StagedChunksArePipelinedAndOrderedByTheirEvents) {
                          dst.data_ptr() < static_cast<char*>(host.data_ptr()) + host.nbytes();
         log.push_back(std::string(out ? "queue out " : "queue back ") +
                       std::to_string(src.numel()));
-        enqueue([dst, src]() mutable { dst.copy_(src); });
+        queued_copy(dst, src);
       };
       auto len = [&](int64_t k) { return std::to_string(k + 1 < chunks ? chunk : n - k * chunk); };
       for (int round = 1; round <= 2; ++round) {
@@ -492,9 +498,7 @@ TEST_F(StreamHandoff, StagedChunkErrorWaitsForTheStartedOnes) {
   c10::StreamGuard g(comm);
   at::Tensor dev = torch::arange(8.0), host = torch::zeros({8});
   std::vector<std::string> log;
-  const ddpx::comm::detail::CopyFn copy = [](const at::Tensor& dst, const at::Tensor& src) {
-    enqueue([dst, src]() mutable { dst.copy_(src); });
-  };
+  const ddpx::comm::detail::CopyFn copy = queued_copy;
   EXPECT_THROW(ddpx::comm::detail::staged_reduce(
                    comm, dev, host, 2, copy,
                    [&](at::Tensor& h) -> std::function<void()> {
@@ -521,9 +525,7 @@ TEST_F(StreamHandoff, AHostBufferUsedOnAnotherStreamWaitsForItsLastUse) {
     const c10::Stream a = ddpx::hooks::pool_stream(kDev);
     const c10::Stream b = ddpx::hooks::pool_stream(kDev);
     sim().host_wait_priority = {b.id()};
-    const ddpx::comm::detail::CopyFn copy = [](const at::Tensor& dst, const at::Tensor& src) {
-      enqueue([dst, src]() mutable { dst.copy_(src); });
-    };
+    const ddpx::comm::detail::CopyFn copy = queued_copy;
     const at::Tensor want_a = torch::arange(6.0) * 2, want_b = (torch::arange(6.0) + 100) * 2;
     at::Tensor dev_a = torch::arange(6.0), dev_b = torch::arange(6.0) + 100;
     for (const auto& [stream, dev] : {std::pair{a, dev_a}, std::pair{b, dev_b}}) {
@@ -559,9 +561,7 @@ TEST_F(StreamHandoff, TwoStagedBucketsInFlightShareTheChannelStream) {
     SimLock lock(sim_mu());
     sim().host_wait_priority = {consumer.id(), writer.id()};
   }
-  const detail::CopyFn copy = [](const at::Tensor& dst, const at::Tensor& src) {
-    enqueue([dst, src]() mutable { dst.copy_(src); });
-  };
+  const detail::CopyFn copy = queued_copy;
   for (int round = 1; round <= 2; ++round) {
     std::vector<at::Tensor> dev{torch::zeros({10}), torch::zeros({13})}, want;
     ddpx::hooks::StreamFence before;
